@@ -1,0 +1,28 @@
+"""One hierarchy for every error tp_fusion raises on purpose.
+
+Messages say what failed, which tensor and axis, the sizes, and what to change.
+"""
+
+
+class TPFusionError(Exception):
+    """Base of every error the library raises on purpose."""
+
+
+class DefinitionError(TPFusionError, ValueError):
+    """An op recorded with operands whose shapes, dtypes or arguments do not fit."""
+
+
+class ShardingError(TPFusionError, ValueError):
+    """A bad mesh or sharding schedule (non-dividing split, axis out of range, ...)."""
+
+
+class InputError(TPFusionError, ValueError):
+    """Inputs handed to ``execute`` that do not match the fusion or their sharding."""
+
+
+class LoweringError(TPFusionError, NotImplementedError):
+    """An op or a resharding the library cannot lower."""
+
+
+class ExecutionError(TPFusionError, RuntimeError):
+    """A rank failed while running a plan; says which rank and in which segment."""

@@ -1,0 +1,174 @@
+"""The immutable IR under the FusionDefinition handles.
+
+A ``Fusion`` is a tuple of tensors (index = name: ``T3`` is ``tensors[3]``), a tuple of ops in
+topological order, the input and output names, and (after segmentation) its segments. Passes
+return new Fusions; nothing here is mutated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from sharding.sharding import Sharding
+from tp_fusion.types import DataType, ParallelType
+
+
+@dataclass(frozen=True, slots=True)
+class LoopAxis:
+    """One axis of a tensor's loop domain as the user scheduled it.
+
+    ``outermost`` is true when the axis is the outermost piece of logical dim ``dim`` (only such
+    an axis can be bound to a device dim). ``extent`` is -1 when it depends on a symbolic size.
+    """
+
+    dim: int
+    extent: int
+    ptype: ParallelType = ParallelType.serial
+    outermost: bool = True
+
+    def __str__(self) -> str:
+        if self.ptype.is_device:
+            return f"{self.ptype.value}{{{self.extent}}}"
+        return "?" if self.extent < 0 else str(self.extent)
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    name: int
+    shape: tuple[int, ...]  # global shape; -1 = symbolic extent
+    dtype: DataType
+    sharding: Sharding | None = None
+    annotated: bool = False  # the user scheduled it: propagation never changes it
+    loop: tuple[LoopAxis, ...] | None = None  # the user's loop domain, when scheduled
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def replace(self, **kw) -> Tensor:
+        return dataclasses.replace(self, **kw)
+
+    def type_str(self) -> str:
+        return f"{self.dtype.short}[{', '.join('?' if e < 0 else str(e) for e in self.shape)}]"
+
+    def sharding_str(self) -> str:
+        if self.sharding is None:
+            return ""
+        if self.loop is not None and not self.sharding.has_partial:
+            loop = "[" + ", ".join(map(str, self.loop)) + "]"
+        else:
+            loop = self.sharding.loop_axes_str(self.shape)
+        return f" @{self.sharding.mesh.short()}{loop}{self.sharding.partial_str()}"
+
+    def __str__(self) -> str:
+        return f"T{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class Const:
+    """A scalar operand (a Python number or a ``define_scalar``)."""
+
+    value: float | int | bool
+    dtype: DataType | None = None
+
+    def __str__(self) -> str:
+        return repr(self.value)
+
+
+Arg = int | Const  # an op input: a tensor name or a constant
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    kind: str
+    inputs: tuple[Arg, ...]
+    outputs: tuple[int, ...]
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, key: str, default=None):
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def tensor_inputs(self) -> tuple[int, ...]:
+        return tuple(a for a in self.inputs if isinstance(a, int))
+
+    def replace(self, **kw) -> Op:
+        return dataclasses.replace(self, **kw)
+
+    def __str__(self) -> str:
+        args = [f"T{a}" if isinstance(a, int) else str(a) for a in self.inputs]
+        args += [f"{k}={_fmt_attr(v)}" for k, v in self.attrs]
+        outs = ", ".join(f"T{o}" for o in self.outputs)
+        return f"{outs} = {self.kind}({', '.join(args)})"
+
+
+def _fmt_attr(v) -> str:
+    if isinstance(v, DataType):
+        return f"DataType.{v.name}"
+    if isinstance(v, tuple):
+        return "[" + ", ".join(_fmt_attr(x) for x in v) + "]"
+    return repr(v)
+
+
+def freeze(value):
+    """Lists become tuples, recursively, so attributes stay hashable and immutable."""
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A run of ops executed together. ``kind``: compute, communication or fused."""
+
+    kind: str
+    ops: tuple[int, ...]  # indices into Fusion.ops
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    tensors: tuple[Tensor, ...]
+    ops: tuple[Op, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    segments: tuple[Segment, ...] | None = None
+    _producers: dict = field(default=None, compare=False, repr=False)
+
+    def replace(self, **kw) -> Fusion:
+        kw.setdefault("_producers", None)
+        return dataclasses.replace(self, **kw)
+
+    def tensor(self, name: int) -> Tensor:
+        return self.tensors[name]
+
+    @property
+    def has_meshes(self) -> bool:
+        return any(t.sharding is not None for t in self.tensors)
+
+    def producer(self, name: int) -> Op | None:
+        if self._producers is None:
+            object.__setattr__(self, "_producers", {o: op for op in self.ops for o in op.outputs})
+        return self._producers.get(name)
+
+    def consumers(self, name: int) -> list[Op]:
+        return [op for op in self.ops if name in op.tensor_inputs]
+
+    def with_tensors(self, updates: dict[int, Tensor]) -> Fusion:
+        return self.replace(tensors=tuple(updates.get(t.name, t) for t in self.tensors))
+
+    def __str__(self) -> str:
+        lines = [f"Fusion(inputs=[{', '.join(f'T{i}' for i in self.inputs)}], "
+                 f"outputs=[{', '.join(f'T{o}' for o in self.outputs)}])"]
+        for i in self.inputs:
+            t = self.tensors[i]
+            lines.append(f"  T{i} = input : {t.type_str()}{t.sharding_str()}")
+        for op in self.ops:
+            outs = " ".join(f"{self.tensors[o].type_str()}{self.tensors[o].sharding_str()}" for o in op.outputs)
+            lines.append(f"  {op} : {outs}")
+        return "\n".join(lines)

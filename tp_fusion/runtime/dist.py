@@ -1,0 +1,180 @@
+"""The one module of tp_fusion that talks to torch.distributed.
+
+Everything else calls these wrappers. They hide the differences between torch versions
+(2.11 has only ``all_gather_into_tensor``/``reduce_scatter_tensor``; 2.13 adds ``*_single``
+and deprecates the old names) and between backends (gloo has no native reduce_scatter).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+
+import torch
+import torch.distributed as _dist
+
+ReduceOp = _dist.ReduceOp
+ProcessGroup = _dist.ProcessGroup
+
+_all_gather_base = getattr(_dist, "all_gather_single", None) or _dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
+
+
+def is_initialized() -> bool:
+    return _dist.is_available() and _dist.is_initialized()
+
+
+def world_size() -> int:
+    return _dist.get_world_size() if is_initialized() else 1
+
+
+def rank() -> int:
+    return _dist.get_rank() if is_initialized() else 0
+
+
+def backend() -> str:
+    return str(_dist.get_backend()) if is_initialized() else "none"
+
+
+def init_process_group(backend: str, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    _dist.init_process_group(
+        backend, rank=rank, world_size=world_size, init_method=init_method,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        _dist.destroy_process_group()
+
+
+@functools.cache
+def group(ranks: tuple[int, ...]) -> ProcessGroup | None:
+    """The process group over ``ranks`` (created once, then reused).
+
+    Every rank of the world must call this for every group in the same order (torch requires it
+    for ``new_group``); callers create all groups of a plan up front. None is the world group.
+    """
+    if list(ranks) == list(range(world_size())):
+        return None
+    return _dist.new_group(list(ranks))
+
+
+def group_name(pg: ProcessGroup | None) -> str:
+    return (pg or _dist.group.WORLD).group_name
+
+
+def group_rank(pg: ProcessGroup | None) -> int:
+    return _dist.get_rank(pg)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:
+    """``out`` = the group's ``inp``s concatenated along dim 0 (in group rank order)."""
+    _all_gather_base(out, inp, group=pg)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
+    """``out`` = this rank's dim-0 chunk of the element-wise reduction of the group's ``inp``s."""
+    red = _reduce_op(op)
+    if backend() == "gloo":  # gloo has no reduce_scatter: reduce everything, keep our chunk.
+        full = inp.clone()
+        _dist.all_reduce(full, op=red, group=pg)
+        out.copy_(full.chunk(_dist.get_world_size(pg))[_dist.get_rank(pg)])
+        return
+    _reduce_scatter_base(out, inp, op=red, group=pg)
+
+
+def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
+    _dist.all_reduce(t, op=_reduce_op(op), group=pg)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:
+    """Dim-0 chunk i of ``inp`` goes to group rank i; ``out`` stacks what each rank sent us."""
+    _dist.all_to_all_single(out, inp, group=pg)
+
+
+def broadcast(t: torch.Tensor, src: int, pg: ProcessGroup | None) -> None:
+    """``src`` is a global rank."""
+    _dist.broadcast(t, src=src, group=pg)
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    _dist.send(t, dst=dst)
+
+
+def recv(t: torch.Tensor, src: int) -> None:
+    _dist.recv(t, src=src)
+
+
+def isend(t: torch.Tensor, dst: int):
+    return _dist.isend(t, dst=dst)
+
+
+def irecv(t: torch.Tensor, src: int):
+    return _dist.irecv(t, src=src)
+
+
+def barrier(pg: ProcessGroup | None = None) -> None:
+    _dist.barrier(group=pg)
+
+
+def all_gather_object(obj, pg: ProcessGroup | None = None) -> list:
+    out = [None] * _dist.get_world_size(pg)
+    _dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def _reduce_op(op: str):
+    return {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
+
+
+# --- symmetric memory and P2P (used by overlap.py) ---
+# Symmetric memory (torch.distributed._symmetric_memory) is CUDA-only: every rank of a group allocates
+# a same-shaped buffer, rendezvous maps the peers' buffers into this process, and copies from or to a
+# peer's buffer run on the copy engines. The module is imported lazily: CPU builds may lack parts of it.
+
+
+def group_size(pg: ProcessGroup | None) -> int:
+    return _dist.get_world_size(pg)
+
+
+def global_rank(pg: ProcessGroup | None, group_rank: int) -> int:
+    """The world rank of ``group_rank`` in ``pg`` (send/recv address world ranks)."""
+    return group_rank if pg is None else _dist.get_global_rank(pg, group_rank)
+
+
+def _symm_mem():
+    import torch.distributed._symmetric_memory as symm_mem
+
+    return symm_mem
+
+
+def symm_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor in symmetric memory; ``symm_rendezvous`` must follow on every rank."""
+    return _symm_mem().empty(tuple(shape), dtype=dtype, device=device)
+
+
+def symm_rendezvous(t: torch.Tensor, pg: ProcessGroup | None):
+    """Collective: map every group rank's ``t`` (from ``symm_empty``) into this process; returns the handle."""
+    return _symm_mem().rendezvous(t, group_name(pg))
+
+
+def symm_peer_tensor(handle, peer: int, t: torch.Tensor) -> torch.Tensor:
+    """Group rank ``peer``'s copy of the symmetric tensor ``t`` (same shape and dtype), addressable here."""
+    return handle.get_buffer(peer, tuple(t.shape), t.dtype, t.storage_offset())
+
+
+def async_tp_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int,
+                               pg: ProcessGroup | None) -> torch.Tensor:
+    """PyTorch async-TP's ``all_gather(a_shard, gather_dim) @ b`` (a baseline for the benchmarks)."""
+    _symm_mem()
+    _, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], gather_dim, group_name(pg),
+                                                           return_A=False)
+    return out
+
+
+def async_tp_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int,
+                                   pg: ProcessGroup | None) -> torch.Tensor:
+    """PyTorch async-TP's ``reduce_scatter(a @ b, scatter_dim)`` (a baseline for the benchmarks)."""
+    _symm_mem()
+    return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim, group_name(pg))

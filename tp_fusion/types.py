@@ -1,0 +1,71 @@
+"""DataType and ParallelType, named as in nvFuser's Python frontend."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class DataType(enum.Enum):
+    Float = "float32"
+    Double = "float64"
+    Half = "float16"
+    BFloat16 = "bfloat16"
+    Int = "int64"
+    Int32 = "int32"
+    Bool = "bool"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
+    @property
+    def short(self) -> str:
+        return _SHORT[self]
+
+    @property
+    def is_floating(self) -> bool:
+        return self in (DataType.Float, DataType.Double, DataType.Half, DataType.BFloat16)
+
+    @staticmethod
+    def from_torch(dtype: torch.dtype) -> DataType:
+        for dt in DataType:
+            if dt.torch == dtype:
+                return dt
+        raise ValueError(f"torch dtype {dtype} has no tp_fusion DataType")
+
+
+_SHORT = {
+    DataType.Float: "f32", DataType.Double: "f64", DataType.Half: "f16", DataType.BFloat16: "bf16",
+    DataType.Int: "i64", DataType.Int32: "i32", DataType.Bool: "bool",
+}
+
+
+class ParallelType(enum.Enum):
+    """How a loop axis is executed. ``mesh_x`` binds to the LAST mesh axis, ``mesh_y`` the one before."""
+
+    serial = "serial"
+    mesh_x = "mesh_x"
+    mesh_y = "mesh_y"
+    mesh_z = "mesh_z"
+
+    # nvFuser's names for the device dims.
+    DIDx = "mesh_x"
+    DIDy = "mesh_y"
+    DIDz = "mesh_z"
+
+    @property
+    def is_device(self) -> bool:
+        return self is not ParallelType.serial
+
+    def mesh_axis(self, mesh_ndim: int) -> int:
+        """The mesh axis this type binds to on a mesh of ``mesh_ndim`` axes (-1 if beyond it)."""
+        return mesh_ndim - 1 - _DEVICE_ORDER.index(self)
+
+    @staticmethod
+    def for_mesh_axis(axis: int, mesh_ndim: int) -> ParallelType:
+        return _DEVICE_ORDER[mesh_ndim - 1 - axis]
+
+
+_DEVICE_ORDER = (ParallelType.mesh_x, ParallelType.mesh_y, ParallelType.mesh_z)
