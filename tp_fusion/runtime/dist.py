@@ -79,7 +79,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None
     if backend() == "gloo":  # gloo has no reduce_scatter: reduce everything, keep our chunk.
         full = inp.clone()
         _dist.all_reduce(full, op=red, group=pg)
-        out.copy_(full.chunk(_dist.get_world_size(pg))[_dist.get_rank(pg)])
+        out.copy_(full.reshape(_dist.get_world_size(pg), -1)[_dist.get_rank(pg)].view_as(out))
         return
     _reduce_scatter_base(out, inp, op=red, group=pg)
 
@@ -116,12 +116,6 @@ def irecv(t: torch.Tensor, src: int):
 
 def barrier(pg: ProcessGroup | None = None) -> None:
     _dist.barrier(group=pg)
-
-
-def all_gather_object(obj, pg: ProcessGroup | None = None) -> list:
-    out = [None] * _dist.get_world_size(pg)
-    _dist.all_gather_object(out, obj, group=pg)
-    return out
 
 
 def _reduce_op(op: str):
@@ -178,3 +172,26 @@ def async_tp_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim
     """PyTorch async-TP's ``reduce_scatter(a @ b, scatter_dim)`` (a baseline for the benchmarks)."""
     _symm_mem()
     return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim, group_name(pg))
+
+
+# --- host-side agreement (used by the executor) ---
+
+
+@functools.cache
+def _cpu_group() -> ProcessGroup | None:
+    """A gloo group over the world for small host-side exchanges (the world itself under gloo)."""
+    return None if backend() == "gloo" else _dist.new_group(backend="gloo")
+
+
+def any_rank_flagged(flag: bool) -> bool:
+    """True on every rank if any rank passes True (one tiny host-side all_reduce)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    _dist.all_reduce(t, op=ReduceOp.MAX, group=_cpu_group())
+    return bool(t.item())
+
+
+def gather_from_all(obj) -> list:
+    """Every rank's ``obj``, in rank order, on every rank (host-side)."""
+    out = [None] * world_size()
+    _dist.all_gather_object(out, obj, group=_cpu_group())
+    return out

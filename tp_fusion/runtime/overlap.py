@@ -107,17 +107,19 @@ def linear_allreduce(x, weight, *, pg) -> torch.Tensor:
 
 
 def decide(kind: str, x_shape, w_shape, dtype, pg) -> str:
-    """"fused" or "sequential" for ``kind`` (``allgather_linear``, ``linear_reduce_scatter`` or
-    ``linear_allreduce``) with this x (the 2-D rows-by-in operand this rank holds) and weight.
+    """"fused" or "sequential" for ``kind`` with an ``x`` of ``x_shape`` and a ``weight`` of ``w_shape``.
 
-    On CUDA, the first call for a signature times both plans on random data and takes the max over
-    the group's ranks, so that every rank chooses the same plan (it is collective: every rank of the
-    group must call it, which the public functions guarantee). On the CPU it is always "fused", so
-    CI exercises the decomposition.
+    ``kind`` is ``allgather_linear`` (``x`` = this rank's shard), ``linear_reduce_scatter`` or
+    ``linear_allreduce`` (``x`` = the whole operand). On CUDA the first call for a signature times both
+    plans on random data (gathered/scattered dim 0) and takes the max over the group's ranks, so that
+    every rank chooses the same plan; it is collective: every rank of the group must make the same
+    calls, as it does for the functions above. On the CPU it is always "fused", so CI exercises the
+    decomposition.
     """
     if not torch.cuda.is_available() or dist.backend() != "nccl":
         return "fused"
-    return _decide_cuda(kind, tuple(x_shape), tuple(w_shape), dtype, dist.group_name(pg), pg)
+    rows = (math.prod(x_shape[:-1]), x_shape[-1])
+    return _decide_cuda(kind, rows, tuple(w_shape), dtype, dist.group_name(pg), pg)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -322,10 +324,10 @@ def _symm_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
             flags.wait(comm, box.addr(box.flags[_FREE, dst, 0]), epoch - 1)
             box.peer_slots[dst].copy_(x2)
             flags.write(comm, box.addr(box.peer_flags[dst][_READY, r, 0]), epoch)
-    _linear(x2, weight, bias, epilogue, out=out[r])
     side = _side_stream(device) if TUNING.ag_streams == 2 else main
     if side is not main:
         side.wait_stream(main)
+    _linear(x2, weight, bias, epilogue, out=out[r])
     for step in range(1, n):
         src = (r + step) % n
         stream = side if step % 2 else main
@@ -418,12 +420,15 @@ def _decide_cuda(kind, x_shape, w_shape, dtype, name, pg) -> str:
         _decisions[key] = "sequential"
         return "sequential"
     n = dist.group_size(pg)
+    if kind != "allgather_linear" and x_shape[0] % n:
+        return "sequential"  # the rows do not split over the ranks: nothing to pipeline
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(x_shape, dtype=dtype, device=device, generator=gen)
     w = torch.randn(w_shape, dtype=dtype, device=device, generator=gen) / math.sqrt(w_shape[-1])
+    rows = x_shape[0]
     if kind == "allgather_linear":
-        gathered = x.new_empty((n * x_shape[0], x_shape[1]))
+        gathered = x.new_empty((n * rows, x_shape[1]))
 
         def fused():
             _symm_allgather_linear(x, w, None, None, pg)
@@ -431,15 +436,25 @@ def _decide_cuda(kind, x_shape, w_shape, dtype, name, pg) -> str:
         def sequential():
             dist.all_gather(gathered, x, pg)
             F.linear(gathered, w)
-    else:
-        x3 = x.view(n, -1, x_shape[-1])
-        out = x.new_empty((x3.shape[1], w_shape[0]))
+    elif kind == "linear_reduce_scatter":
+        out = x.new_empty((rows // n, w_shape[0]))
 
         def fused():
-            _symm_linear_reduce_scatter(x3, w, pg)
+            _symm_linear_reduce_scatter(x.view(n, rows // n, -1), w, pg)
 
         def sequential():
             dist.reduce_scatter(out, F.linear(x, w), pg)
+    elif kind == "linear_allreduce":
+        full = x.new_empty((rows, w_shape[0]))
+
+        def fused():
+            dist.all_gather(full, _symm_linear_reduce_scatter(x.view(n, rows // n, -1), w, pg), pg)
+
+        def sequential():
+            dist.all_reduce(F.linear(x, w), pg)
+    else:
+        raise ValueError(f"decide: unknown kind {kind!r}; expected allgather_linear, "
+                         "linear_reduce_scatter or linear_allreduce")
     times = torch.tensor([_time_ms(fused), _time_ms(sequential)], device=device)
     dist.all_reduce(times, pg, op="max")
     _decisions[key] = "fused" if times[0] <= times[1] else "sequential"

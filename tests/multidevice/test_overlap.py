@@ -1,0 +1,68 @@
+"""The overlap runtime's chunked ring decompositions on CPU gloo ranks, against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tp_fusion.launch import run_on_ranks
+from tp_fusion.runtime import dist, overlap
+
+
+def _rand(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _check_group(pg, ranks) -> None:
+    """All checks on group ``pg`` (group ranks ``ranks``), comparing with torch on the full inputs."""
+    n, r = len(ranks), dist.group_rank(pg)
+    w, b = _rand(1, 7, 5), _rand(2, 7)
+    x_full = _rand(3, 2 * n, 3 * n, 5)
+    for dim in (0, 1):
+        x_local = x_full.chunk(n, dim=dim)[r]
+        for bias, epilogue in ((None, None), (b, None), (b, overlap.gelu_tanh), (None, torch.tanh)):
+            got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=pg, epilogue=epilogue)
+            want = F.linear(x_full, w, bias)
+            want = epilogue(want) if epilogue else want
+            torch.testing.assert_close(got, want, msg=f"allgather_linear dim={dim} bias={bias is not None}")
+    x2 = _rand(4, 2 * n, 5)
+    got = overlap.allgather_linear(x2.chunk(n)[r], w, b, gather_dim=-2, pg=pg, epilogue=overlap.gelu_tanh)
+    torch.testing.assert_close(got, overlap.gelu_tanh(F.linear(x2, w, b)))
+
+    # Each rank holds a different x and weight shard; the reference sums all of them.
+    xs = [_rand(10 + g, 2 * n, 3 * n, 5) for g in ranks]
+    ws = [_rand(20 + g, 7, 5) for g in ranks]
+    total = sum(F.linear(x, wg) for x, wg in zip(xs, ws))
+    for dim in (0, 1, -2):
+        got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg)
+        torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim}")
+    torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg), total)
+    odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential fallback
+    torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg),
+                               sum(F.linear(x, wg) for x, wg in zip(odd, ws)))
+    assert overlap.decide("allgather_linear", (4, 5), (7, 5), torch.float64, pg) == "fused"
+
+
+def _all_checks(rank: int, world: int) -> None:
+    _check_group(None, tuple(range(world)))
+    if world == 4:  # subgroups: group ranks differ from world ranks
+        groups = {ranks: dist.group(ranks) for ranks in ((0, 2), (1, 3))}
+        mine = next(ranks for ranks in groups if rank in ranks)
+        _check_group(groups[mine], mine)
+    with pytest.raises(ValueError, match="last"):
+        overlap.allgather_linear(torch.zeros(2, 3), torch.zeros(4, 3), gather_dim=1, pg=None)
+    with pytest.raises(ValueError, match="divide"):
+        overlap.linear_reduce_scatter(torch.zeros(world + 1, 3), torch.zeros(4, 3), scatter_dim=0, pg=None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlap_kernels_match_torch(world):
+    run_on_ranks(_all_checks, world)
+
+
+def test_single_process_needs_no_group():
+    x, w, b = _rand(0, 4, 3), _rand(1, 5, 3), _rand(2, 5)
+    torch.testing.assert_close(overlap.allgather_linear(x, w, b, gather_dim=0, pg=None), F.linear(x, w, b))
+    torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, scatter_dim=0, pg=None), F.linear(x, w))
+    torch.testing.assert_close(overlap.linear_allreduce(x, w, pg=None), F.linear(x, w))

@@ -1,0 +1,117 @@
+"""Run one resharding op (a collective, a local slice, a move between meshes) on this rank.
+
+Collectives need the gathered/scattered dim outermost and contiguous; where it is not, the
+data is restacked here (a local copy), as nvFuser's reorder pass does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tp_fusion.ir import Op
+from tp_fusion.mesh import DeviceMesh
+from tp_fusion.runtime import dist
+
+
+def _stack_chunks(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """[n, ...]: chunk i along ``dim`` of ``x`` becomes row i (contiguous)."""
+    if dim == 0:
+        return x.contiguous().view(n, x.shape[0] // n, *x.shape[1:])
+    return torch.stack(x.chunk(n, dim)).contiguous()
+
+
+def _unstack(buf: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of ``_stack_chunks``: rows of ``buf`` concatenated along ``dim``."""
+    if dim == 0:
+        return buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:])
+    return torch.cat(buf.unbind(0), dim)
+
+
+def allgather(x: torch.Tensor, dim: int, pg, n: int) -> torch.Tensor:
+    buf = x.new_empty((n, *x.shape))
+    dist.all_gather(buf.view(n * x.shape[0], *x.shape[1:]) if x.dim() else buf, x.contiguous(), pg)
+    return _unstack(buf, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int) -> torch.Tensor:
+    stacked = _stack_chunks(x, n, dim)
+    out = x.new_empty(stacked.shape[1:])
+    dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg)
+    return out
+
+
+def allreduce(x: torch.Tensor, pg, donate: bool) -> torch.Tensor:
+    out = x if donate and x.is_contiguous() else x.contiguous().clone()
+    dist.all_reduce(out, pg)
+    return out
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dim: int, pg, n: int) -> torch.Tensor:
+    """Sharded on ``src_dim`` in, sharded on ``dim`` out: chunk j along ``dim`` goes to rank j."""
+    inp = _stack_chunks(x, n, dim)
+    out = torch.empty_like(inp)
+    dist.all_to_all(out, inp, pg)
+    return torch.cat(out.unbind(0), src_dim)
+
+
+def send_recv(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: int, local_shape, dtype, device):
+    """Mesh ``src`` device i sends its shard to mesh ``dst`` device i (same-shape meshes)."""
+    works, out = [], None
+    if rank in src.devices:
+        peer = dst.devices[src.devices.index(rank)]
+        if peer == rank:
+            out = x
+        else:
+            works.append(dist.isend(x.contiguous(), peer))
+    if rank in dst.devices and out is None:
+        peer = src.devices[dst.devices.index(rank)]
+        out = torch.empty(local_shape, dtype=dtype, device=device)
+        works.append(dist.irecv(out, peer))
+    for w in works:
+        w.wait()
+    return out
+
+
+def broadcast_ranks(src: DeviceMesh, dst: DeviceMesh) -> tuple[int, ...]:
+    return tuple(sorted({src.devices[0], *dst.devices}))
+
+
+def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: int, shape, dtype, device):
+    """The replicated value on mesh ``src`` is broadcast from its first device to mesh ``dst``."""
+    root = src.devices[0]
+    buf = x.contiguous().clone() if rank == root else torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(buf, root, dist.group(broadcast_ranks(src, dst)))
+    return buf if rank in dst.devices else None
+
+
+def run_reshard(op: Op, x, rank: int, mesh: DeviceMesh, out_local_shape, dtype, device, donate: bool):
+    """Run a lowered resharding op for this rank. ``mesh`` is the input's mesh."""
+    kind = op.kind
+    if kind == "send_recv":
+        return send_recv(x, op.attr("src_mesh"), op.attr("dst_mesh"), rank, out_local_shape, dtype, device)
+    if kind == "broadcast":
+        return broadcast(x, op.attr("src_mesh"), op.attr("dst_mesh"), rank, out_local_shape, dtype, device)
+    axis = op.attr("mesh_axis")
+    ranks = mesh.axis_group(axis, rank)
+    n = len(ranks)
+    if kind == "slice":
+        return x.chunk(n, op.attr("dim"))[ranks.index(rank)]
+    pg = dist.group(ranks)
+    if kind == "allgather":
+        return allgather(x, op.attr("dim"), pg, n)
+    if kind == "reduce_scatter":
+        return reduce_scatter(x, op.attr("dim"), pg, n)
+    if kind == "allreduce":
+        return allreduce(x, pg, donate)
+    if kind == "all_to_all":
+        return all_to_all(x, op.attr("src_dim"), op.attr("dim"), pg, n)
+    raise AssertionError(f"not a resharding op: {op}")
+
+
+def groups_of(op: Op, mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Every process group ``op`` uses on any rank (created up front, alike on every rank)."""
+    if op.kind == "broadcast":
+        return [broadcast_ranks(op.attr("src_mesh"), op.attr("dst_mesh"))]
+    if op.kind in ("send_recv", "slice"):
+        return []
+    return mesh.all_axis_groups(op.attr("mesh_axis"))
