@@ -33,14 +33,14 @@ def _check_group(pg, ranks) -> None:
     # Each rank holds a different x and weight shard; the reference sums all of them.
     xs = [_rand(10 + g, 2 * n, 3 * n, 5) for g in ranks]
     ws = [_rand(20 + g, 7, 5) for g in ranks]
-    total = sum(F.linear(x, wg) for x, wg in zip(xs, ws))
+    total = sum(F.linear(x, wg) for x, wg in zip(xs, ws, strict=True))
     for dim in (0, 1, -2):
         got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg)
         torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim}")
     torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg), total)
     odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential fallback
     torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg),
-                               sum(F.linear(x, wg) for x, wg in zip(odd, ws)))
+                               sum(F.linear(x, wg) for x, wg in zip(odd, ws, strict=True)))
     assert overlap.decide("allgather_linear", (4, 5), (7, 5), torch.float64, pg) == "fused"
 
 

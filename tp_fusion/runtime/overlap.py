@@ -74,7 +74,7 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
 
 
 def linear_reduce_scatter(x, weight, *, scatter_dim: int, pg) -> torch.Tensor:
-    """This rank's chunk along ``scatter_dim`` (not the last dim) of ``sum over ranks F.linear(x, weight)``."""
+    """This rank's chunk along ``scatter_dim`` (not the last dim) of ``sum over ranks of F.linear(x, w)``."""
     dim = _non_last_dim(scatter_dim, x, "scatter_dim")
     n = dist.group_size(pg) if dist.is_initialized() else 1
     if x.shape[dim] % n:
