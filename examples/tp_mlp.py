@@ -91,7 +91,7 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> float:
         print(fd)
         print(fd.plan)
         print(f"collectives: {fd.plan.collectives()}")
-        print(f"max relative error per rank vs aten: {['%.2e' % e for e in errors]}")
+        print(f"max relative error per rank vs aten: {[f'{e:.2e}' for e in errors]}")
     if max(errors) > TOLERANCE[torch_dtype]:
         raise SystemExit(f"rank {rank}: mode {mode} error {max(errors):.3e} exceeds {TOLERANCE[torch_dtype]:.0e}")
     return max(errors)

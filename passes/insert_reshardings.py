@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from passes.propagate_shardings import default_mesh
 from sharding.sharding import REPLICATE, Partial, Shard, Sharding
 from sharding.strategy import choose
 from tp_fusion.ir import Const, Fusion, Op, Tensor
-
-from passes.propagate_shardings import default_mesh
 
 
 def insert_reshardings(fusion: Fusion) -> Fusion:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from tp_fusion.ir import Fusion, Segment
-
 from passes.lower_communications import COLLECTIVES
+from tp_fusion.ir import Fusion, Segment
 
 
 def segment(fusion: Fusion) -> Fusion:

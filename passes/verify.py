@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from passes.lower_communications import COLLECTIVES
+from passes.propagate_shardings import default_mesh
 from sharding.sharding import Partial
 from sharding.strategy import choose
 from tp_fusion.ir import Fusion
-
-from passes.lower_communications import COLLECTIVES
-from passes.propagate_shardings import default_mesh
 
 _STAGES = ("propagate_shardings", "insert_reshardings", "lower_communications", "segment", "fuse_collectives")
 

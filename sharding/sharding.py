@@ -97,7 +97,7 @@ class Sharding:
         return tuple(e * self.dim_factor(d) for d, e in enumerate(local_shape))
 
     def check_divides(self, shape: tuple[int, ...], what: str) -> None:
-        for axis, (extent, p) in enumerate(zip(self.mesh.shape, self.placements)):
+        for axis, p in enumerate(self.placements):
             if isinstance(p, Shard):
                 if p.dim >= len(shape):
                     raise ShardingError(f"{what}: mesh axis {axis} shards dim {p.dim}, but the tensor has "

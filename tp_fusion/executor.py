@@ -122,7 +122,7 @@ def concretize(fusion: Fusion, input_shapes: list[tuple[int, ...]]) -> Fusion:
         args = [(tensors[a].shape, tensors[a].dtype) if isinstance(a, int) else a.value for a in op.inputs]
         attrs = dict(op.attrs)
         try:
-            outs = _ops.infer(op.kind, args, attrs, lambda: ", ".join(
+            outs = _ops.infer(op.kind, args, attrs, lambda op=op: ", ".join(
                 f"T{a} {tensors[a].type_str()}" for a in op.tensor_inputs))
         except DefinitionError as e:
             raise InputError(f"execute: the inputs' sizes do not fit the fusion: {e}") from None

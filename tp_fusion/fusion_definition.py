@@ -343,7 +343,8 @@ class _OpsNamespace:
             raise DefinitionError(
                 f"linear: the in extent of T{x.name} {x._ir.type_str()} (last dim) must match dim 1 of the "
                 f"weight T{w.name} {w._ir.type_str()}, which must be 2-D [out, in]")
-        if b is not None and (_tv(b, "linear").ndim != 1 or b.shape[0] != w.shape[0]):
+        if b is not None and (_tv(b, "linear").ndim != 1
+                              or (b.shape[0] >= 0 and w.shape[0] >= 0 and b.shape[0] != w.shape[0])):
             raise DefinitionError(f"linear: bias T{b.name} {b._ir.type_str()} must be 1-D [out] with out = "
                                   f"{w.shape[0]} (dim 0 of the weight T{w.name} {w._ir.type_str()})")
         return self._r("linear", x, w, b)
@@ -356,7 +357,9 @@ class _OpsNamespace:
 
     def permute(self, x, dims):
         x = _tv(x, "permute")
-        if sorted(d % x.ndim for d in dims) != list(range(x.ndim)):
+        dims = tuple(dims)
+        if (not all(isinstance(d, int) and -x.ndim <= d < x.ndim for d in dims)
+                or sorted(d % x.ndim for d in dims) != list(range(x.ndim))):
             raise DefinitionError(f"permute: dims {list(dims)} are not a permutation of T{x.name}'s "
                                   f"{x.ndim} dims {x._ir.type_str()}")
         return self._r("permute", x, dims=tuple(d % x.ndim for d in dims))
