@@ -1,15 +1,16 @@
 """Sequence-parallel TP MLP forward (allgather -> linear+bias -> tanh-GELU -> linear -> reduce_scatter), bf16.
 
 Run on one node:  torchrun --nproc_per_node=N benchmarks/tp_mlp.py [--shapes T,H,F ...] [--iters 20]
-                  [--warmup 5] [--out benchmarks/results] [--figure docs/tp_mlp_h200xN.png]
+                  [--warmup 5] [--rounds 3] [--out benchmarks/results] [--figure docs/tp_mlp_h200xN.png]
 
-Times, per shape and in one process, the max over ranks of CUDA-event time per iteration of:
-compute_only (the same GEMMs and GELU on already gathered rows, no communication), comm_only (the
-allgather and the reduce_scatter alone), nccl_sequential, async_tp (torch.ops.symm_mem fused ops),
-classic_tp (replicated input, one allreduce), tp_fusion (a FusionDefinition through the public API)
-and tp_fusion_kernels (tp_fusion.runtime.overlap called directly). Each rank holds the local shards
-(w1: [ffn/N, hidden], b1: [ffn/N], w2: [hidden, ffn/N]); every variant is checked against
-nccl_sequential before it is timed. Writes {out}/h200x{N}.json and the bar chart {figure}.
+Times, per shape and in one process, the max over ranks of CUDA-event time per iteration (20 after 5
+warm-ups; the median of 3 interleaved rounds, as clocks drift) of: compute_only (the same GEMMs and
+GELU on already gathered rows, no communication), comm_only (the allgather and the reduce_scatter
+alone), nccl_sequential, async_tp (torch.ops.symm_mem fused ops), classic_tp (replicated input, one
+allreduce), tp_fusion (a FusionDefinition through the public API) and tp_fusion_kernels
+(tp_fusion.runtime.overlap called directly). Each rank holds the local shards (w1: [ffn/N, hidden],
+b1: [ffn/N], w2: [hidden, ffn/N]); every variant is checked against nccl_sequential before it is
+timed. Writes {out}/h200x{N}.json and the bar chart {figure}.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 import torch
@@ -40,6 +42,8 @@ def parse_args(argv=None):
                    help="tokens,hidden,ffn triples")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="time every variant this many times, interleaved; report the median")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="JSON directory")
     p.add_argument("--figure", default=None, help="PNG path (default docs/tp_mlp_h200x{N}.png)")
     args = p.parse_args(argv)
@@ -168,21 +172,25 @@ def run_shape(tokens, hidden, ffn, args):
     inp = make_inputs(tokens, hidden, ffn, n, r, torch.device("cuda", torch.cuda.current_device()))
     fns = variants(tokens, hidden, ffn, n, inp)
     ref = fns["nccl_sequential"]()
-    row = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "ms": {}, "rel_err": {}, "skipped": {}}
+    row = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "ms": {}, "ms_rounds": {}, "rel_err": {},
+           "skipped": {}}
     for name in VARIANTS:
         fn = fns[name]
-        if isinstance(fn, str):
-            row["ms"][name], row["skipped"][name] = None, fn
-            continue
-        if name == "tp_fusion":
+        if name == "tp_fusion" and not isinstance(fn, str):
             try:  # the frontend is young: a plan it cannot run yet is reported, not fatal
                 fn()
             except Exception as e:  # every rank raises the same
-                row["ms"][name], row["skipped"][name] = None, f"fd.execute failed: {type(e).__name__}: {e}"
-                continue
-        if name in ("async_tp", "classic_tp", "tp_fusion", "tp_fusion_kernels"):
+                fn = fns[name] = f"fd.execute failed: {type(e).__name__}: {e}"
+        if isinstance(fn, str):
+            row["ms"][name], row["skipped"][name] = None, fn
+        elif name in ("async_tp", "classic_tp", "tp_fusion", "tp_fusion_kernels"):
             row["rel_err"][name] = max_rel_err(fn(), ref)
-        row["ms"][name] = time_ms(fn, args.iters, args.warmup)
+    timed = [name for name in VARIANTS if not isinstance(fns[name], str)]
+    for _ in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike
+        for name in timed:
+            row["ms_rounds"].setdefault(name, []).append(time_ms(fns[name], args.iters, args.warmup))
+    for name in timed:
+        row["ms"][name] = statistics.median(row["ms_rounds"][name])
     ms = row["ms"]
     for name in ("tp_fusion", "tp_fusion_kernels"):
         if ms[name] is not None:
@@ -194,7 +202,7 @@ def run_shape(tokens, hidden, ffn, args):
 def print_table(rows, n):
     cols = VARIANTS
     head = f"{'tokens,hidden,ffn':>20} " + " ".join(f"{c:>17}" for c in cols)
-    print(f"\nTP MLP forward, bf16, {n} GPUs, ms per iteration (max over ranks)\n{head}")
+    print(f"\nTP MLP forward, bf16, {n} GPUs, ms per iteration (max over ranks, median of rounds)\n{head}")
     for row in rows:
         cells = " ".join(f"{row['ms'][c]:17.3f}" if row["ms"][c] is not None else f"{'skipped':>17}"
                          for c in cols)
@@ -212,7 +220,8 @@ def print_table(rows, n):
             print(f"{'':>20} {name} skipped: {why}")
 
 
-def draw(rows, n, path):
+def draw(rows, machine, path):
+    """Grouped bars per shape: time / compute_only on a log axis, labelled in ms."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,8 +240,9 @@ def draw(rows, n, path):
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
     ax.set_xticklabels([f"{r['tokens']}x{r['hidden']}x{r['ffn']}" for r in rows])
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_ylabel("time / compute only (labels: ms)")
-    ax.set_title(f"Sequence-parallel TP MLP forward, bf16, {n}x {torch.cuda.get_device_name()}")
+    ax.set_yscale("log")
+    ax.set_ylabel("time / compute only, log scale (labels: ms)")
+    ax.set_title(f"Sequence-parallel TP MLP forward, bf16, {machine}")
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -251,11 +261,11 @@ def main(argv=None):
         print_table(rows, n)
         result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "iters": args.iters,
-                  "warmup": args.warmup, "shapes": rows}
+                  "warmup": args.warmup, "rounds": args.rounds, "shapes": rows}
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"h200x{n}.json"), "w") as f:
             json.dump(result, f, indent=1)
-        draw(rows, n, args.figure or os.path.join(REPO, "docs", f"tp_mlp_h200x{n}.png"))
+        draw(rows, result["machine"], args.figure or os.path.join(REPO, "docs", f"tp_mlp_h200x{n}.png"))
     dist.barrier()
     dist.destroy_process_group()
 

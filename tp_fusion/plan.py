@@ -96,6 +96,12 @@ class Plan:
     def output_shardings(self) -> list:
         return [self.fusion.tensor(o).sharding for o in self.fusion.outputs]
 
+    def summary(self):
+        """Per segment: bytes sent/received per rank, FLOPs, fused or not (see ``tp_fusion.summary``)."""
+        from tp_fusion.summary import summarize
+
+        return summarize(self)
+
     def __str__(self) -> str:
         f = self.fusion
         lines = [f"Plan: {len(self.segments)} segment(s); inputs [{', '.join(f'T{i}' for i in f.inputs)}], "
@@ -124,9 +130,7 @@ class Plan:
             except Exception as e:
                 if isinstance(e, ExecutionError):
                     raise
-                raise ExecutionError(f"rank {self.rank} failed in segment {i} ({seg.segment.kind}"
-                                     f"{' ' + seg.segment.note if seg.segment.note else ''}): "
-                                     f"{type(e).__name__}: {e}") from e
+                raise ExecutionError(self._failure(i, seg, e)) from e
         input_storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         outs = []
         for o in self.fusion.outputs:
@@ -138,6 +142,18 @@ class Plan:
                 x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
             outs.append(x)
         return outs
+
+    def _failure(self, i: int, seg: CompiledSegment, e: Exception) -> str:
+        """The message for a failure in segment ``i``. Under a process group the failure is published
+        and the groups aborted so that every rank fails promptly, naming the rank that failed first."""
+        where = f"segment {i} ({seg.segment.kind}{' ' + seg.segment.note if seg.segment.note else ''})"
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}"
+        if not (self.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1):
+            return f"rank {self.rank} failed in {where}: {error}"
+        # A RuntimeError out of a segment that communicates is most likely a peer that left: the
+        # store says whether another rank failed first.
+        primary = seg.segment.kind == "compute" or not isinstance(e, RuntimeError)
+        return dist.report_failure(self.rank, where, error, primary)
 
     def _args(self, op: Op, env) -> list:
         return [env[a] if isinstance(a, int) else a.value for a in op.inputs]
@@ -173,10 +189,7 @@ class Plan:
             else:
                 comm = next(c.op for c in seg.ops if c.op.kind in COLLECTIVES)
                 gemm = next(c.op for c in seg.ops if c.op.kind in ("linear", "matmul"))
-                if comm.kind == "allgather":
-                    x_shape = self.fusion.tensor(comm.outputs[0]).shape
-                else:
-                    x_shape = self._local_shape(gemm.inputs[0])
+                x_shape = self._local_shape(comm.inputs[0] if comm.kind == "allgather" else gemm.inputs[0])
                 w_shape = self._local_shape(gemm.inputs[1])
                 if gemm.kind == "matmul":
                     w_shape = w_shape[::-1]
@@ -193,13 +206,9 @@ class Plan:
             gemm = seg.ops[1].op
             epilogue_ops = seg.ops[2:]
 
-            def epilogue(t):
-                for c in epilogue_ops:
-                    t = _ops.run(c.op.kind, [t], c.attrs)
-                return t
             _, w, b = self._gemm_operands(gemm, {**env, comm.outputs[0]: None})
             result = overlap.allgather_linear(env[comm.inputs[0]], w, b, gather_dim=comm.attr("dim"),
-                                              pg=seg.pg, epilogue=epilogue if epilogue_ops else None)
+                                              pg=seg.pg, epilogue=_epilogue(epilogue_ops))
             env[seg.ops[-1].op.outputs[0]] = result
             return
         gemm = seg.ops[0].op
@@ -209,3 +218,18 @@ class Plan:
         else:
             result = overlap.linear_allreduce(x, w, pg=seg.pg)
         env[comm.outputs[0]] = result
+
+
+def _epilogue(ops: list[CompiledOp]):
+    """The pointwise chain after a fused GEMM as one callable (None if empty). A lone tanh-GELU is
+    ``overlap.gelu_tanh``, which the CUDA kernels fuse into the GEMM itself."""
+    if not ops:
+        return None
+    if len(ops) == 1 and ops[0].op.kind == "gelu" and ops[0].attrs.get("approximate") == "tanh":
+        return overlap.gelu_tanh
+
+    def chain(t):
+        for c in ops:
+            t = _ops.run(c.op.kind, [t], c.attrs)
+        return t
+    return chain

@@ -195,3 +195,152 @@ def gather_from_all(obj) -> list:
     out = [None] * world_size()
     _dist.all_gather_object(out, obj, group=_cpu_group())
     return out
+
+
+# --- DTensor interop (used by tp_fusion/dtensor.py) ---
+# torch's DTensor, its placements and its DeviceMesh, imported on first use: the rest of tp_fusion
+# never needs them, and some builds ship torch.distributed.tensor with optional parts missing.
+
+
+@functools.cache
+def dtensor_api():
+    """A namespace with torch's ``DTensor``, ``Shard``, ``Replicate``, ``Partial`` and ``DeviceMesh``."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    return SimpleNamespace(DTensor=DTensor, Shard=Shard, Replicate=Replicate, Partial=Partial,
+                           DeviceMesh=TorchDeviceMesh)
+
+
+def torch_device_mesh(device_type: str, ranks: torch.Tensor):
+    """A torch DeviceMesh over ``ranks`` (an n-D tensor of world ranks); collective over the world."""
+    return dtensor_api().DeviceMesh(device_type, ranks)
+
+
+# --- agreement and failure propagation (used by executor.py and plan.py) ---
+# Before a plan runs, the ranks agree in one tiny host-side all_reduce that no rank rejected its
+# inputs and that all compiled the same fusion for the same global shapes. When a rank fails INSIDE
+# a plan, it publishes "rank r failed in segment k: ..." to the process group's store and aborts its
+# process groups: peers blocked in a collective with it error out at once (gloo closes the pairs),
+# abort theirs in turn (so the failure cascades to every rank), and read the store to name the
+# rank that failed first. A peer that exits without a word is named as the one that stopped
+# responding. NCCL: the abort uses ``_abort_process_group`` where torch has it; peers blocked in a
+# NCCL kernel are released by NCCL's own watchdog (the process group's timeout).
+
+_FAULT_KEY = "tp_fusion/fault/"
+_FP_BITS = 62
+_fault_store = None  # kept alive after an abort: rank 0 may host the TCPStore server
+
+
+def agree(failed: bool, fingerprint: int) -> tuple[bool, bool]:
+    """(some rank failed, the ranks' fingerprints differ), the same on every rank.
+
+    One host-side all_reduce(MAX) of ``[failed, fp, -fp]``; a failed rank's fingerprint is neutral.
+    """
+    low = -(1 << _FP_BITS)
+    fp = fingerprint & ((1 << _FP_BITS) - 1)
+    t = torch.tensor([int(failed), low if failed else fp, low if failed else -fp], dtype=torch.int64)
+    _dist.all_reduce(t, op=ReduceOp.MAX, group=_cpu_group())
+    any_failed, hi, neg_lo = (int(v) for v in t.tolist())
+    return bool(any_failed), not any_failed and hi != -neg_lo
+
+
+def _default_store():
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        return c10d._get_default_store()
+    except Exception:  # no process group, or a torch without the helper
+        return None
+
+
+def abort_process_groups() -> None:
+    """Tear down every process group of this rank now, so peers blocked on it error out promptly."""
+    if not is_initialized():
+        return
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if backend() == "nccl" and hasattr(c10d, "_abort_process_group"):
+            c10d._abort_process_group()  # ncclCommAbort: never waits on pending kernels
+        else:
+            _dist.destroy_process_group()
+    except Exception:
+        pass
+    finally:
+        group.cache_clear()
+        _cpu_group.cache_clear()
+
+
+def _store_records(store, world: int) -> dict[int, str]:
+    keys = [f"{_FAULT_KEY}{r}" for r in range(world)]
+    out = {}
+    for r, k in enumerate(keys):
+        if store.check([k]):
+            out[r] = store.get(k).decode()
+    return out
+
+
+def report_failure(rank: int, where: str, error: str, primary: bool, grace_s: float | None = None) -> str:
+    """Publish this rank's failure, abort its process groups, and describe the failure that came first.
+
+    ``primary``: the error arose on this rank (not a collective that broke because a peer left).
+    A peer's failure is waited for at most ``grace_s`` seconds (env ``TP_FUSION_FAULT_GRACE_S``,
+    default 3); ranks that published nothing by then are named as having stopped responding.
+    Returns the text for this rank's ExecutionError.
+    """
+    import os
+    import time
+
+    global _fault_store
+    if grace_s is None:
+        grace_s = float(os.environ.get("TP_FUSION_FAULT_GRACE_S", "3"))
+    world = world_size()
+    own = f"rank {rank} failed in {where}: {error}"
+    store = _fault_store = _default_store() if is_initialized() else _fault_store
+    if store is None or world <= 1:
+        abort_process_groups()
+        return own
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(grace_s, 1.0)))
+        seq = store.add(f"{_FAULT_KEY}seq", 1)
+        store.set(f"{_FAULT_KEY}{rank}", f"{seq}|{int(primary)}|{own}")
+    except Exception:
+        store = None
+    abort_process_groups()
+    if store is None:
+        return own
+    deadline = time.monotonic() + grace_s
+    records: dict[int, str] = {}
+    while True:
+        try:
+            records = _store_records(store, world)
+        except Exception:  # the store's host (rank 0) is gone
+            break
+        firsts = [r for r, v in records.items() if v.split("|", 2)[1] == "1"]
+        if primary:  # stay until the peers have read the store (this process may host it)
+            done = all(store.check([f"{_FAULT_KEY}read/{r}"]) for r in range(world) if r != rank)
+        else:
+            done = bool(firsts) or len(records) == world
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    if not primary:
+        try:
+            store.set(f"{_FAULT_KEY}read/{rank}", "1")
+        except Exception:
+            pass
+    parsed = {r: v.split("|", 2) for r, v in records.items()}
+    firsts = sorted((int(seq), r) for r, (seq, p, _) in parsed.items() if p == "1")
+    if firsts and firsts[0][1] != rank:
+        return f"{parsed[firsts[0][1]][2]} (seen from rank {rank}, which then {own.split(' ', 2)[2]})"
+    if firsts:
+        return own
+    missing = [r for r in range(world) if r not in parsed and r != rank]
+    if missing:
+        who = ", ".join(map(str, missing))
+        return (f"rank(s) {who} stopped responding (process exited or hung; no failure report) while "
+                f"rank {rank} was in {where}: {error}")
+    return own

@@ -1,0 +1,84 @@
+"""Where the host time of one ``fd.execute`` goes, for a small sequence-parallel MLP.
+
+    torchrun --nproc_per_node=2 benchmarks/host_overhead.py [--tokens 256 --hidden 1024 --ffn 4096]
+
+At small shapes the GPU finishes an MLP faster than Python can issue it, so the frontend's host
+time per call decides the speed. Prints, max over ranks: GPU time per iteration of the plan and of
+NCCL sequential (CUDA events over back-to-back calls), host time per ``execute`` call, the
+cross-rank input agreement alone, and the top functions of a cProfile of rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tp_mlp import make_inputs, mlp_local, time_ms, tp_fusion_runner  # noqa: E402
+from tp_fusion.launch import init_from_env  # noqa: E402
+from tp_fusion.runtime import dist  # noqa: E402
+
+
+def host_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=4096)
+    args = p.parse_args()
+    device = init_from_env()
+    n, r = dist.world_size(), dist.rank()
+    inp = make_inputs(args.tokens, args.hidden, args.ffn, n, r, device)
+    plan_fn = tp_fusion_runner(args.tokens, args.hidden, args.ffn, n, inp)
+    gathered = torch.empty_like(inp["x_full"])
+    out = torch.empty(args.tokens // n, args.hidden, device=device, dtype=torch.bfloat16)
+
+    def sequential():
+        dist.all_gather(gathered, inp["x_local"], None)
+        dist.reduce_scatter(out, mlp_local(gathered, inp["w1"], inp["b1"], inp["w2"]), None)
+
+    rows = {
+        "plan GPU ms/iter": time_ms(plan_fn, 50, 10),
+        "NCCL sequential GPU ms/iter": time_ms(sequential, 50, 10),
+        "plan host us/call": host_us(plan_fn, 200),
+        "NCCL sequential host us/call": host_us(sequential, 200),
+        "agreement host us/call": host_us(lambda: dist.any_rank_flagged(False), 200),
+        "F.linear host us/call": host_us(lambda: F.linear(inp["x_local"], inp["w1"]), 200),
+    }
+    worst = dist.gather_from_all(rows)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(100):
+        plan_fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    if r == 0:
+        print(f"shape tokens={args.tokens} hidden={args.hidden} ffn={args.ffn}, {n} ranks")
+        for key in rows:
+            print(f"  {key:32s} {max(w[key] for w in worst):10.3f}")
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+        print(s.getvalue())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
