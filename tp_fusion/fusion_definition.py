@@ -84,9 +84,13 @@ class TensorView:
     def set_device_mesh(self, mesh: DeviceMesh) -> None:
         if not isinstance(mesh, DeviceMesh):
             raise ShardingError(f"T{self.name}.set_device_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
-        loop = self._loop()
+        loop, before = self._loop(), self._ir
         self._update(sharding=Sharding.replicated(mesh), annotated=True)
-        self._set_loop(loop)
+        try:
+            self._set_loop(loop)
+        except Exception:
+            self._fd._tensors[self.name] = before  # a rejected mesh leaves the tensor as it was
+            raise
 
     def outer_split(self, axis: int, factor: int) -> None:
         """Loop axis ``axis`` of extent n becomes [factor, n/factor]."""

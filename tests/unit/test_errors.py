@@ -1,0 +1,380 @@
+"""Every definition, schedule and execute-input error: its type, its bases and its message."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tp_fusion import (
+    DataType,
+    DefinitionError,
+    DeviceMesh,
+    FusionDefinition,
+    InputError,
+    LoweringError,
+    ParallelType,
+    ShardingError,
+    TPFusionError,
+)
+from tp_fusion.runtime import dist
+
+
+def _raises(cls, match, fn, *, base=ValueError):
+    """``fn()`` raises ``cls`` matching ``match``, which is a TPFusionError and a ``base``."""
+    with pytest.raises(cls, match=match) as info:
+        fn()
+    assert isinstance(info.value, TPFusionError)
+    assert isinstance(info.value, base)
+    return info.value
+
+
+def _fd_with(*shapes, dtype=DataType.Float):
+    fd = FusionDefinition()
+    return fd, [fd.define_tensor(list(s), dtype=dtype) for s in shapes]
+
+
+def test_error_hierarchy():
+    for cls in (DefinitionError, ShardingError, InputError):
+        assert issubclass(cls, TPFusionError) and issubclass(cls, ValueError)
+    assert issubclass(LoweringError, TPFusionError) and issubclass(LoweringError, NotImplementedError)
+
+
+# --- definition errors -----------------------------------------------------------------------
+
+def test_linear_in_extent_mismatch():
+    fd, (x, w) = _fd_with((4, 8), (3, 16))
+    err = _raises(DefinitionError, r"linear: the in extent of T0 f32\[4, 8\].*weight T1 f32\[3, 16\]",
+                  lambda: fd.ops.linear(x, w))
+    assert "8" in str(err) and "16" in str(err)
+    assert len(fd.fusion.ops) == 0  # a rejected op is not recorded
+
+
+def test_linear_bad_weight_and_bias():
+    fd, (x, w1d, w, b) = _fd_with((4, 8), (8,), (3, 8), (4,))
+    _raises(DefinitionError, r"linear: .*T1 f32\[8\].*2-D \[out, in\]", lambda: fd.ops.linear(x, w1d))
+    _raises(DefinitionError, r"linear: bias T3 f32\[4\] must be 1-D \[out\] with out = 3.*T2 f32\[3, 8\]",
+            lambda: fd.ops.linear(x, w, b))
+
+
+def test_bad_broadcast():
+    fd, (a, b) = _fd_with((4, 8), (3, 8))
+    _raises(DefinitionError, r"add: cannot apply to T0 f32\[4, 8\], T1 f32\[3, 8\]", lambda: fd.ops.add(a, b))
+    _raises(DefinitionError, r"where: cannot apply", lambda: fd.ops.where(fd.ops.cast(a, DataType.Bool), a, b))
+
+
+def test_bad_matmul():
+    fd, (a, b) = _fd_with((4, 8), (6, 3))
+    _raises(DefinitionError, r"matmul: cannot apply to T0 f32\[4, 8\], T1 f32\[6, 3\]", lambda: fd.ops.matmul(a, b))
+
+
+def test_bad_reshape():
+    fd, (x,) = _fd_with((4, 8))
+    _raises(DefinitionError, r"reshape: cannot apply to T0 f32\[4, 8\].*\[5, 7\]", lambda: fd.ops.reshape(x, [5, 7]))
+
+
+@pytest.mark.parametrize("dims", [[0], [0, 0, 1], [1, 2], [0, 1, 2, 0], [0, 4, 2], [0, 1, -4], [0, 1.0, 2]])
+def test_bad_permute(dims):
+    fd, (x,) = _fd_with((2, 3, 4))
+    _raises(DefinitionError, r"permute: dims .* are not a permutation of T0's 3 dims f32\[2, 3, 4\]",
+            lambda: fd.ops.permute(x, dims))
+
+
+@pytest.mark.parametrize("op,call,msg", [
+    ("sum", lambda fd, x: fd.ops.sum(x, [2]), r"sum: dim 2 is out of range for T0 f32\[4, 8\]"),
+    ("mean", lambda fd, x: fd.ops.mean(x, [-3]), r"mean: dim -3 is out of range"),
+    ("amax", lambda fd, x: fd.ops.amax(x, [0, -2]), r"amax: dims \[0, -2\] repeat a dim of T0"),
+    ("var_mean", lambda fd, x: fd.ops.var_mean(x, [5]), r"var_mean: dim 5 is out of range"),
+    ("softmax", lambda fd, x: fd.ops.softmax(x, 2), r"softmax: dim 2 is out of range"),
+    ("squeeze", lambda fd, x: fd.ops.squeeze(x, [0]), r"squeeze: dims \[0\] of T0 f32\[4, 8\] are not of extent 1"),
+    ("squeeze2", lambda fd, x: fd.ops.squeeze(x, [3]), r"squeeze: dim 3 is out of range"),
+    ("unsqueeze", lambda fd, x: fd.ops.unsqueeze(x, 3), r"unsqueeze: dim 3 is out of range for T0 f32\[4, 8\]"),
+    ("unsqueeze-", lambda fd, x: fd.ops.unsqueeze(x, -4), r"unsqueeze: dim -4 is out of range"),
+])
+def test_bad_dims(op, call, msg):
+    fd, (x,) = _fd_with((4, 8))
+    _raises(DefinitionError, msg, lambda: call(fd, x))
+
+
+@pytest.mark.parametrize("shape,bdims", [([4, 3], [0, 1]), ([2, 3, 4], [1, 0]), ([2, 3], [0]),
+                                         ([2, 3], [0, 2]), ([2, 5, 3], [0, 1])])
+def test_bad_broadcast_in_dim(shape, bdims):
+    fd, (x,) = _fd_with((2, 3))
+    _raises(DefinitionError, r"broadcast_in_dim: T0 f32\[2, 3\] cannot broadcast to",
+            lambda: fd.ops.broadcast_in_dim(x, shape, bdims))
+
+
+def test_bad_definition_arguments():
+    fd, (x,) = _fd_with((2, 3))
+    _raises(DefinitionError, r"define_tensor: shape \[2, -2\]", lambda: fd.define_tensor([2, -2]))
+    _raises(DefinitionError, r"define_tensor: dtype must be a DataType",
+            lambda: fd.define_tensor([2], dtype=torch.float32))
+    _raises(DefinitionError, r"define_scalar: value must be a Python number", lambda: fd.define_scalar("a"))
+    _raises(DefinitionError, r"gelu: approximate must be 'none' or 'tanh', got 'erf'",
+            lambda: fd.ops.gelu(x, approximate="erf"))
+    _raises(DefinitionError, r"cast: dtype must be a DataType", lambda: fd.ops.cast(x, torch.float16))
+    _raises(DefinitionError, r"add: at least one operand must be a TensorView", lambda: fd.ops.add(1, 2.0))
+    _raises(DefinitionError, r"relu: expected a TensorView", lambda: fd.ops.relu(torch.ones(2)))
+    _raises(DefinitionError, r"mul: unsupported operand", lambda: fd.ops.mul(x, "2"))
+    _raises(DefinitionError, r"mean: cannot apply to T\d+ i64\[2, 3\]",
+            lambda: fd.ops.mean(fd.ops.cast(x, DataType.Int), [0]))
+    _raises(DefinitionError, r"where: cannot apply .*bool", lambda: fd.ops.where(x, x, x))
+    _raises(DefinitionError, r"layer_norm: cannot apply", lambda: fd.ops.layer_norm(x, [4]))
+    _raises(DefinitionError, r"full: shape \[2, -1\] must be concrete", lambda: fd.ops.full([2, -1], 1.0,
+                                                                                          DataType.Float))
+    _raises(DefinitionError, r"output_shardings: run execute\(\) first", fd.output_shardings)
+
+
+def test_tensors_of_another_fusion():
+    fd, (x,) = _fd_with((2, 3))
+    other, (y,) = _fd_with((2, 3))
+    _raises(DefinitionError, r"add: T0 belongs to another FusionDefinition", lambda: fd.ops.add(x, y))
+    _raises(DefinitionError, r"add_output: expected a TensorView of this fusion", lambda: fd.add_output(y))
+    _raises(DefinitionError, r"add_output: expected a TensorView", lambda: fd.add_output(torch.ones(2)))
+
+
+# --- schedule errors -------------------------------------------------------------------------
+
+MESH2 = DeviceMesh(range(2))
+MESH22 = DeviceMesh(torch.arange(4).reshape(2, 2))
+
+
+def _tv(shape=(8, 6), mesh=MESH2):
+    fd, (t,) = _fd_with(shape)
+    if mesh is not None:
+        t.set_device_mesh(mesh)
+    return fd, t
+
+
+def test_split_factor_must_divide_a_concrete_extent():
+    fd, t = _tv()
+    before = str(fd)
+    err = _raises(ShardingError, r"T0: split factor 4 does not divide loop axis 1 of extent 6 "
+                                 r"\(tensor shape \[8, 6\]\); use a factor that divides 6",
+                  lambda: t.split(1, 4))
+    assert "T0" in str(err)
+    _raises(ShardingError, r"split factor 4 does not divide", lambda: t.outer_split(1, 4))
+    _raises(ShardingError, r"T0.split: factor must be a positive int, got 0", lambda: t.split(0, 0))
+    assert str(fd) == before  # a rejected split changes nothing
+
+
+def test_split_of_a_symbolic_extent_is_checked_at_execute():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 6])
+        fd.add_output(fd.ops.relu(x))
+    x.outer_split(0, 4)  # nothing to check yet
+    assert [x.axis(i).extent for i in range(3)] == [4, -1, 6]
+    xi = torch.randn(8, 6)
+    torch.testing.assert_close(fd.execute([xi])[0], torch.relu(xi))
+    _raises(ShardingError, r"T0 f32\[\?, 6\]: dim 0 is symbolic and bound to 6 at execute, but its schedule "
+                           r"splits it by 4 = 4, which does not divide 6",
+            lambda: fd.execute([torch.ones(6, 6)]))
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda t: t.split(2, 2),
+     r"T0.split: axis 2 is out of range for a loop domain of 2 axes \(tensor shape \[8, 6\]\)"),
+    (lambda t: t.outer_split(-3, 2), r"T0.split: axis -3 is out of range"),
+    (lambda t: t.axis(2), r"T0.axis: axis 2 is out of range for a loop domain of 2 axes"),
+    (lambda t: t.axis(-3), r"T0.axis: axis -3 is out of range"),
+])
+def test_axis_out_of_range(call, msg):
+    _, t = _tv()
+    _raises(ShardingError, msg, lambda: call(t))
+
+
+def test_split_after_split_counts_loop_axes():
+    _, t = _tv()
+    t.outer_split(0, 2)  # loop [2, 4, 6]: axis 2 exists now
+    t.split(2, 3)
+    _raises(ShardingError, r"axis 4 is out of range for a loop domain of 4 axes", lambda: t.axis(4))
+
+
+def test_device_parallel_type_used_twice():
+    _, t = _tv(mesh=MESH22)
+    t.outer_split(0, 2)
+    t.axis(0).parallelize(ParallelType.mesh_x)
+    t.outer_split(2, 2)
+    _raises(ShardingError, r"T0: mesh_x is already bound to loop axis 0; a device parallel type may be used once",
+            lambda: t.axis(2).parallelize(ParallelType.DIDx))
+
+
+def test_parallelize_without_a_mesh():
+    _, t = _tv(mesh=None)
+    t.outer_split(0, 2)
+    _raises(ShardingError, r"T0.axis\(0\).parallelize\(mesh_x\): the tensor has no device mesh; "
+                           r"call set_device_mesh\(mesh\) first",
+            lambda: t.axis(0).parallelize(ParallelType.mesh_x))
+
+
+@pytest.mark.parametrize("ptype", [ParallelType.mesh_y, ParallelType.mesh_z])
+def test_mesh_y_on_a_1d_mesh(ptype):
+    _, t = _tv()
+    t.outer_split(0, 2)
+    _raises(ShardingError, rf"parallelize\({ptype.value}\): the mesh \[2\] has 1 axis\(es\); {ptype.value} needs more",
+            lambda: t.axis(0).parallelize(ptype))
+
+
+def test_outer_split_factor_not_the_mesh_size():
+    _, t = _tv()
+    t.outer_split(0, 4)
+    _raises(ShardingError, r"T0 loop axis 0 \(mesh_x\): extent 4 must equal the mesh axis size 2; "
+                           r"use outer_split\(axis, 2\)",
+            lambda: t.axis(0).parallelize(ParallelType.mesh_x))
+    assert t.axis(0).parallel_type is ParallelType.serial  # left as it was
+
+
+def test_unsplit_axis_parallelized():
+    _, t = _tv()  # axis 0 has extent 8, not 2
+    _raises(ShardingError, r"extent 8 must equal the mesh axis size 2",
+            lambda: t.axis(0).parallelize(ParallelType.mesh_x))
+
+
+def test_split_after_parallelize():
+    _, t = _tv()
+    t.outer_split(0, 2)
+    t.axis(0).parallelize(ParallelType.mesh_x)
+    _raises(ShardingError, r"T0.split: loop axis 0 is parallelized on mesh_x; split before parallelizing",
+            lambda: t.split(0, 2))
+
+
+def test_set_device_mesh_needs_a_mesh():
+    _, t = _tv(mesh=None)
+    _raises(ShardingError, r"T0.set_device_mesh: expected a DeviceMesh, got list", lambda: t.set_device_mesh([0, 1]))
+
+
+def test_set_device_mesh_that_does_not_fit_the_schedule_leaves_the_tensor_unchanged():
+    fd, t = _tv()
+    t.outer_split(0, 2)
+    t.axis(0).parallelize(ParallelType.mesh_x)
+    before = str(fd)
+    _raises(ShardingError, r"extent 2 must equal the mesh axis size 4", lambda: t.set_device_mesh(DeviceMesh(range(4))))
+    assert str(fd) == before
+    assert t.mesh == MESH2
+
+
+def test_parallelize_needs_a_parallel_type():
+    _, t = _tv()
+    _raises(ShardingError, r"expected a ParallelType, got 'mesh_x'", lambda: t.axis(0).parallelize("mesh_x"))
+
+
+def test_unsupported_shardings_are_not_implemented():
+    _, t = _tv()
+    t.split(0, 2)  # [4, 2]: the inner piece cannot be device-parallel
+    _raises(LoweringError, r"T0 loop axis 1 \(mesh_x\): only the outermost piece of a dim can be device-parallel",
+            lambda: t.axis(1).parallelize(ParallelType.mesh_x), base=NotImplementedError)
+    _, t = _tv(shape=(8, 6), mesh=MESH22)
+    t.outer_split(0, 2)
+    t.axis(0).parallelize(ParallelType.mesh_x)
+    t.outer_split(1, 2)  # loop [mesh_x{2}, 2, 2, 6]: axis 1 is an inner piece of dim 0 too
+    _raises(LoweringError, r"only the outermost piece", lambda: t.axis(1).parallelize(ParallelType.mesh_y),
+            base=NotImplementedError)
+
+
+@pytest.mark.parametrize("devices,msg", [
+    ([0, 1, 1], r"DeviceMesh \[0, 1, 1\] repeats device\(s\) \[1\]; each rank may appear once"),
+    (torch.tensor([[0, 1], [1, 0]]), r"repeats device\(s\) \[0, 1\]"),
+    ([], r"DeviceMesh needs at least one device"),
+    ([-1, 0], r"DeviceMesh devices must be ranks >= 0"),
+    (torch.arange(16).reshape(2, 2, 2, 2), r"DeviceMesh has 4 axes; at most 3"),
+])
+def test_bad_device_mesh(devices, msg):
+    _raises(ShardingError, msg, lambda: DeviceMesh(devices))
+
+
+# --- execute-input errors --------------------------------------------------------------------
+
+def _relu_fd(shape=(4, 8), dtype=DataType.Float):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(list(shape), dtype=dtype)
+        fd.add_output(fd.ops.relu(x))
+    return fd
+
+
+@pytest.mark.parametrize("inputs,msg", [
+    ([], r"execute: the fusion takes 1 inputs \(T0\), got 0"),
+    ([torch.ones(4, 8), torch.ones(4, 8)], r"execute: the fusion takes 1 inputs \(T0\), got 2"),
+])
+def test_wrong_number_of_inputs(inputs, msg):
+    _raises(InputError, msg, lambda: _relu_fd().execute(inputs))
+
+
+def test_wrong_dtype():
+    _raises(InputError, r"execute: input T0 has dtype torch.float64, the fusion defines it as torch.float32; "
+                        r"cast it or change define_tensor's dtype",
+            lambda: _relu_fd().execute([torch.ones(4, 8, dtype=torch.float64)]))
+    _raises(InputError, r"has dtype torch.float32, the fusion defines it as torch.bfloat16",
+            lambda: _relu_fd(dtype=DataType.BFloat16).execute([torch.ones(4, 8)]))
+
+
+def test_wrong_shape():
+    _raises(InputError, r"execute: input T0 dim 1 has local extent 7; its global extent 8 .*"
+                        r"expected local shape \[4, 8\]",
+            lambda: _relu_fd().execute([torch.ones(4, 7)]))
+    _raises(InputError, r"execute: input T0 has 1 dims \[4\], the fusion defines 2 dims \[4, 8\]",
+            lambda: _relu_fd().execute([torch.ones(4)]))
+    _raises(InputError, r"input T0 has 3 dims", lambda: _relu_fd(shape=(-1, 8)).execute([torch.ones(2, 4, 8)]))
+
+
+@pytest.mark.parametrize("value,name", [(3.0, "float"), ([1.0, 2.0], "list"), (None, "NoneType")])
+def test_non_tensor_input(value, name):
+    _raises(InputError, rf"execute: input T0 must be a torch.Tensor, got {name}", lambda: _relu_fd().execute([value]))
+
+
+def test_a_rejected_input_does_not_poison_the_fusion():
+    fd = _relu_fd()
+    _raises(InputError, r"local extent 7", lambda: fd.execute([torch.ones(4, 7)]))
+    x = torch.randn(4, 8)
+    (out,) = fd.execute([x])
+    torch.testing.assert_close(out, torch.relu(x))
+
+
+def test_symbolic_extents_that_disagree_at_execute():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        w = fd.define_tensor([4, 8])
+        y = fd.define_tensor([-1, 4])
+        fd.add_output(fd.ops.add(fd.ops.linear(x, w), y))
+    _raises(InputError, r"execute: the inputs' sizes do not fit the fusion: add: cannot apply to "
+                        r"T3 f32\[3, 4\], T2 f32\[5, 4\]",
+            lambda: fd.execute([torch.ones(3, 8), torch.ones(4, 8), torch.ones(5, 4)]))
+
+
+def _sharded_on_two():
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(mesh)
+        x.outer_split(0, 2)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    return fd
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="needs no process group")
+def test_sharded_fusion_without_a_process_group_is_an_input_error():
+    """Rejected before anything runs, as an InputError that says to start a process group."""
+    fd = _sharded_on_two()
+    _raises(InputError, re.escape("the fusion is sharded across devices, but no torch.distributed process "
+                                  "group is initialized"),
+            lambda: fd.execute([torch.ones(2, 8)]))
+    assert fd.plan is None
+
+
+def test_fusion_on_a_mesh_of_rank_0_alone_runs_without_a_process_group():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(DeviceMesh([0]))
+    xi = torch.randn(4, 8)
+    (out,) = fd.execute([xi])
+    torch.testing.assert_close(out, torch.relu(xi))
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="needs no process group")
+def test_sharded_local_shape_is_checked_first():
+    fd = _sharded_on_two()
+    _raises(InputError, r"input T0 dim 0 has local extent 4; its global extent 4 split 2 ways gives 2.*"
+                        r"expected local shape \[2, 8\]",
+            lambda: fd.execute([torch.ones(4, 8)]))

@@ -1,0 +1,499 @@
+"""Every op of API.md run through ``fd.execute`` on one process, against torch computed here.
+
+Fusions without meshes need no process group. Each test checks values, output dtype and shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tp_fusion import DataType, FusionDefinition, InputError
+
+DTYPES = [(torch.float32, DataType.Float), (torch.bfloat16, DataType.BFloat16)]
+DTYPE_IDS = ["f32", "bf16"]
+
+
+def _rand(seed: int, *shape, dtype=torch.float32, positive: bool = False) -> torch.Tensor:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+    if positive:
+        x = x.abs() + 0.5
+    return x.to(dtype)
+
+
+def _run(build, inputs: list[torch.Tensor]) -> tuple[FusionDefinition, list[torch.Tensor]]:
+    """Define a fusion whose inputs have the shapes/dtypes of ``inputs``, run it, and check that
+    the inputs were not modified."""
+    clones = [x.clone() for x in inputs]
+    with FusionDefinition() as fd:
+        tvs = [fd.define_tensor(list(x.shape), dtype=DataType.from_torch(x.dtype)) for x in inputs]
+        outs = build(fd, *tvs)
+        for o in outs if isinstance(outs, (tuple, list)) else (outs,):
+            fd.add_output(o)
+    got = fd.execute(inputs)
+    for x, c in zip(inputs, clones):
+        torch.testing.assert_close(x, c, rtol=0, atol=0)
+    return fd, got
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, **tol) -> None:
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    torch.testing.assert_close(got, want, **tol)
+
+
+# --- pointwise -------------------------------------------------------------------------------
+
+UNARY = {
+    "neg": (torch.neg, False),
+    "abs": (torch.abs, False),
+    "exp": (torch.exp, False),
+    "log": (torch.log, True),
+    "tanh": (torch.tanh, False),
+    "sigmoid": (torch.sigmoid, False),
+    "relu": (torch.relu, False),
+    "silu": (F.silu, False),
+    "sqrt": (torch.sqrt, True),
+    "rsqrt": (torch.rsqrt, True),
+}
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, dtype, dt):
+    ref, positive = UNARY[name]
+    x = _rand(1, 3, 5, dtype=dtype, positive=positive)
+    fd, (out,) = _run(lambda fd, a: getattr(fd.ops, name)(a), [x])
+    assert fd.fusion.tensor(fd.fusion.outputs[0]).dtype is dt
+    _check(out, ref(x))
+
+
+BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "pow": torch.pow, "maximum": torch.maximum, "minimum": torch.minimum,
+}
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_tensor_tensor(name, dtype, dt):
+    a = _rand(1, 4, 6, dtype=dtype, positive=name == "pow")
+    b = _rand(2, 4, 6, dtype=dtype)
+    if name == "div":
+        b = b.sign() * (b.abs() + 0.5)  # away from zero
+    _, (out,) = _run(lambda fd, x, y: getattr(fd.ops, name)(x, y), [a, b])
+    _check(out, BINARY[name](a, b))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_broadcasts_from_the_right(name, dtype, dt):
+    a = _rand(1, 2, 3, 4, dtype=dtype, positive=True)
+    b = _rand(2, 3, 1, dtype=dtype, positive=True)  # aligned from the right: [_, 3, 1] against [2, 3, 4]
+    _, (ab, ba) = _run(lambda fd, x, y: (getattr(fd.ops, name)(x, y), getattr(fd.ops, name)(y, x)), [a, b])
+    _check(ab, BINARY[name](a, b))
+    _check(ba, BINARY[name](b, a))
+    assert ab.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary_with_python_numbers(name, dtype, dt):
+    a = _rand(3, 5, dtype=dtype, positive=True)
+
+    def ref(x, y):  # torch.maximum/minimum take no Python numbers: a 0-dim tensor promotes alike
+        if name in ("maximum", "minimum"):
+            x, y = (v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in (x, y))
+        return BINARY[name](x, y)
+
+    def build(fd, x):
+        return getattr(fd.ops, name)(x, 2.5), getattr(fd.ops, name)(1.5, x), getattr(fd.ops, name)(x, 3)
+    _, (o1, o2, o3) = _run(build, [a])
+    _check(o1, ref(a, 2.5))
+    _check(o2, ref(1.5, a))
+    _check(o3, ref(a, 3))
+    assert o1.dtype == o2.dtype == o3.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_define_scalar_operands(dtype, dt):
+    a = _rand(4, 3, 4, dtype=dtype)
+
+    def build(fd, x):
+        s = fd.define_scalar(0.25)
+        i = fd.define_scalar(3, dtype=DataType.Int)
+        f = fd.define_scalar(2, dtype=DataType.Double)  # value becomes 2.0
+        return fd.ops.add(fd.ops.mul(x, s), i), fd.ops.sub(f, x)
+    _, (o1, o2) = _run(build, [a])
+    _check(o1, a * 0.25 + 3)
+    _check(o2, 2.0 - a)
+
+
+def test_type_promotion():
+    i64 = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    i32 = torch.arange(3, dtype=torch.int32)
+    f32 = _rand(5, 2, 3)
+    bf = _rand(6, 3, dtype=torch.bfloat16)
+
+    def build(fd, a, b, c, d):
+        return (fd.ops.mul(a, 2.5),     # int tensor * float -> float32
+                fd.ops.add(a, b),       # i64 + i32 -> i64
+                fd.ops.mul(b, 2),       # i32 * int -> i32
+                fd.ops.div(a, 4),       # true division -> float32
+                fd.ops.add(c, d),       # f32 + bf16 -> f32
+                fd.ops.mul(d, a),       # bf16 * int tensor -> bf16
+                fd.ops.add(b, True))    # i32 + bool -> i32
+    fd, outs = _run(build, [i64, i32, f32, bf])
+    wants = [i64 * 2.5, i64 + i32, i32 * 2, torch.div(i64, 4), f32 + bf, bf * i64, i32 + True]
+    assert [o.dtype for o in outs] == [torch.float32, torch.int64, torch.int32, torch.float32,
+                                       torch.float32, torch.bfloat16, torch.int32]
+    for got, want in zip(outs, wants):
+        _check(got, want)
+    # the recorded output dtypes agree with what ran
+    assert [fd.fusion.tensor(o).dtype.torch for o in fd.fusion.outputs] == [o.dtype for o in outs]
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_where(dtype, dt):
+    c = _rand(1, 4, 5) > 0
+    a, b = _rand(2, 4, 5, dtype=dtype), _rand(3, 5, dtype=dtype)  # b broadcasts
+    _, (o1, o2, o3) = _run(lambda fd, c, a, b: (fd.ops.where(c, a, b), fd.ops.where(c, a, 0.0),
+                                                fd.ops.where(c, 1.0, -1.0)), [c, a, b])
+    _check(o1, torch.where(c, a, b))
+    _check(o2, torch.where(c, a, 0.0))
+    _check(o3, torch.where(c, 1.0, -1.0))
+    assert o3.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu(approximate, dtype, dt):
+    x = _rand(7, 4, 8, dtype=dtype) * 3
+    _, (out,) = _run(lambda fd, a: fd.ops.gelu(a, approximate=approximate), [x])
+    _check(out, F.gelu(x, approximate=approximate))
+
+
+def test_gelu_approximations_differ():
+    x = torch.linspace(-3, 3, 101, dtype=torch.float64)
+    _, (exact, tanh) = _run(lambda fd, a: (fd.ops.gelu(a), fd.ops.gelu(a, approximate="tanh")), [x])
+    _check(exact, 0.5 * x * (1 + torch.erf(x / 2 ** 0.5)))
+    _check(tanh, 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x ** 3))))
+    assert not torch.equal(exact, tanh)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("target", [DataType.Float, DataType.Double, DataType.Half, DataType.BFloat16,
+                                    DataType.Int, DataType.Int32, DataType.Bool])
+def test_cast(target, dtype, dt):
+    x = _rand(8, 3, 4, dtype=dtype) * 10
+    _, (out,) = _run(lambda fd, a: fd.ops.cast(a, target), [x])
+    _check(out, x.to(target.torch))
+
+
+# --- reductions ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dims,keepdim", [([0], False), ([1, 2], False), ([-1], True), ([0, 2], True)])
+def test_sum_mean_amax(dims, keepdim, dtype, dt):
+    x = _rand(9, 3, 4, 5, dtype=dtype)
+    _, (s, m, a) = _run(lambda fd, t: (fd.ops.sum(t, dims, keepdim=keepdim), fd.ops.mean(t, dims, keepdim=keepdim),
+                                       fd.ops.amax(t, dims, keepdim=keepdim)), [x])
+    _check(s, torch.sum(x, dim=dims, keepdim=keepdim))
+    _check(m, torch.mean(x, dim=dims, keepdim=keepdim))
+    _check(a, torch.amax(x, dim=dims, keepdim=keepdim))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_reduction_dtype_and_int_dim(dtype, dt):
+    x = _rand(10, 4, 6, dtype=dtype)
+    _, (s, m) = _run(lambda fd, t: (fd.ops.sum(t, 1, dtype=DataType.Double),
+                                    fd.ops.mean(t, 0, dtype=DataType.Float)), [x])
+    _check(s, torch.sum(x, dim=1, dtype=torch.float64))
+    _check(m, torch.mean(x, dim=0, dtype=torch.float32))
+
+
+def test_sum_of_ints():
+    x = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    _, (s,) = _run(lambda fd, t: fd.ops.sum(t, [0]), [x])
+    _check(s, torch.sum(x, dim=0))  # torch promotes an int32 sum to int64
+    assert s.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("correction", [0, 1])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_var_mean(correction, keepdim, dtype, dt):
+    x = _rand(11, 4, 6, 3, dtype=dtype)
+
+    def build(fd, t):
+        v, m = fd.ops.var_mean(t, [0, 2], correction=correction, keepdim=keepdim)
+        return m, v  # outputs in add_output order, not op output order
+    _, (m, v) = _run(build, [x])
+    want_v, want_m = torch.var_mean(x, dim=[0, 2], correction=correction, keepdim=keepdim)
+    _check(v, want_v)
+    _check(m, want_m)
+
+
+def test_var_mean_default_correction_is_one():
+    x = _rand(12, 5, 7)
+    _, (v, m) = _run(lambda fd, t: fd.ops.var_mean(t, [1]), [x])
+    _check(v, x.var(dim=1, unbiased=True))
+    _check(m, x.mean(dim=1))
+
+
+# --- matrix ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(bias, dtype, dt):
+    x, w, b = _rand(13, 2, 3, 8, dtype=dtype), _rand(14, 5, 8, dtype=dtype), _rand(15, 5, dtype=dtype)
+    inputs = [x, w, b] if bias else [x, w]
+    _, (out,) = _run(lambda fd, *t: fd.ops.linear(*t), inputs)
+    _check(out, F.linear(*inputs))
+    assert out.shape == (2, 3, 5)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("sa,sb", [((4, 6), (6, 3)), ((2, 4, 6), (6, 3)), ((2, 4, 6), (1, 6, 3)),
+                                   ((6,), (6, 3)), ((4, 6), (6,))])
+def test_matmul(sa, sb, dtype, dt):
+    a, b = _rand(16, *sa, dtype=dtype), _rand(17, *sb, dtype=dtype)
+    _, (out,) = _run(lambda fd, x, y: fd.ops.matmul(x, y), [a, b])
+    _check(out, torch.matmul(a, b))
+
+
+# --- shape ops -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_reshape(dtype, dt):
+    x = _rand(18, 4, 6, dtype=dtype)
+    _, (o1, o2, o3) = _run(lambda fd, t: (fd.ops.reshape(t, [2, 12]), fd.ops.reshape(t, [-1, 3]),
+                                          fd.ops.reshape(t, [24])), [x])
+    _check(o1, x.reshape(2, 12))
+    _check(o2, x.reshape(-1, 3))
+    _check(o3, x.reshape(24))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dims", [(1, 0, 2), (2, 0, 1), (-1, 0, 1), (0, 1, 2)])
+def test_permute(dims, dtype, dt):
+    x = _rand(19, 2, 3, 4, dtype=dtype)
+    _, (out,) = _run(lambda fd, t: fd.ops.permute(t, dims), [x])
+    _check(out, x.permute(dims))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("in_shape,shape,bdims", [((3,), (2, 3), (1,)), ((3,), (3, 2), (0,)),
+                                                  ((3, 1), (2, 3, 4), (1, 2)), ((2, 3), (2, 5, 3), (0, 2))])
+def test_broadcast_in_dim(in_shape, shape, bdims, dtype, dt):
+    x = _rand(20, *in_shape, dtype=dtype)
+    _, (out,) = _run(lambda fd, t: fd.ops.broadcast_in_dim(t, shape, bdims), [x])
+    view = [1] * len(shape)
+    for i, d in enumerate(bdims):
+        view[d] = in_shape[i]
+    _check(out, x.reshape(view).expand(shape))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_squeeze_unsqueeze(dtype, dt):
+    x = _rand(21, 1, 3, 1, 4, dtype=dtype)
+
+    def build(fd, t):
+        return (fd.ops.squeeze(t, [0, 2]), fd.ops.squeeze(t, 2), fd.ops.squeeze(t, [-2]),
+                fd.ops.unsqueeze(t, 0), fd.ops.unsqueeze(t, -1), fd.ops.unsqueeze(t, 3))
+    _, outs = _run(build, [x])
+    wants = [x.squeeze((0, 2)), x.squeeze(2), x.squeeze(-2), x.unsqueeze(0), x.unsqueeze(-1), x.unsqueeze(3)]
+    for got, want in zip(outs, wants):
+        _check(got, want)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_set_is_a_copy(dtype, dt):
+    x = _rand(22, 3, 4, dtype=dtype)
+    _, (out,) = _run(lambda fd, t: fd.ops.set(t), [x])
+    _check(out, x)
+    assert out.data_ptr() != x.data_ptr()
+    out.add_(1)  # writing the output must not touch the input
+    torch.testing.assert_close(x, _rand(22, 3, 4, dtype=dtype))
+
+
+def test_output_that_is_an_input_or_a_view_of_one_is_not_aliased():
+    x = _rand(23, 3, 4)
+    keep = x.clone()
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([3, 4])
+        fd.add_output(t)
+        fd.add_output(fd.ops.reshape(t, [12]))
+        fd.add_output(fd.ops.permute(t, [1, 0]))
+    a, b, c = fd.execute([x])
+    _check(a, x)
+    _check(b, x.reshape(12))
+    _check(c, x.t())
+    for o in (a, b, c):
+        o.zero_()
+    torch.testing.assert_close(x, keep, rtol=0, atol=0)
+
+
+# --- normalization ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("affine", ["none", "weight", "weight_bias"])
+def test_layer_norm(affine, dtype, dt):
+    x, w, b = _rand(24, 3, 4, 8, dtype=dtype), _rand(25, 8, dtype=dtype), _rand(26, 8, dtype=dtype)
+    extra = {"none": [], "weight": [w], "weight_bias": [w, b]}[affine]
+
+    def build(fd, t, *wb):
+        return fd.ops.layer_norm(t, [8], *wb, eps=1e-3)
+    _, (out,) = _run(build, [x, *extra])
+    _check(out, F.layer_norm(x, [8], *extra, eps=1e-3))
+
+
+def test_layer_norm_int_shape_and_default_eps():
+    x = _rand(27, 4, 6, dtype=torch.float64)
+    _, (o1, o2) = _run(lambda fd, t: (fd.ops.layer_norm(t, 6), fd.ops.layer_norm(t, [4, 6])), [x])
+    m, v = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    _check(o1, (x - m) / torch.sqrt(v + 1e-5))
+    _check(o2, F.layer_norm(x, [4, 6]))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_softmax(dim, dtype, dt):
+    x = _rand(28, 3, 5, dtype=dtype) * 4
+    _, (out,) = _run(lambda fd, t: fd.ops.softmax(t, dim), [x])
+    _check(out, torch.softmax(x, dim))
+    sums = out.float().sum(dim)
+    torch.testing.assert_close(sums, torch.ones_like(sums), atol=2e-2, rtol=0)
+
+
+# --- full ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dt", [DataType.Float, DataType.BFloat16, DataType.Int, DataType.Bool])
+def test_full(dt):
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.full([2, 3], 1.5 if dt.is_floating else 1, dt))
+    (out,) = fd.execute([])
+    _check(out, torch.full([2, 3], 1.5 if dt.is_floating else 1, dtype=dt.torch))
+
+
+def test_full_combined_with_an_input():
+    x = _rand(29, 2, 3, dtype=torch.bfloat16)
+    _, (out,) = _run(lambda fd, t: fd.ops.add(t, fd.ops.full([3], 2.0, DataType.BFloat16)), [x])
+    _check(out, x + torch.full([3], 2.0, dtype=torch.bfloat16))
+
+
+# --- a composite fusion, outputs order, symbolic sizes -------------------------------------
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_mlp_block_and_output_order(dtype, dt):
+    x, w1, b1, w2 = (_rand(30, 6, 8, dtype=dtype), _rand(31, 16, 8, dtype=dtype) * 0.3,
+                     _rand(32, 16, dtype=dtype), _rand(33, 8, 16, dtype=dtype) * 0.3)
+
+    def build(fd, x, w1, b1, w2):
+        h = fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh")
+        z = fd.ops.linear(h, w2)
+        return z, h, fd.ops.sum(z, [0])
+    _, (z, h, s) = _run(build, [x, w1, b1, w2])
+    want_h = F.gelu(F.linear(x, w1, b1), approximate="tanh")
+    want_z = F.linear(want_h, w2)
+    _check(h, want_h)
+    _check(z, want_z)
+    _check(s, want_z.sum(0))
+
+
+def test_symbolic_sizes_bind_at_execute_and_rebind():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        w = fd.define_tensor([-1, 8])
+        b = fd.define_tensor([-1])
+        y = fd.ops.linear(x, w, b)
+        r = fd.ops.relu(fd.ops.add(y, 1.0))
+        fd.add_output(r)
+        fd.add_output(fd.ops.sum(r, [0]))
+        fd.add_output(fd.ops.reshape(x, [-1, 2, 4]))
+    assert fd.fusion.tensor(r.name).shape == (-1, -1)
+    defined = str(fd)
+    for tokens, out_f in ((3, 5), (7, 2), (3, 5)):
+        xi, wi, bi = _rand(tokens, tokens, 8), _rand(40 + out_f, out_f, 8), _rand(50, out_f)
+        got_r, got_s, got_x = fd.execute([xi, wi, bi])
+        want = torch.relu(F.linear(xi, wi, bi) + 1.0)
+        _check(got_r, want)
+        _check(got_s, want.sum(0))
+        _check(got_x, xi.reshape(-1, 2, 4))
+        assert str(fd) == defined  # executing does not alter the definition
+    assert fd.plan is not None
+
+
+def test_symbolic_sizes_in_reductions_and_broadcast_in_dim():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4], dtype=DataType.BFloat16)
+        v, m = fd.ops.var_mean(x, [0])
+        fd.add_output(m)
+        fd.add_output(v)
+        fd.add_output(fd.ops.broadcast_in_dim(x, [2, -1, 4], [1, 2]))
+        fd.add_output(fd.ops.mean(x, [0]))
+    for n in (3, 6):
+        xi = _rand(n, n, 4, dtype=torch.bfloat16)
+        m, v, bc, mean = fd.execute([xi])
+        want_v, want_m = torch.var_mean(xi, dim=[0])
+        _check(m, want_m)
+        _check(v, want_v)
+        _check(bc, xi.expand(2, n, 4))
+        _check(mean, xi.mean(0))
+
+
+def test_symbolic_extents_must_agree_at_execute():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        y = fd.define_tensor([-1, 8])
+        fd.add_output(fd.ops.add(x, y))
+    (out,) = fd.execute([_rand(1, 3, 8), _rand(2, 3, 8)])
+    _check(out, _rand(1, 3, 8) + _rand(2, 3, 8))
+    with pytest.raises(InputError, match=r"add: .*T0 f32\[3, 8\], T1 f32\[5, 8\]"):
+        fd.execute([_rand(1, 3, 8), _rand(2, 5, 8)])
+
+
+def test_an_output_added_after_execute_is_picked_up():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 3])
+        fd.add_output(fd.ops.neg(x))
+    xi = _rand(1, 2, 3)
+    _check(fd.execute([xi])[0], -xi)
+    fd.add_output(fd.ops.exp(x))  # a new output after execute must be picked up
+    a, b = fd.execute([xi])
+    _check(a, -xi)
+    _check(b, xi.exp())
+
+
+# --- property test: broadcasting binary ops --------------------------------------------------
+
+@st.composite
+def _broadcast_pair(draw):
+    out = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+
+    def operand():
+        n = draw(st.integers(0, len(out)))
+        return [draw(st.sampled_from([1, e])) for e in out[len(out) - n:]]
+    return operand(), operand()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=_broadcast_pair(), name=st.sampled_from(["add", "sub", "mul", "maximum", "minimum"]),
+       swap_dtype=st.booleans())
+def test_property_broadcasting_binary_ops(shapes, name, swap_dtype):
+    sa, sb = shapes
+    if not sa and not sb:
+        sa = [1]
+    if not sa:
+        sa, sb = sb, sa
+    a = _rand(1, *sa)
+    b = _rand(2, *sb, dtype=torch.bfloat16 if swap_dtype else torch.float32) if sb else None
+    if b is None:
+        _, (out,) = _run(lambda fd, x: getattr(fd.ops, name)(x, 0.5), [a])
+        _check(out, BINARY[name](a, torch.tensor(0.5)))
+    else:
+        _, (out,) = _run(lambda fd, x, y: getattr(fd.ops, name)(x, y), [a, b])
+        _check(out, BINARY[name](a, b))
