@@ -4,6 +4,10 @@
     python examples/tp_mlp.py --mode sp --nproc 4
     torchrun --nproc_per_node=2 examples/tp_mlp.py --dtype bf16 --tokens 2048 --hidden 1024
 
+``--explain`` also prints the plan's summary (bytes per rank, FLOPs, fused segments);
+``--profile DIR`` writes a torch.profiler Chrome trace per rank (``DIR/trace_rank{r}.json``) and a
+timeline of one iteration (``DIR/timeline.png``, needs matplotlib) for the sp mode (or --mode).
+
 ``--mode tp``: replicated input and output, one allreduce (Megatron). ``--mode sp``: input and
 output sharded on tokens (sequence parallel): allgather, then reduce_scatter. Under torchrun the
 given ranks are used (CUDA with NCCL when there are GPUs); run plainly, it spawns CPU ranks.
@@ -91,10 +95,36 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> float:
         print(fd)
         print(fd.plan)
         print(f"collectives: {fd.plan.collectives()}")
+        if getattr(args, "explain", False):
+            print(fd.plan.summary())
         print(f"max relative error per rank vs aten: {[f'{e:.2e}' for e in errors]}")
     if max(errors) > TOLERANCE[torch_dtype]:
         raise SystemExit(f"rank {rank}: mode {mode} error {max(errors):.3e} exceeds {TOLERANCE[torch_dtype]:.0e}")
+    if getattr(args, "profile", None) and mode == profiled_mode(args):
+        profile(rank, world, fd, local, Path(args.profile), mode)
     return max(errors)
+
+
+def profiled_mode(args) -> str:
+    return "sp" if args.mode == "both" else args.mode
+
+
+def profile(rank: int, world: int, fd, local, out_dir: Path, mode: str) -> None:
+    """A Chrome trace of a few iterations per rank, then (rank 0) a timeline PNG of one of them."""
+    from tp_fusion import profiling
+
+    profiling.profile_iterations(lambda: fd.execute(local), out_dir / f"trace_rank{rank}.json")
+    dist.barrier()  # every rank's trace is written
+    if rank != 0:
+        return
+    traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
+    print(f"profile: wrote {', '.join(map(str, traces))}")
+    try:
+        png = profiling.plot_timeline(traces, out_dir / "timeline.png",
+                                      title=f"tp_mlp --mode {mode}: one iteration on {world} ranks")
+        print(f"profile: wrote {png}")
+    except ImportError as e:
+        print(f"profile: no timeline.png: {e}", file=sys.stderr)
 
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:
@@ -113,6 +143,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    p.add_argument("--explain", action="store_true", help="also print the plan summary (bytes, FLOPs)")
+    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
     return p.parse_args(argv)
 
 

@@ -26,3 +26,11 @@ class LoweringError(TPFusionError, NotImplementedError):
 
 class ExecutionError(TPFusionError, RuntimeError):
     """A rank failed while running a plan; says which rank and in which segment."""
+
+
+class UnsupportedPlacementError(LoweringError):
+    """A DTensor placement that cannot annotate a fusion input (Partial, strided, one dim on two mesh axes)."""
+
+
+class UnevenShardError(ShardingError):
+    """A DTensor input whose sharded dim does not split evenly across its mesh axis."""

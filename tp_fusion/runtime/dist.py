@@ -230,6 +230,21 @@ def torch_device_mesh(device_type: str, ranks: torch.Tensor):
 # NCCL kernel are released by NCCL's own watchdog (the process group's timeout).
 
 _FAULT_KEY = "tp_fusion/fault/"
+
+
+def warm_up_before_init() -> None:
+    """Run one op on a meta tensor, which imports torch's lazily loaded dispatch machinery (dynamo).
+
+    Imported AFTER init_process_group, some of those modules keep references to the default group
+    (default arguments), so destroying it no longer closes gloo's connections and peers blocked
+    in a collective are not released. tp_fusion infers shapes on meta tensors, so this import
+    happens anyway; doing it before init keeps ``abort_process_groups`` effective. Called at
+    import of this module and by ``tp_fusion.launch`` before it joins a process group.
+    """
+    torch.empty(1, device="meta").relu()
+
+
+warm_up_before_init()
 _FP_BITS = 62
 _fault_store = None  # kept alive after an abort: rank 0 may host the TCPStore server
 

@@ -1,0 +1,139 @@
+"""execute_with_dtensors on gloo ranks: DTensor inputs annotate the fusion, outputs come back as DTensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import tp_fusion
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, ShardingError
+from tp_fusion.errors import UnevenShardError, UnsupportedPlacementError
+from tp_fusion.launch import run_on_ranks
+
+T, H = 8, 4
+
+
+def _mlp_fusion(t: int = T, h: int = H) -> FusionDefinition:
+    """The MLP math only: no schedule (the DTensors annotate the inputs)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([t, h])
+        w1 = fd.define_tensor([4 * h, h])
+        b1 = fd.define_tensor([4 * h])
+        w2 = fd.define_tensor([h, 4 * h])
+        b2 = fd.define_tensor([h])
+        z = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh"), w2, b2)
+        fd.add_output(z)
+    return fd
+
+
+def _full_inputs(t: int = T, h: int = H) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g, dtype=torch.float32) for s in ([t, h], [4 * h, h], [4 * h], [h, 4 * h], [h])]
+
+
+def _reference(x, w1, b1, w2, b2) -> torch.Tensor:
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def _check_1d(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full_inputs()
+    want = _reference(*full)
+    # Megatron TP: replicated activations, column- then row-parallel weights.
+    tp = [Replicate()], [Shard(0)], [Shard(0)], [Shard(1)], [Replicate()]
+    fd = _mlp_fusion()
+    dts = [distribute_tensor(t, mesh, p) for t, p in zip(full, tp)]
+    (z,) = tp_fusion.execute_with_dtensors(fd, dts)
+    assert isinstance(z, DTensor) and z.device_mesh is mesh
+    assert tuple(z.placements) == (Replicate(),) and tuple(z.shape) == (T, H)
+    assert fd.plan.collectives() == ["allreduce"]
+    torch.testing.assert_close(z.full_tensor(), want)
+    torch.testing.assert_close(z.to_local(), want)
+    # The inputs are annotated now, as if scheduled by hand.
+    w1 = fd.fusion.tensor(fd.fusion.inputs[1])
+    assert w1.sharding.axis_sharded_on(ParallelType.mesh_x) == 0 and w1.sharding.mesh == DeviceMesh(range(world))
+
+    # Same fd, new placements (sequence parallel): our own annotations are replaced.
+    sp = [Shard(0)], [Shard(0)], [Shard(0)], [Shard(1)], [Replicate()]
+    (z,) = tp_fusion.execute_with_dtensors(fd, [distribute_tensor(t, mesh, p) for t, p in zip(full, sp)])
+    assert tuple(z.placements) == tuple(Shard(d) if d >= 0 else Replicate() for d in
+                                        [fd.output_shardings()[0].axis_sharded_on(ParallelType.mesh_x)])
+    assert "allgather" in fd.plan.collectives()
+    torch.testing.assert_close(z.full_tensor(), want)
+
+    # A plain tensor passes through as this rank's local input (here: a replicated bias).
+    fd2 = _mlp_fusion()
+    mixed = [distribute_tensor(t, mesh, p) for t, p in zip(full[:4], tp[:4])] + [full[4]]
+    (z2,) = tp_fusion.execute_with_dtensors(fd2, mixed)
+    torch.testing.assert_close(z2.full_tensor(), want)
+
+    # A hand-written schedule that disagrees with the DTensor is an error, not overwritten.
+    fd3 = _mlp_fusion()
+    w1_tv = tp_fusion.TensorView(fd3, fd3.fusion.inputs[1])
+    w1_tv.set_device_mesh(DeviceMesh(range(world)))  # replicated, but the DTensor is Shard(0)
+    with pytest.raises(ShardingError, match="scheduled as"):
+        tp_fusion.execute_with_dtensors(fd3, [distribute_tensor(t, mesh, p) for t, p in zip(full, tp)])
+
+    # Unsupported placements: the same clear error on every rank, nothing hangs.
+    partial = [distribute_tensor(t, mesh, p) for t, p in zip(full, tp)]
+    partial[0] = DTensor.from_local(full[0] / world, mesh, [Partial()], run_check=False)
+    with pytest.raises(UnsupportedPlacementError, match=r"mesh axis 0 holds .*Partial.*redistribute"):
+        tp_fusion.execute_with_dtensors(_mlp_fusion(), partial)
+    odd = _full_inputs(t=T + 1)
+    uneven = [distribute_tensor(t, mesh, p) for t, p in zip(odd, sp)]  # 9 tokens on 2 ranks
+    with pytest.raises(UnevenShardError, match=r"dim 0 \(extent 9\) across 2 devices"):
+        tp_fusion.execute_with_dtensors(_mlp_fusion(t=T + 1), uneven)
+    assert isinstance(UnsupportedPlacementError("x"), NotImplementedError)
+    assert isinstance(UnevenShardError("x"), ValueError)
+    with pytest.raises(tp_fusion.InputError, match="GLOBAL shape"):
+        tp_fusion.execute_with_dtensors(_mlp_fusion(t=2 * T), [distribute_tensor(t, mesh, p)
+                                                                for t, p in zip(full, tp)])
+
+
+def _check_2d(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, world // 2))  # axis 0: data parallel (mesh_y), axis 1: TP (mesh_x)
+    full = _full_inputs()
+    dp_tp = ([Shard(0), Replicate()], [Replicate(), Shard(0)], [Replicate(), Shard(0)],
+             [Replicate(), Shard(1)], [Replicate(), Replicate()])
+    fd = _mlp_fusion()
+    (z,) = tp_fusion.execute_with_dtensors(fd, [distribute_tensor(t, mesh, p) for t, p in zip(full, dp_tp)])
+    assert tuple(z.placements) == (Shard(0), Replicate())
+    assert fd.plan.collectives() == ["allreduce"]
+    x = fd.fusion.tensor(fd.fusion.inputs[0])
+    assert x.sharding.axis_sharded_on(ParallelType.mesh_y) == 0  # DTensor mesh dim 0 = mesh_y
+    assert x.sharding.axis_sharded_on(ParallelType.mesh_x) == -1
+    want = _reference(*full)
+    torch.testing.assert_close(z.full_tensor(), want)
+    torch.testing.assert_close(z.to_local(), want.chunk(2)[mesh.get_coordinate()[0]])
+
+    # Two dims sharded on the two mesh axes; the output keeps the tokens sharded on mesh_y.
+    both = ([Shard(0), Shard(1)], [Replicate(), Replicate()], [Replicate(), Replicate()],
+            [Replicate(), Replicate()], [Replicate(), Replicate()])
+    (z,) = tp_fusion.execute_with_dtensors(_mlp_fusion(), [distribute_tensor(t, mesh, p)
+                                                            for t, p in zip(full, both)])
+    assert not any(p.is_partial() for p in z.placements)
+    torch.testing.assert_close(z.full_tensor(), want)
+
+    # One dim on both mesh axes is rejected clearly.
+    twice = [distribute_tensor(t, mesh, p) for t, p in zip(full, dp_tp)]
+    twice[0] = distribute_tensor(full[0], mesh, [Shard(0), Shard(0)])
+    with pytest.raises(UnsupportedPlacementError, match="dim 0 is sharded on mesh axes"):
+        tp_fusion.execute_with_dtensors(_mlp_fusion(), twice)
+
+
+def test_dtensor_1d_mesh():
+    run_on_ranks(_check_1d, 2)
+
+
+def test_dtensor_2d_mesh():
+    run_on_ranks(_check_2d, 4)
+
+
+def test_dtype_mismatch_names_the_input():
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.neg(fd.define_tensor([2], dtype=DataType.Double)))
+    with pytest.raises(tp_fusion.InputError, match="no input is a DTensor|dtype"):
+        tp_fusion.execute_with_dtensors(fd, [torch.zeros(2)])

@@ -1,0 +1,74 @@
+"""fd.plan.summary(): bytes per rank and FLOPs per segment, checked against hand-computed values."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from passes import run_pipeline
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
+from tp_fusion.summary import format_bytes, format_flops, summarize
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import tp_mlp  # noqa: E402
+
+T, H, F = 64, 32, 128  # tokens, hidden, ffn = 4 * hidden; f32 = 4 bytes
+
+
+def _summary(mode: str, d: int = 2):
+    return summarize(run_pipeline(tp_mlp.define_mlp(T, H, d, mode, DataType.Float).fusion))
+
+
+def test_tp_mlp_allreduce():
+    s = _summary("tp")
+    assert [seg.ops for seg in s.segments] == ["linear+gelu", "linear+allreduce", "add"]
+    assert [seg.fused for seg in s.segments] == [False, True, False]
+    # segment 0: x [64, 32] @ w1 shard [64, 32]^T -> [64, 64]: 2*64*64*32, then gelu on 64*64
+    assert s.segments[0].flops == 2 * T * (F // 2) * H + T * (F // 2)
+    # segment 1: [64, 64] @ w2 shard [32, 64]^T -> [64, 32] partial; allreduce of 64*32*4 bytes
+    assert s.segments[1].flops == 2 * T * H * (F // 2)
+    (ar,) = s.segments[1].comms
+    assert (ar.kind, ar.group_size, ar.payload) == ("allreduce", 2, T * H * 4)
+    assert ar.sent == ar.received == 2 * (2 - 1) * (T * H * 4) // 2 == 8192
+    assert s.segments[2].flops == T * H  # the bias add
+    assert s.sent == s.received == 8192
+    assert s.flops == 266240 + 262144 + 2048
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_sp_mlp_allgather_reduce_scatter(d):
+    s = _summary("sp", d)
+    assert [seg.ops for seg in s.segments] == ["allgather+linear+gelu", "linear+reduce_scatter", "add"]
+    ag, rs = s.segments[0].comms[0], s.segments[1].comms[0]
+    full = T * H * 4  # the gathered x and the unreduced partial output: [64, 32] f32
+    assert (ag.kind, ag.payload, ag.sent, ag.received) == ("allgather", full, full * (d - 1) // d,
+                                                           full * (d - 1) // d)
+    assert (rs.kind, rs.payload, rs.sent) == ("reduce_scatter", full, full * (d - 1) // d)
+    assert s.segments[0].flops == 2 * T * (F // d) * H + T * (F // d)
+    assert s.segments[1].flops == 2 * T * H * (F // d)
+    assert s.segments[2].flops == (T // d) * H
+    text = str(s)
+    assert f"allgather (mesh_x, n={d})" in text and "fused (undecided)" in text
+    assert text.splitlines()[-1].split()[0] == "total"
+
+
+def test_send_recv_and_formatting():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        y = fd.ops.set(x)
+        fd.add_output(y)
+        x.set_device_mesh(DeviceMesh([0, 1]))
+        y.set_device_mesh(DeviceMesh([2, 3]))
+        for tv in (x, y):
+            tv.outer_split(0, 2)
+            tv.axis(0).parallelize(ParallelType.mesh_x)
+    s = summarize(run_pipeline(fd.fusion))
+    (c,) = [c for seg in s.segments for c in seg.comms]
+    assert (c.kind, c.payload, c.sent, c.received) == ("send_recv", 4 * 4 * 4, 64, 64)
+    assert s.flops == 0
+    assert format_bytes(512) == "512 B" and format_bytes(8192) == "8.0 KiB"
+    assert format_bytes(3 * 2**29) == "1.5 GiB"
+    assert format_flops(999) == "999" and format_flops(266240) == "266.2 k"
+    assert format_flops(2 * 8192 * 14336 * 8192) == "1.924 T"

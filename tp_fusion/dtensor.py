@@ -1,0 +1,203 @@
+"""DTensor interop: run a fusion on torch DTensors and get DTensors back.
+
+``execute_with_dtensors(fd, dtensors)`` (the name nvFuser uses) reads each DTensor input's torch
+DeviceMesh and placements, annotates the matching fusion input with them, runs ``fd.execute`` on
+the local shards (``dt.to_local()``) and wraps every output shard in a DTensor with the placements
+the plan produced (``fd.output_shardings()``).
+
+Translation (both sides index placements by mesh axis 0..n-1, axis 0 outermost):
+
+- the torch mesh's rank layout (``device_mesh.mesh``) becomes a ``tp_fusion.DeviceMesh`` of the
+  same shape; ``Shard(d)`` on mesh axis ``a`` becomes ``outer_split`` of dim ``d`` by the axis's
+  size plus ``parallelize`` on the parallel type of axis ``a`` (``mesh_x`` is the LAST axis, so on
+  a 2-D mesh axis 1 is ``mesh_x`` and axis 0 is ``mesh_y``); ``Replicate()`` adds nothing.
+- supported: ``Shard(dim)`` and ``Replicate()`` on 1-D, 2-D (and 3-D) meshes, each dim sharded on
+  at most one mesh axis, evenly. ``Partial`` inputs, strided shards and one dim sharded on two mesh
+  axes raise ``UnsupportedPlacementError`` (a ``NotImplementedError``); uneven shards raise
+  ``UnevenShardError`` (a ``ValueError``). Every rank raises the same error, before any
+  communication of the fusion starts.
+- a DTensor on a submesh that differs between ranks (``mesh_2d["tp"]``) is rejected: the fusion
+  must be the same on every rank. Pass DTensors on the full mesh instead.
+
+What happens to ``fd`` (as in nvFuser, annotating inputs is the point): each input that receives a
+DTensor keeps the mesh and sharding of that DTensor afterwards, exactly as if the schedule had been
+written by hand, so ``print(fd)`` shows it and a later ``fd.execute`` with local shards expects
+them. An input the user scheduled by hand must agree with its DTensor (else ``ShardingError``);
+annotations made by an earlier ``execute_with_dtensors`` are replaced when the placements change
+(which recompiles, as any schedule change does). Plain ``torch.Tensor`` inputs are passed through
+unchanged. Nothing else of ``fd`` changes. Forward only: no autograd through the fusion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
+from tp_fusion.errors import InputError, ShardingError, UnevenShardError, UnsupportedPlacementError
+from tp_fusion.fusion_definition import FusionDefinition, TensorView
+from tp_fusion.mesh import DeviceMesh
+from tp_fusion.runtime import dist
+from tp_fusion.types import ParallelType
+
+
+def mesh_from_torch(device_mesh) -> DeviceMesh:
+    """The tp_fusion DeviceMesh with the same rank layout as a torch DeviceMesh."""
+    return DeviceMesh(device_mesh.mesh.detach().cpu())
+
+
+def sharding_from_dtensor(dt, what: str = "DTensor") -> Sharding:
+    """The tp_fusion Sharding of a DTensor; raises for placements tp_fusion cannot take."""
+    api = dist.dtensor_api()
+    mesh = mesh_from_torch(dt.device_mesh)
+    placements = []
+    for axis, p in enumerate(dt.placements):
+        if type(p) is api.Shard:
+            placements.append(Shard(p.dim % dt.ndim))
+        elif isinstance(p, api.Replicate):
+            placements.append(REPLICATE)
+        elif p.is_partial():
+            raise UnsupportedPlacementError(
+                f"{what}: mesh axis {axis} holds a Partial placement ({p!r}); tp_fusion takes only Shard(dim) and "
+                "Replicate() inputs. "
+                "Reduce it first, e.g. dt.redistribute(dt.device_mesh, [Replicate()] * dt.device_mesh.ndim)")
+        else:
+            raise UnsupportedPlacementError(
+                f"{what}: mesh axis {axis} holds {p!r}; tp_fusion takes only Shard(dim) and Replicate() "
+                "placements. Redistribute the DTensor to one of those first")
+    sharding = Sharding(mesh, tuple(placements))
+    for dim in sorted({p.dim for p in placements if isinstance(p, Shard)}):
+        axes = [a for a, p in enumerate(placements) if p == Shard(dim)]
+        if len(axes) > 1:
+            raise UnsupportedPlacementError(
+                f"{what}: dim {dim} is sharded on mesh axes {axes} ({_fmt(dt.placements)}); sharding one dim "
+                "on two mesh axes is not supported. Shard another dim on one of them or Replicate it")
+        n, factor = dt.shape[dim], sharding.dim_factor(dim)
+        if n % factor != 0:
+            raise UnevenShardError(
+                f"{what}: global shape {list(dt.shape)} shards dim {dim} (extent {n}) across {factor} devices "
+                f"on mesh axis {axes[0]}, which is uneven ({n} % {factor} = {n % factor}). Pad dim {dim} to a "
+                f"multiple of {factor}, or Replicate it")
+    return sharding
+
+
+def _fmt(placements) -> str:
+    return "(" + ", ".join(map(str, placements)) + ")"
+
+
+def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, what: str) -> None:
+    """Give the input ``tv`` ``sharding`` through its schedule methods (a no-op if it has it)."""
+    if tv.sharding == sharding:
+        return
+    ours = getattr(fd, "_dtensor_annotated", frozenset())
+    if tv._ir.annotated and tv.name not in ours:
+        raise ShardingError(
+            f"{what}: T{tv.name} is scheduled as {tv.sharding}, but its DTensor is {sharding}; drop the "
+            "hand-written schedule of this input or redistribute the DTensor to match it")
+    tv._update(loop=None, sharding=None, annotated=False)
+    mesh = sharding.mesh
+    tv.set_device_mesh(mesh)
+    for axis, p in enumerate(sharding.placements):
+        if isinstance(p, Shard):
+            i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == p.dim and ax.outermost)
+            tv.outer_split(i, mesh.shape[axis])
+            tv.axis(i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
+    fd._dtensor_annotated = ours | {tv.name}
+
+
+def _check_same_meshes_on_all_ranks(meshes: list[DeviceMesh | None]) -> None:
+    if not dist.is_initialized() or dist.world_size() == 1:
+        return
+    key = [None if m is None else (m.devices, m.shape) for m in meshes]
+    everyone = dist.gather_from_all(key)
+    for r, other in enumerate(everyone):
+        if other != key:
+            i = next(i for i, (a, b) in enumerate(zip(key, other)) if a != b)
+            raise UnsupportedPlacementError(
+                f"execute_with_dtensors: input {i} is a DTensor on mesh {meshes[i]!r} on rank {dist.rank()} but on "
+                f"{other[i]} on rank {r}; a submesh such as mesh_2d['tp'] differs between ranks, and a fusion "
+                "must be the same on every rank. Build the DTensors on the full mesh (e.g. placements "
+                "(Replicate(), Shard(d)) on the 2-D mesh)")
+
+
+def _torch_placements(sharding: Sharding) -> list:
+    api = dist.dtensor_api()
+    out = []
+    for p in sharding.placements:
+        if isinstance(p, Shard):
+            out.append(api.Shard(p.dim))
+        elif isinstance(p, Replicate):
+            out.append(api.Replicate())
+        else:
+            assert isinstance(p, Partial), p
+            out.append(api.Partial(p.op))
+    return out
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for e in reversed(shape):
+        stride.append(acc)
+        acc *= max(e, 1)
+    return tuple(reversed(stride))
+
+
+def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
+    """Run ``fd`` on DTensor inputs (one per fusion input, in order); returns one DTensor per output.
+
+    Each DTensor input annotates its fusion input with its mesh and placements (see the module
+    docstring for what this does to ``fd``); plain tensors are passed through as local inputs.
+    Outputs are DTensors on the torch mesh of the inputs (a new torch DeviceMesh if an output's
+    mesh is none of theirs) with the placements in ``fd.output_shardings()``, the global shape and
+    contiguous global strides.
+    """
+    api = dist.dtensor_api()
+    inputs = list(dtensors)
+    names = list(fd.fusion.inputs)
+    if len(inputs) != len(names):
+        raise InputError(f"execute_with_dtensors: the fusion takes {len(names)} inputs "
+                         f"({', '.join(f'T{n}' for n in names)}), got {len(inputs)}")
+    torch_meshes: dict[DeviceMesh, object] = {}
+    local, shardings = [], []
+    for i, (name, x) in enumerate(zip(names, inputs)):
+        what = f"execute_with_dtensors: input {i} (T{name})"
+        if isinstance(x, api.DTensor):
+            sharding = sharding_from_dtensor(x, what)
+            shardings.append(sharding)
+            torch_meshes.setdefault(sharding.mesh, x.device_mesh)
+            local.append(x.to_local())
+        elif isinstance(x, torch.Tensor):
+            shardings.append(None)
+            local.append(x)
+        else:
+            raise InputError(f"{what} must be a DTensor or a torch.Tensor, got {type(x).__name__}")
+    _check_same_meshes_on_all_ranks([s.mesh if s else None for s in shardings])
+    for i, (name, x, sharding) in enumerate(zip(names, inputs, shardings)):
+        if sharding is None:
+            continue
+        tv = TensorView(fd, name)
+        what = f"execute_with_dtensors: input {i} (T{name})"
+        if tv.ndim != x.ndim or any(e not in (-1, g) for e, g in zip(tv.shape, x.shape)):
+            raise InputError(f"{what}: the DTensor's global shape {list(x.shape)} does not match the fusion's "
+                             f"{list(tv.shape)} (-1 = any); define_tensor takes the GLOBAL shape")
+        _annotate(fd, tv, sharding, what)
+
+    outputs = fd.execute(local)
+
+    plan = fd.plan
+    default_mesh = next(iter(torch_meshes.items()), None)
+    result = []
+    for name, out, sharding in zip(plan.fusion.outputs, outputs, fd.output_shardings()):
+        if sharding is None:  # no mesh: the same full value on every rank
+            if default_mesh is None:
+                raise InputError("execute_with_dtensors: no input is a DTensor; use fd.execute")
+            sharding = Sharding.replicated(default_mesh[0])
+        tmesh = torch_meshes.get(sharding.mesh)
+        if tmesh is None:
+            ranks = torch.tensor(sharding.mesh.devices).reshape(sharding.mesh.shape)
+            tmesh = torch_meshes[sharding.mesh] = dist.torch_device_mesh(out.device.type, ranks)
+        shape = plan.fusion.tensor(name).shape
+        result.append(api.DTensor.from_local(out, tmesh, _torch_placements(sharding), run_check=False,
+                                             shape=torch.Size(shape), stride=_contiguous_stride(shape)))
+    return result
