@@ -1,0 +1,525 @@
+"""Fusions end to end on spawned gloo CPU ranks, against plain torch on the full inputs.
+
+Every rank builds the same seeded full inputs, takes its shard with ``shard_tensor``, executes,
+and compares its output with the matching shard of the torch result. Each case also checks the
+collectives the plan runs, that the inputs are left untouched and that every rank prints the
+same plan. Spawning ranks is slow, so one spawn per world size runs every case; rank 0 writes
+each case's outcome (None or the failing ranks' tracebacks) to a file, one test per case reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tp_fusion import (
+    DataType,
+    DeviceMesh,
+    FusionDefinition,
+    InputError,
+    ParallelType,
+    ShardingError,
+    TensorView,
+    shard_tensor,
+)
+from tp_fusion.launch import run_on_ranks
+from tp_fusion.runtime import dist
+
+X, Y = ParallelType.mesh_x, ParallelType.mesh_y
+F64, F32 = DataType.Double, DataType.Float
+
+
+@dataclass
+class Case:
+    fd: FusionDefinition
+    inputs: list[TensorView]  # in definition order
+    full: list[torch.Tensor]  # full (unsharded) inputs, identical on every rank
+    reference: Callable[..., list[torch.Tensor]]  # full inputs -> full outputs, plain torch
+    collectives: list[str]
+
+
+def _rand(seed: int, shape, dtype: DataType = F64) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype.torch)
+
+
+def shard(tv: TensorView, mesh: DeviceMesh, dims: dict[int, ParallelType] | None = None) -> None:
+    tv.set_device_mesh(mesh)
+    for d, ptype in sorted((dims or {}).items(), reverse=True):
+        tv.outer_split(d, mesh.shape[ptype.mesh_axis(mesh.ndim)])
+        tv.axis(d).parallelize(ptype)
+
+
+def _unary_case(mesh, shape, src, dst, body, reference, collectives, dtype=F64, seed=0) -> Case:
+    """One input ``x`` sharded as ``src``; output ``body(fd, x)`` sharded as ``dst`` (None: unannotated)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape, dtype=dtype)
+        z = body(fd, x)
+        fd.add_output(z)
+        shard(x, mesh, src)
+        if dst is not None:
+            shard(z, mesh, dst)
+    return Case(fd, [x], [_rand(seed, shape, dtype)], lambda t: [reference(t)], collectives)
+
+
+# --- 1-D mesh cases (any world size; extents divide by 4) ------------------------------------
+
+
+def linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
+    """column: w and b sharded on out features; row: x and w on in features (bias added once);
+    rs: row-parallel with the tokens scattered; sp: tokens sharded in, gathered before the GEMM."""
+    t, k, n = 8, 12, 16
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([t, k], dtype=dtype), fd.define_tensor([n, k], dtype=dtype)
+        b = fd.define_tensor([n], dtype=dtype) if bias else None
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        for tv in (x, w, z) + ((b,) if bias else ()):
+            shard(tv, mesh)
+        if kind == "column":
+            shard(w, mesh, {0: X})
+            shard(z, mesh, {1: X})
+            if bias:
+                shard(b, mesh, {0: X})
+        elif kind in ("row", "rs"):
+            shard(x, mesh, {1: X})
+            shard(w, mesh, {1: X})
+            if kind == "rs":
+                shard(z, mesh, {0: X})
+        elif kind == "sp":
+            shard(x, mesh, {0: X})
+            shard(w, mesh, {0: X})
+            shard(z, mesh, {1: X})
+    tvs = [x, w] + ([b] if bias else [])
+    full = [_rand(i, tv.shape, dtype) for i, tv in enumerate(tvs)]
+    expected = {"column": [], "row": ["allreduce"], "rs": ["reduce_scatter"], "sp": ["allgather"]}[kind]
+    return Case(fd, tvs, full, lambda *a: [F.linear(*a)], expected)
+
+
+def mlp_case(mesh, mode: str, dtype=F64, shape=(8, 8)) -> Case:
+    """nanoGPT MLP. tp: replicated in/out; sp: tokens sharded in/out; dp_tp (2-D mesh): batch on
+    mesh_y, hidden features on mesh_x."""
+    h = shape[-1]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(list(shape), dtype=dtype)
+        w1, b1 = fd.define_tensor([4 * h, h], dtype=dtype), fd.define_tensor([4 * h], dtype=dtype)
+        w2, b2 = fd.define_tensor([h, 4 * h], dtype=dtype), fd.define_tensor([h], dtype=dtype)
+        z = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh"), w2, b2)
+        fd.add_output(z)
+        for tv in (x, w1, b1, w2, b2, z):
+            shard(tv, mesh)
+        for tv in (w1, b1):
+            shard(tv, mesh, {0: X})
+        shard(w2, mesh, {1: X})
+        if mode in ("sp", "dp_tp"):
+            tokens = {0: X} if mode == "sp" else {0: Y}
+            shard(x, mesh, tokens)
+            shard(z, mesh, tokens)
+    tvs = [x, w1, b1, w2, b2]
+    full = [_rand(10 + i, tv.shape, dtype) * s for i, (tv, s) in enumerate(zip(tvs, (1, 0.3, 0.1, 0.2, 0.1)))]
+
+    def reference(x, w1, b1, w2, b2):
+        return [F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)]
+    expected = {"tp": ["allreduce"], "sp": ["allgather", "reduce_scatter"], "dp_tp": ["allreduce"]}[mode]
+    return Case(fd, tvs, full, reference, expected)
+
+
+def binary_case(mesh, shapes, shardings, body, reference, collectives, out=None, dtype=F64) -> Case:
+    with FusionDefinition() as fd:
+        tvs = [fd.define_tensor(s, dtype=dtype) for s in shapes]
+        z = body(fd, *tvs)
+        fd.add_output(z)
+        for tv, sh in zip(tvs, shardings):
+            if sh is not None:
+                shard(tv, mesh, sh)
+        if out is not None:
+            shard(z, mesh, out)
+    full = [_rand(20 + i, s, dtype) for i, s in enumerate(shapes)]
+
+    def ref(*a):
+        r = reference(*a)
+        return list(r) if isinstance(r, tuple) else [r]
+    return Case(fd, tvs, full, ref, collectives)
+
+
+def factory_case(mesh) -> Case:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4], dtype=F64)
+        z = fd.ops.mul(x, fd.ops.full([8, 4], 3.0, F64))
+        fd.add_output(z)
+        shard(x, mesh, {0: X})
+    return Case(fd, [x], [_rand(30, (8, 4))], lambda t: [t * 3.0], [])
+
+
+def multi_output_case(mesh) -> Case:
+    """A mean over a sharded dim (partial sums / global count), an amax (gathered first) and a
+    replicated-input view of the same tensor, in one fusion."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8], dtype=F64)
+        fd.add_output(fd.ops.mean(x, [1]))
+        fd.add_output(fd.ops.amax(x, [1]))
+        fd.add_output(fd.ops.neg(x))
+        shard(x, mesh, {1: X})
+    return Case(fd, [x], [_rand(31, (4, 8))],
+                lambda t: [t.mean(1), t.amax(1), -t], ["allreduce", "allgather"])
+
+
+CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
+    "column_linear": lambda m: linear_case(m, "column", False),
+    "column_linear_bias": lambda m: linear_case(m, "column", True, F32),
+    "row_linear": lambda m: linear_case(m, "row", False, F32),
+    "row_linear_bias": lambda m: linear_case(m, "row", True),
+    "linear_reduce_scatter": lambda m: linear_case(m, "rs", False),
+    "linear_reduce_scatter_bias": lambda m: linear_case(m, "rs", True),
+    "sp_linear_allgather": lambda m: linear_case(m, "sp", False),
+    "sp_linear_allgather_bias": lambda m: linear_case(m, "sp", True, F32),
+    "tp_mlp": lambda m: mlp_case(m, "tp"),
+    "tp_mlp_f32": lambda m: mlp_case(m, "tp", F32),
+    "sp_mlp": lambda m: mlp_case(m, "sp"),
+    "sp_mlp_3d": lambda m: mlp_case(m, "sp", shape=(4, 2, 8)),
+    "sp_linear_seq_dim": lambda m: binary_case(
+        m, [[2, 8, 4], [12, 4], [12]], [{1: X}, {0: X}, {0: X}],
+        lambda fd, x, w, b: fd.ops.relu(fd.ops.linear(x, w, b)), lambda x, w, b: torch.relu(F.linear(x, w, b)),
+        ["allgather"]),
+    "matmul_batch_broadcast": lambda m: binary_case(
+        m, [[4, 8, 4], [4, 8]], [{0: X}, None], lambda fd, a, b: fd.ops.matmul(a, b), torch.matmul, []),
+    "where_sharded": lambda m: binary_case(
+        m, [[8, 4], [8, 4]], [{0: X}, {0: X}],
+        lambda fd, a, b: fd.ops.where(fd.ops.cast(fd.ops.relu(a), DataType.Bool), a, b),
+        lambda a, b: torch.where(torch.relu(a).bool(), a, b), []),
+    "set_allgather": lambda m: _unary_case(m, [8, 4], {0: X}, {}, lambda fd, x: fd.ops.set(x),
+                                           lambda t: t, ["allgather"]),
+    "set_allgather_inner_dim": lambda m: _unary_case(m, [2, 8, 3], {1: X}, {}, lambda fd, x: fd.ops.set(x),
+                                                     lambda t: t, ["allgather"]),
+    "set_slice": lambda m: _unary_case(m, [8, 4], {}, {1: X}, lambda fd, x: fd.ops.set(x), lambda t: t, []),
+    "set_all_to_all": lambda m: _unary_case(m, [8, 4], {0: X}, {1: X}, lambda fd, x: fd.ops.set(x),
+                                            lambda t: t, ["all_to_all"]),
+    "set_all_to_all_back": lambda m: _unary_case(m, [4, 8, 2], {1: X}, {0: X}, lambda fd, x: fd.ops.set(x),
+                                                 lambda t: t, ["all_to_all"]),
+    "sum_allreduce": lambda m: _unary_case(m, [8, 4], {0: X}, {}, lambda fd, x: fd.ops.sum(x, [0]),
+                                           lambda t: t.sum(0), ["allreduce"]),
+    "sum_reduce_scatter": lambda m: _unary_case(m, [8, 4], {0: X}, {0: X}, lambda fd, x: fd.ops.sum(x, [0]),
+                                                lambda t: t.sum(0), ["reduce_scatter"]),
+    "sum_reduce_scatter_inner": lambda m: _unary_case(
+        m, [4, 8, 4], {2: X}, {1: X}, lambda fd, x: fd.ops.sum(x, [2]), lambda t: t.sum(2), ["reduce_scatter"]),
+    "sum_unsharded_dim": lambda m: _unary_case(m, [8, 4, 3], {0: X}, None, lambda fd, x: fd.ops.sum(x, [1]),
+                                               lambda t: t.sum(1), []),
+    "sum_then_nonlinear": lambda m: _unary_case(
+        m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.exp(fd.ops.mul(fd.ops.sum(x, [0]), 0.5)),
+        lambda t: torch.exp(t.sum(0) * 0.5), ["allreduce"]),
+    "pointwise_sharded": lambda m: binary_case(
+        m, [[8, 4], [8, 4]], [{0: X}, {0: X}], lambda fd, a, b: fd.ops.tanh(fd.ops.mul(fd.ops.add(a, b), 2.0)),
+        lambda a, b: torch.tanh((a + b) * 2.0), []),
+    "replicated_plus_sharded": lambda m: binary_case(
+        m, [[8, 4], [8, 4]], [{1: X}, {}], lambda fd, a, b: fd.ops.sub(a, b), lambda a, b: a - b, []),
+    "broadcast_in_dim_sharded": lambda m: _unary_case(
+        m, [8], {0: X}, None, lambda fd, x: fd.ops.add(fd.ops.broadcast_in_dim(x, [3, 8], [1]), 1.0),
+        lambda t: t.expand(3, 8) + 1.0, []),
+    "pointwise_broadcast_sharded": lambda m: binary_case(
+        m, [[8, 1], [8, 4]], [{0: X}, None], lambda fd, a, b: fd.ops.mul(a, b), lambda a, b: a * b, []),
+    "broadcast_of_replicated": lambda m: binary_case(
+        m, [[8, 4], [4]], [{0: X}, None],
+        lambda fd, a, b: fd.ops.add(a, fd.ops.broadcast_in_dim(b, [8, 4], [1])), lambda a, b: a + b, []),
+    "factory_full": factory_case,
+    "reshape_keeps_sharding": lambda m: _unary_case(
+        m, [4, 6, 8], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [24, 8]), lambda t: t.reshape(24, 8), []),
+    "reshape_split_keeps_sharding": lambda m: _unary_case(
+        m, [24, 8], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [4, 6, 8]), lambda t: t.reshape(4, 6, 8), []),
+    "reshape_needs_allgather": lambda m: _unary_case(
+        m, [3, 8, 2], {1: X}, None, lambda fd, x: fd.ops.reshape(x, [24, 2]), lambda t: t.reshape(24, 2),
+        ["allgather"]),
+    "softmax_sharded_dim": lambda m: _unary_case(
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), ["allgather"]),
+    "softmax_other_dim": lambda m: _unary_case(
+        m, [4, 8], {0: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), []),
+    "layer_norm_sharded_dim": lambda m: binary_case(
+        m, [[4, 8], [8]], [{1: X}, None], lambda fd, x, w: fd.ops.layer_norm(x, [8], w),
+        lambda x, w: F.layer_norm(x, [8], w), ["allgather"]),
+    "mean_amax_multi_output": multi_output_case,
+    "row_linear_bias_scatter_features": lambda m: row_bias_scatter_case(m),
+    "var_mean_sharded_dim": lambda m: _unary_case(
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.var_mean(x, [1])[0], lambda t: t.var(1), ["allgather"]),
+    "mean_keepdim_reduce_scatter": lambda m: _unary_case(
+        m, [8, 4], {0: X}, {1: X}, lambda fd, x: fd.ops.mean(x, [0], keepdim=True),
+        lambda t: t.mean(0, keepdim=True), ["reduce_scatter"]),
+    "permute_then_gather": lambda m: _unary_case(
+        m, [8, 4, 2], {0: X}, {}, lambda fd, x: fd.ops.permute(x, [1, 0, 2]), lambda t: t.permute(1, 0, 2),
+        ["allgather"]),
+    "partial_through_reshape_and_cast": lambda m: _unary_case(
+        m, [8, 4, 2], {0: X}, None,
+        lambda fd, x: fd.ops.cast(fd.ops.reshape(fd.ops.sum(x, [0]), [8]), F64), lambda t: t.sum(0).reshape(8).double(),
+        ["allreduce"], dtype=F32),
+    "squeeze_unsqueeze_sharded": lambda m: _unary_case(
+        m, [8, 1, 4], {0: X}, None, lambda fd, x: fd.ops.unsqueeze(fd.ops.squeeze(x, [1]), 2),
+        lambda t: t.squeeze(1).unsqueeze(2), []),
+    "matmul_sharded_k": lambda m: binary_case(
+        m, [[2, 8, 4], [4, 8]], [{2: X}, {0: X}], lambda fd, a, b: fd.ops.matmul(a, b), torch.matmul,
+        ["allreduce"]),
+    "matmul_sharded_n": lambda m: binary_case(
+        m, [[8, 4], [4, 8]], [None, {1: X}], lambda fd, a, b: fd.ops.matmul(a, b), torch.matmul, []),
+    "intermediate_output_reused": lambda m: binary_case(
+        m, [[8, 4], [8, 4]], [{0: X}, None], lambda fd, a, b: _two_outputs(fd, a, b),
+        lambda a, b: (a + b, (a + b) * 2.0), []),
+}
+
+
+def _two_outputs(fd, a, b):
+    s = fd.ops.add(a, b)
+    fd.add_output(s)  # s is an output and feeds the next op
+    return fd.ops.mul(s, 2.0)
+
+
+def row_bias_scatter_case(mesh) -> Case:
+    """Row-parallel linear with bias whose out features are scattered: reduce_scatter on the last
+    dim, then the bias's local slice added once."""
+    with FusionDefinition() as fd:
+        x, w, b = (fd.define_tensor(s, dtype=F64) for s in ([8, 12], [16, 12], [16]))
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        shard(b, mesh)
+        shard(z, mesh, {1: X})
+    full = [_rand(50 + i, tv.shape) for i, tv in enumerate((x, w, b))]
+    return Case(fd, [x, w, b], full, lambda *a: [F.linear(*a)], ["reduce_scatter"])
+
+
+# --- 2x2 mesh cases (4 ranks) ----------------------------------------------------------------
+
+
+CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
+    "dp_tp_mlp": lambda m: mlp_case(m, "dp_tp", shape=(4, 2, 8)),
+    "dp_tp_mlp_f32": lambda m: mlp_case(m, "dp_tp", F32, shape=(4, 8)),
+    "set_mesh_x_to_mesh_y_other_dim": lambda m: _unary_case(
+        m, [4, 8], {0: X}, {1: Y}, lambda fd, x: fd.ops.set(x), lambda t: t, ["allgather"]),
+    "set_two_axes_swap": lambda m: _unary_case(
+        m, [4, 8], {0: X, 1: Y}, {1: X, 0: Y}, lambda fd, x: fd.ops.set(x), lambda t: t,
+        ["allgather", "all_to_all"]),
+    "set_two_axes_gather_all": lambda m: _unary_case(
+        m, [4, 8], {0: X, 1: Y}, {}, lambda fd, x: fd.ops.set(x), lambda t: t, ["allgather", "allgather"]),
+    "set_all_to_all_mesh_x": lambda m: _unary_case(
+        m, [4, 8], {0: X}, {1: X}, lambda fd, x: fd.ops.set(x), lambda t: t, ["all_to_all"]),
+    "sum_2d_allreduce_mesh_x": lambda m: _unary_case(
+        m, [4, 8], {0: Y, 1: X}, None, lambda fd, x: fd.ops.sum(x, [1]), lambda t: t.sum(1), ["allreduce"]),
+    "linear_2d_weight_sharded_n_and_k": lambda m: binary_case(
+        m, [[4, 8], [6, 8]], [None, {0: Y, 1: X}], lambda fd, a, w: fd.ops.linear(a, w), F.linear,
+        ["allreduce"]),
+    "softmax_2d_gathers_one_axis": lambda m: _unary_case(
+        m, [4, 8], {0: Y, 1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
+        ["allgather"]),
+    "replicated_plus_sharded_on_mesh_y": lambda m: binary_case(
+        m, [[4, 8], [4, 8]], [{1: Y}, {}], lambda fd, a, b: fd.ops.mul(a, b), torch.mul, []),
+    "permute_2d": lambda m: _unary_case(
+        m, [4, 8, 2], {0: Y, 1: X}, None, lambda fd, x: fd.ops.permute(x, [2, 1, 0]),
+        lambda t: t.permute(2, 1, 0), []),
+    "same_dim_on_different_mesh_axes": lambda m: binary_case(
+        m, [[8, 4], [8, 4]], [{0: X}, {0: Y}], lambda fd, a, b: fd.ops.add(a, b), torch.add, ["allgather"]),
+    "mean_2d_both_axes": lambda m: _unary_case(
+        m, [4, 8], {0: Y, 1: X}, {}, lambda fd, x: fd.ops.mean(x, [0, 1], keepdim=True),
+        lambda t: t.mean((0, 1), keepdim=True), ["allreduce", "allreduce"]),
+    "sum_2d_both_axes": lambda m: _unary_case(
+        m, [4, 8], {0: Y, 1: X}, None, lambda fd, x: fd.ops.sum(x, [0, 1]), lambda t: t.sum((0, 1)),
+        ["allreduce", "allreduce"]),
+}
+
+
+# --- running on ranks ------------------------------------------------------------------------
+
+
+def _check(case: Case) -> None:
+    fd = case.fd
+    local = [shard_tensor(full, tv) for full, tv in zip(case.full, case.inputs)]
+    saved = [t.clone() for t in local]
+    outs = fd.execute(local)
+    for i, (t, s) in enumerate(zip(local, saved)):
+        assert torch.equal(t, s), f"input {i} was modified"
+    expected = case.reference(*case.full)
+    shardings = fd.output_shardings()
+    assert len(outs) == len(expected) == len(shardings)
+    input_storages = {t.untyped_storage().data_ptr() for t in local if t.numel()}
+    for out, ref, sh in zip(outs, expected, shardings):
+        assert not sh.has_partial
+        torch.testing.assert_close(out, shard_tensor(ref, sh))
+        assert not out.numel() or out.untyped_storage().data_ptr() not in input_storages, "output aliases an input"
+    assert fd.plan.collectives() == case.collectives, str(fd.plan)
+    plans = dist.gather_from_all(str(fd.plan))
+    assert all(p == plans[0] for p in plans), "ranks printed different plans"
+
+
+def _plan_cache(mesh: DeviceMesh) -> None:
+    """A symbolic token count: a second execute with other sizes compiles a new plan without
+    redefinition; the first sizes reuse their plan."""
+    d = mesh.size
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([-1, 8], dtype=F64), fd.define_tensor([8, 8], dtype=F64)
+        z = fd.ops.relu(fd.ops.linear(x, w))
+        fd.add_output(z)
+        shard(x, mesh, {0: X})
+        shard(w, mesh)
+        shard(z, mesh, {0: X})
+    w_full = _rand(40, (8, 8))
+    plans = []
+    for tokens in (2 * d, 3 * d, 2 * d):
+        x_full = _rand(41 + tokens, (tokens, 8))
+        (out,) = fd.execute([shard_tensor(x_full, x), shard_tensor(w_full, w)])
+        assert out.shape == (tokens // d, 8)
+        torch.testing.assert_close(out, shard_tensor(torch.relu(F.linear(x_full, w_full)), fd.output_shardings()[0]))
+        assert fd.plan.collectives() == []
+        plans.append(fd.plan)
+    assert plans[0] is not plans[1] and plans[2] is plans[0]
+    assert "f64[?, 8]" not in str(plans[1]) and f"f64[{3 * d}, 8]" in str(plans[1])
+
+
+def _bad_input_on_one_rank(mesh: DeviceMesh) -> None:
+    """The last rank passes a wrongly shaped shard: every rank raises (none hangs), before any
+    communication; the other ranks' errors name the rank that rejected its inputs."""
+    d, rank = mesh.size, dist.rank()
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4 * d, 8], dtype=F64)
+        z = fd.ops.sum(x, [0])
+        fd.add_output(z)
+        shard(x, mesh, {0: X})
+    bad = d - 1
+    local = torch.zeros(4 + (rank == bad), 8, dtype=torch.float64)
+    try:
+        fd.execute([local])
+    except InputError as e:
+        assert isinstance(e, ValueError)
+        assert ("T0" in str(e) and "dim 0" in str(e)) if rank == bad else f"rank {bad}" in str(e), str(e)
+    else:
+        raise AssertionError("a wrongly shaped input on one rank was accepted")
+    x_full = _rand(60, (4 * d, 8))
+    (out,) = fd.execute([shard_tensor(x_full, x)])  # the ranks are still in step afterwards
+    torch.testing.assert_close(out, x_full.sum(0))
+
+
+def _mesh_larger_than_world(mesh: DeviceMesh) -> None:
+    big = DeviceMesh(range(mesh.size + 1))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4], dtype=F64)
+        fd.add_output(fd.ops.neg(x))
+        shard(x, big)
+    try:
+        fd.execute([torch.zeros(8, 4, dtype=torch.float64)])
+    except ShardingError as e:
+        assert f"rank {mesh.size}" in str(e), str(e)
+    else:
+        raise AssertionError("a mesh larger than the world was accepted")
+
+
+SPECIAL = {"plan_cache": _plan_cache, "bad_input_on_one_rank": _bad_input_on_one_rank,
+           "mesh_larger_than_world": _mesh_larger_than_world}
+
+
+def move_case(world: int, dst_dims) -> Case:
+    """A ``set`` from the first half of the ranks to the second half: the meshes have one shape, so
+    the shards move with send_recv (placements kept), then reshard on the destination mesh."""
+    a, b = DeviceMesh(range(world // 2)), DeviceMesh(range(world // 2, world))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4], dtype=F64)
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, a, {0: X})
+        shard(z, b, dst_dims)
+    expected = ["send_recv"] if dst_dims == {0: X} else ["send_recv", "all_to_all"]
+    return Case(fd, [x], [_rand(70, (8, 4))], lambda t: [t], expected)
+
+
+def broadcast_case(world: int) -> Case:
+    """Replicated on rank 0 alone, then sharded over every other rank: a broadcast from rank 0
+    (meshes of other shapes) or a send_recv (one rank to one rank), then a local slice."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4], dtype=F64)
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, DeviceMesh([0]))
+        shard(z, DeviceMesh(range(1, world)), {0: X})
+    expected = ["send_recv"] if world == 2 else ["broadcast"]
+    return Case(fd, [x], [_rand(71, (6, 4))], lambda t: [t], expected)
+
+
+CASES_MESHES = {  # world >= 2: two disjoint meshes
+    "send_recv_between_meshes": lambda w: move_case(w, {0: X}),
+    "send_recv_then_all_to_all": lambda w: move_case(w, {1: X}),
+    "broadcast_to_other_mesh": broadcast_case,
+}
+
+
+def _worker(rank: int, world: int, names_1d: list[str], names_2d: list[str], out_path: str) -> None:
+    torch.manual_seed(0)
+    mesh1 = DeviceMesh(range(world))
+    mesh2 = DeviceMesh(torch.arange(4).reshape(2, 2)) if world == 4 else None
+    todo = [(n, lambda n=n: _check(CASES_1D[n](mesh1))) for n in names_1d]
+    todo += [(n, lambda n=n: SPECIAL[n](mesh1)) for n in SPECIAL]
+    todo += [(f"2x2/{n}", lambda n=n: _check(CASES_2D[n](mesh2))) for n in names_2d]
+    if world >= 2:
+        todo += [(n, lambda n=n: _check(CASES_MESHES[n](world))) for n in CASES_MESHES]
+    results = {}
+    for name, run in todo:
+        try:
+            run()
+            err = None
+        except Exception:
+            err = f"rank {rank}: {traceback.format_exc()}"
+        errs = [e for e in dist.gather_from_all(err) if e]  # also keeps the ranks in step
+        results[name] = "\n".join(errs) if errs else None
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+
+
+@functools.cache
+def _results(world: int, tmp_dir: str) -> tuple[dict, str | None]:
+    """(case -> None or the failing ranks' tracebacks, the spawn's own error or None)."""
+    path = f"{tmp_dir}/results_{world}.json"
+    spawn_error = None
+    try:
+        run_on_ranks(_worker, world, list(CASES_1D), list(CASES_2D) if world == 4 else [], path, timeout_s=90)
+    except RuntimeError as e:  # reported by test_ranks_exit_cleanly; the cases that ran are still judged
+        spawn_error = str(e)
+    try:
+        with open(path) as f:
+            return json.load(f), spawn_error
+    except FileNotFoundError:
+        return {}, spawn_error
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("e2e"))
+    return lambda world: _results(world, tmp)
+
+
+WORLDS = (1, 2, 4)
+PARAMS = [(w, n) for w in WORLDS for n in (*CASES_1D, *SPECIAL)] + [(4, f"2x2/{n}") for n in CASES_2D]
+PARAMS += [(w, n) for w in WORLDS if w >= 2 for n in CASES_MESHES]
+
+
+@pytest.mark.parametrize("world,name", PARAMS, ids=[f"{w}ranks-{n}" for w, n in PARAMS])
+def test_case(results, world, name):
+    outcome, spawn_error = results(world)
+    assert name in outcome, f"case {name} did not run on {world} ranks: {spawn_error}"
+    assert outcome[name] is None, outcome[name]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_exit_cleanly(results, world):
+    outcome, spawn_error = results(world)
+    assert spawn_error is None, spawn_error
+    assert len(outcome) == len([p for p in PARAMS if p[0] == world])
+
+
+def test_run_on_ranks_reports_failures():
+    with pytest.raises(RuntimeError, match="ranks failed"):
+        run_on_ranks(_fail_on_rank_1, 2, timeout_s=30)
+
+
+def _fail_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("deliberate")

@@ -1,0 +1,760 @@
+"""Sharding propagation, resharding and lowering on whole fusions, without a process group.
+
+Each case builds a fusion with concrete global shapes, runs the whole pipeline with ``verify``
+after every pass, and checks the shardings, the lowered ops and the segments. The cases follow
+nvFuser's multidevice Python tests, plus the ones nvFuser gets wrong (broadcasts of device dims,
+factory ops, a ``set`` that adds one sharding and removes another).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import passes
+from passes.lower_communications import COLLECTIVES
+from sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor, unshard_tensor
+from tp_fusion import (
+    DataType,
+    DeviceMesh,
+    FusionDefinition,
+    LoweringError,
+    ParallelType,
+    ShardingError,
+    TPFusionError,
+)
+
+X, Y = ParallelType.mesh_x, ParallelType.mesh_y
+R = Replicate()
+MESH2 = DeviceMesh(range(2))
+MESH4 = DeviceMesh(range(4))
+MESH22 = DeviceMesh(torch.arange(4).reshape(2, 2))
+
+
+def shard(tv, mesh, dims: dict[int, ParallelType] | None = None) -> None:
+    """Put ``tv`` on ``mesh`` and shard logical dim d on ``dims[d]`` (outer split, then parallelize)."""
+    tv.set_device_mesh(mesh)
+    for d, ptype in sorted((dims or {}).items(), reverse=True):  # right to left: loop indices stay valid
+        tv.outer_split(d, mesh.shape[ptype.mesh_axis(mesh.ndim)])
+        tv.axis(d).parallelize(ptype)
+
+
+def lower(fd: FusionDefinition):
+    return passes.run_pipeline(fd.fusion, check=True)
+
+
+def kinds(f) -> list[str]:
+    return [op.kind for op in f.ops]
+
+
+def comms(f) -> list[str]:
+    return [op.kind for op in f.ops if op.kind in COLLECTIVES]
+
+
+def placements(f, tv) -> tuple:
+    return f.tensor(tv.name if hasattr(tv, "name") else tv).sharding.placements
+
+
+def out_placements(f, i: int = 0) -> tuple:
+    return f.tensor(f.outputs[i]).sharding.placements
+
+
+def seg_summary(f) -> list[tuple[str, str, list[str]]]:
+    return [(s.kind, s.note, [f.ops[i].kind for i in s.ops]) for s in f.segments]
+
+
+def only(f, kind: str):
+    (op,) = [op for op in f.ops if op.kind == kind]
+    return op
+
+
+# --- linear layers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_column_parallel_linear(bias):
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
+        b = fd.define_tensor([6]) if bias else None
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH2)
+        shard(w, MESH2, {0: X})
+        if bias:
+            shard(b, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear"]  # no communication: each rank computes its columns
+    assert placements(f, z) == (Shard(1),)
+    assert placements(f, x) == (R,) and placements(f, w) == (Shard(0),)
+    assert seg_summary(f) == [("compute", "", ["linear"])]
+
+
+def test_row_parallel_linear_without_bias():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear", "allreduce"]
+    lin = only(f, "linear")
+    assert placements(f, lin.outputs[0]) == (Partial(),)
+    assert out_placements(f) == (R,)
+    assert seg_summary(f) == [("fused", "linear+allreduce", ["linear", "allreduce"])]
+
+
+def test_row_parallel_linear_with_bias_adds_bias_once():
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+        shard(b, MESH2)
+        shard(z, MESH2)
+    f = lower(fd)
+    assert kinds(f) == ["linear", "allreduce", "add"]
+    lin, ar, add = f.ops
+    assert lin.inputs[2].value is None  # the GEMM runs without bias ...
+    assert placements(f, lin.outputs[0]) == (Partial(),)
+    assert add.inputs == (ar.outputs[0], b.name) and add.outputs == (z.name,)  # ... added after the sum
+    assert placements(f, z) == (R,)
+    assert seg_summary(f) == [("fused", "linear+allreduce", ["linear", "allreduce"]),
+                              ("compute", "", ["add"])]
+
+
+def test_row_parallel_linear_with_bias_and_sharded_output_adds_bias_shard_once():
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+        shard(b, MESH2)
+        shard(z, MESH2, {1: X})  # scatter the out features
+    f = lower(fd)
+    assert kinds(f) == ["linear", "reduce_scatter", "slice", "add"]
+    rs, sl = only(f, "reduce_scatter"), only(f, "slice")
+    assert rs.attr("dim") == 1
+    assert sl.inputs == (b.name,) and placements(f, sl.outputs[0]) == (Shard(0),)  # the bias's local slice
+    assert placements(f, z) == (Shard(1),)
+
+
+def test_linear_reduce_scatter():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+        shard(z, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear", "reduce_scatter"]
+    assert only(f, "reduce_scatter").attr("dim") == 0
+    assert seg_summary(f) == [("fused", "linear+reduce_scatter", ["linear", "reduce_scatter"])]
+
+
+def test_sequence_parallel_linear_allgathers_the_tokens():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(w, MESH2, {0: X})
+        shard(z, MESH2, {1: X})
+    f = lower(fd)
+    assert kinds(f) == ["allgather", "linear"]
+    ag = only(f, "allgather")
+    assert ag.inputs == (x.name,) and ag.attr("dim") == 0 and ag.attr("mesh_axis") == 0
+    assert placements(f, ag.outputs[0]) == (R,)
+    assert seg_summary(f) == [("fused", "allgather+linear", ["allgather", "linear"])]
+
+
+# --- MLPs ------------------------------------------------------------------------------------
+
+
+def _mlp(mesh, d_tp: int, mode: str, shape=(8, 4)):
+    """linear(+b1) -> gelu(tanh) -> linear(+b2). ``mode``: tp, sp or dp_tp (x's batch on mesh_y)."""
+    with FusionDefinition() as fd:
+        h = shape[-1]
+        x = fd.define_tensor(list(shape))
+        w1, b1 = fd.define_tensor([4 * h, h]), fd.define_tensor([4 * h])
+        w2, b2 = fd.define_tensor([h, 4 * h]), fd.define_tensor([h])
+        y = fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh")
+        z = fd.ops.linear(y, w2, b2)
+        fd.add_output(z)
+        for tv in (x, w1, b1, w2, b2, z):
+            shard(tv, mesh)
+        for tv in (w1, b1):
+            shard(tv, mesh, {0: X})
+        shard(w2, mesh, {1: X})
+        if mode == "sp":
+            shard(x, mesh, {0: X})
+            shard(z, mesh, {0: X})
+        if mode == "dp_tp":
+            shard(x, mesh, {0: Y})
+            shard(z, mesh, {0: Y})
+    return fd, (x, w1, b1, w2, b2, y, z)
+
+
+TP_MLP_GOLDEN = """\
+Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
+  T0 = input : f32[8, 4] @mesh(0 1)[8, 4]
+  T1 = input : f32[16, 4] @mesh(0 1)[mesh_x{2}, 8, 4]
+  T2 = input : f32[16] @mesh(0 1)[mesh_x{2}, 8]
+  T3 = input : f32[4, 16] @mesh(0 1)[4, mesh_x{2}, 8]
+  T4 = input : f32[4] @mesh(0 1)[4]
+  T5 = linear(T0, T1, T2) : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
+  T6 = gelu(T5, approximate='tanh') : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
+  T8 = linear(T6, T3, None) : f32[8, 4] @mesh(0 1)[8, 4] partial(sum: mesh_x)
+  T9 = allreduce(T8, mesh_axis=0) : f32[8, 4] @mesh(0 1)[8, 4]
+  T7 = add(T9, T4) : f32[8, 4] @mesh(0 1)[8, 4]"""
+
+SP_MLP_GOLDEN = """\
+Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
+  T0 = input : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]
+  T1 = input : f32[16, 4] @mesh(0 1)[mesh_x{2}, 8, 4]
+  T2 = input : f32[16] @mesh(0 1)[mesh_x{2}, 8]
+  T3 = input : f32[4, 16] @mesh(0 1)[4, mesh_x{2}, 8]
+  T4 = input : f32[4] @mesh(0 1)[4]
+  T8 = allgather(T0, mesh_axis=0, dim=0) : f32[8, 4] @mesh(0 1)[8, 4]
+  T5 = linear(T8, T1, T2) : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
+  T6 = gelu(T5, approximate='tanh') : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
+  T9 = linear(T6, T3, None) : f32[8, 4] @mesh(0 1)[8, 4] partial(sum: mesh_x)
+  T10 = reduce_scatter(T9, mesh_axis=0, dim=0) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]
+  T7 = add(T10, T4) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]"""
+
+
+def test_tp_mlp_golden_ir():
+    fd, _ = _mlp(MESH2, 2, "tp")
+    f = lower(fd)
+    assert str(f) == TP_MLP_GOLDEN
+    assert seg_summary(f) == [("compute", "", ["linear", "gelu"]),
+                              ("fused", "linear+allreduce", ["linear", "allreduce"]),
+                              ("compute", "", ["add"])]
+
+
+def test_sp_mlp_golden_ir():
+    fd, _ = _mlp(MESH2, 2, "sp")
+    f = lower(fd)
+    assert str(f) == SP_MLP_GOLDEN
+    assert seg_summary(f) == [("fused", "allgather+linear+gelu", ["allgather", "linear", "gelu"]),
+                              ("fused", "linear+reduce_scatter", ["linear", "reduce_scatter"]),
+                              ("compute", "", ["add"])]
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_mlp_on_four_devices(mode):
+    fd, (x, w1, b1, w2, b2, y, z) = _mlp(MESH4, 4, mode, shape=(8, 8))
+    f = lower(fd)
+    assert comms(f) == (["allreduce"] if mode == "tp" else ["allgather", "reduce_scatter"])
+    assert placements(f, y) == (Shard(1),)
+    assert placements(f, z) == ((R,) if mode == "tp" else (Shard(0),))
+
+
+def test_dp_tp_mlp_on_2x2_mesh():
+    fd, (x, w1, b1, w2, b2, y, z) = _mlp(MESH22, 2, "dp_tp", shape=(4, 2, 8))
+    f = lower(fd)
+    # mesh_y (axis 0) carries the batch, mesh_x (axis 1) the hidden features.
+    assert placements(f, x) == (Shard(0), R)
+    assert placements(f, y) == (Shard(0), Shard(2))
+    assert kinds(f) == ["linear", "gelu", "linear", "allreduce", "add"]
+    lin2, ar = f.ops[2], f.ops[3]
+    assert placements(f, lin2.outputs[0]) == (Shard(0), Partial())
+    assert ar.attr("mesh_axis") == 1  # only across the TP groups, not across data-parallel replicas
+    assert placements(f, z) == (Shard(0), R)
+
+
+def test_dp_tp_mlp_unannotated_output_keeps_the_batch_sharding():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([4, 8]), fd.define_tensor([6, 8])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH22, {0: Y, 1: X})
+        shard(w, MESH22, {1: X})
+    f = lower(fd)
+    assert comms(f) == ["allreduce"] and only(f, "allreduce").attr("mesh_axis") == 1
+    assert out_placements(f) == (Shard(0), R)  # materialized, never Partial
+
+
+# --- explicit sets and sums ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("src,dst,expected,attrs", [
+    ({0: X}, {}, ["allgather"], {"dim": 0}),
+    ({}, {0: X}, ["slice"], {"dim": 0}),
+    ({0: X}, {1: X}, ["all_to_all"], {"src_dim": 0, "dim": 1}),
+    ({1: X}, {0: X}, ["all_to_all"], {"src_dim": 1, "dim": 0}),
+    ({0: X}, {0: X}, ["set"], {}),  # no resharding: a plain local copy
+])
+def test_set_lowering_1d(src, dst, expected, attrs):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, MESH2, src)
+        shard(z, MESH2, dst)
+    f = lower(fd)
+    assert kinds(f) == expected
+    op = f.ops[0]
+    assert op.inputs == (x.name,) and op.outputs == (z.name,)
+    for k, v in attrs.items():
+        assert op.attr(k) == v
+    assert [s.kind for s in f.segments] == ["communication" if expected[0] in COLLECTIVES else "compute"]
+
+
+def test_sum_over_sharded_dim_to_replicated_is_allreduce():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        z = fd.ops.sum(x, [0])
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["sum", "allreduce"]
+    assert placements(f, f.ops[0].outputs[0]) == (Partial(),)
+    assert out_placements(f) == (R,)
+    assert seg_summary(f) == [("compute", "", ["sum"]), ("communication", "", ["allreduce"])]
+
+
+def test_sum_over_sharded_dim_to_sharded_is_reduce_scatter():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        z = fd.ops.sum(x, [0])
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(z, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["sum", "reduce_scatter"]
+    assert only(f, "reduce_scatter").attr("dim") == 0
+
+
+def test_sum_over_unsharded_dim_needs_no_communication():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6, 2])
+        z = fd.ops.sum(x, [1])
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["sum"]
+    assert out_placements(f) == (Shard(0),)
+
+
+def test_mean_and_amax_over_sharded_dim():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        m = fd.ops.mean(x, [1])
+        a = fd.ops.amax(x, [1])
+        fd.add_output(m)
+        fd.add_output(a)
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    # mean is linear: partial sums then an allreduce; amax is not: the input is gathered first.
+    assert kinds(f) == ["mean", "allreduce", "allgather", "amax"]
+    assert placements(f, only(f, "mean").outputs[0]) == (Partial(),)
+    assert out_placements(f, 0) == (R,) and out_placements(f, 1) == (R,)
+
+
+def test_partial_is_materialized_before_a_nonlinear_op():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        s = fd.ops.sum(x, [0])
+        z = fd.ops.exp(fd.ops.mul(s, 2.0))
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    # mul by a constant is linear (stays Partial); exp is not (allreduce first).
+    assert kinds(f) == ["sum", "mul", "allreduce", "exp"]
+    assert placements(f, only(f, "mul").outputs[0]) == (Partial(),)
+
+
+def test_add_of_two_partials_stays_partial():
+    with FusionDefinition() as fd:
+        x, y = fd.define_tensor([4, 6]), fd.define_tensor([4, 6])
+        z = fd.ops.add(fd.ops.sum(x, [0]), fd.ops.sum(y, [0]))
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(y, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["sum", "sum", "add", "allreduce"]  # one allreduce for both
+
+
+# --- pointwise -------------------------------------------------------------------------------
+
+
+def test_pointwise_on_sharded_data_stays_local():
+    with FusionDefinition() as fd:
+        x, y = fd.define_tensor([4, 6]), fd.define_tensor([4, 6])
+        z = fd.ops.tanh(fd.ops.mul(fd.ops.add(x, y), 3.0))
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(y, MESH2, {1: X})
+    f = lower(fd)
+    assert kinds(f) == ["add", "mul", "tanh"]
+    assert all(t.sharding.placements == (Shard(1),) for t in f.tensors)
+
+
+def test_replicated_and_sharded_operands_slice_locally():
+    with FusionDefinition() as fd:
+        x, y = fd.define_tensor([4, 6]), fd.define_tensor([4, 6])
+        z = fd.ops.add(x, y)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(y, MESH2)
+    f = lower(fd)
+    assert kinds(f) == ["slice", "add"]  # a local slice of the replicated operand, no collective
+    assert only(f, "slice").inputs == (y.name,)
+    assert out_placements(f) == (Shard(0),)
+    assert [s.kind for s in f.segments] == ["compute"]
+
+
+def test_unannotated_inputs_are_replicated():
+    with FusionDefinition() as fd:
+        x, y = fd.define_tensor([4, 6]), fd.define_tensor([4, 6])
+        z = fd.ops.add(x, y)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    assert placements(f, y) == (R,)
+    assert f.tensor(y.name).annotated is False
+    assert out_placements(f) == (Shard(1),)
+
+
+def test_annotated_tensors_are_never_changed_by_propagation():
+    fd, tvs = _mlp(MESH2, 2, "sp")
+    before = {tv.name: fd.fusion.tensor(tv.name) for tv in tvs if fd.fusion.tensor(tv.name).annotated}
+    assert set(before) == {tvs[i].name for i in (0, 1, 2, 3, 4, 6)}
+    propagated = passes.propagate_shardings(fd.fusion)
+    lowered = lower(fd)
+    for name, t in before.items():
+        assert propagated.tensor(name) == t
+        assert lowered.tensor(name) == t
+    # an annotated intermediate is honoured too, even where propagation would choose otherwise
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        y = fd.ops.relu(x)
+        z = fd.ops.neg(y)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(y, MESH2, {1: X})
+    f = lower(fd)
+    assert placements(f, y) == (Shard(1),)
+    assert kinds(f) == ["relu", "all_to_all", "neg"]  # relu runs as the input is, then y is resharded
+    assert out_placements(f) == (Shard(1),)
+
+
+# --- what nvFuser gets wrong -----------------------------------------------------------------
+
+
+def test_broadcast_in_dim_of_sharded_dim_keeps_the_sharding():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8])
+        y = fd.ops.broadcast_in_dim(x, [4, 8], [1])
+        z = fd.ops.add(y, 1.0)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["broadcast_in_dim", "add"]
+    assert placements(f, y) == (Shard(1),) and out_placements(f) == (Shard(1),)
+
+
+def test_pointwise_broadcast_of_sharded_dim():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 1]), fd.define_tensor([8, 4])
+        z = fd.ops.mul(x, w)  # x's size-1 dim broadcasts, its sharded dim 0 lines up with w's
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["slice", "mul"]
+    assert out_placements(f) == (Shard(0),)
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8]), fd.define_tensor([4, 8])
+        z = fd.ops.add(x, w)  # a rank-1 operand broadcast over the rows
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert comms(f) == [] and out_placements(f) == (Shard(1),)
+
+
+def test_factory_op_is_sharded_by_backward_propagation():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        c = fd.ops.full([8, 4], 2.0, DataType.Float)
+        z = fd.ops.add(x, c)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["full", "add"]  # created sharded: no slice, no communication
+    assert placements(f, c) == (Shard(0),)
+
+
+def test_broadcast_of_replicated_tensor_is_sharded_by_backward_propagation():
+    with FusionDefinition() as fd:
+        x, b = fd.define_tensor([8, 4]), fd.define_tensor([4])
+        bb = fd.ops.broadcast_in_dim(b, [8, 4], [1])
+        z = fd.ops.add(x, bb)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["broadcast_in_dim", "add"]
+    assert placements(f, b) == (R,)  # the input stays as given (replicated) ...
+    assert placements(f, bb) == (Shard(0),)  # ... the broadcast produces only this rank's rows
+
+
+def test_sp_residual_add_of_replicated_computation():
+    # h = x_sp + relu(r): r is a replicated input; relu(r) is computed on the local rows only.
+    with FusionDefinition() as fd:
+        x, r = fd.define_tensor([8, 4]), fd.define_tensor([8, 4])
+        rr = fd.ops.relu(r)
+        z = fd.ops.add(x, rr)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert comms(f) == []
+    assert placements(f, rr) == (Shard(0),)
+    assert kinds(f) == ["slice", "relu", "add"]
+
+
+def test_backward_keeps_replicated_when_consumers_disagree():
+    with FusionDefinition() as fd:
+        x, r = fd.define_tensor([8, 4]), fd.define_tensor([8, 4])
+        s = fd.ops.relu(r)
+        fd.add_output(fd.ops.add(x, s))  # wants s sharded on rows
+        fd.add_output(fd.ops.add(s, 1.0))  # wants s whole
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert placements(f, s) == (R,)
+    assert kinds(f) == ["relu", "slice", "add", "add"] and comms(f) == []
+    assert out_placements(f, 0) == (Shard(0),) and out_placements(f, 1) == (R,)
+
+
+def test_backward_sharding_a_producer_that_cannot_shard_falls_back_to_a_slice():
+    with FusionDefinition() as fd:
+        x, r = fd.define_tensor([8, 4]), fd.define_tensor([8, 4])
+        s = fd.ops.softmax(r, 0)  # normalizes over the rows: cannot produce a row shard alone
+        fd.add_output(fd.ops.add(x, s))
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["softmax", "slice", "add"] and comms(f) == []
+    sm = only(f, "softmax")
+    assert sm.inputs == (r.name,) and placements(f, sm.outputs[0]) == (R,)
+
+
+def test_set_that_adds_one_sharding_and_removes_another_1d():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, MESH22, {0: X})
+        shard(z, MESH22, {1: X})
+    f = lower(fd)
+    assert kinds(f) == ["all_to_all"]
+    assert only(f, "all_to_all").attr("mesh_axis") == 1
+
+
+def test_set_that_adds_one_sharding_and_removes_another_2d():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, MESH22, {0: X})  # sharded on mesh_x ...
+        shard(z, MESH22, {1: Y})  # ... becomes sharded on mesh_y, another dim
+    f = lower(fd)
+    assert sorted(kinds(f)) == ["allgather", "slice"]
+    ag, sl = only(f, "allgather"), only(f, "slice")
+    assert (ag.attr("mesh_axis"), ag.attr("dim")) == (1, 0)
+    assert (sl.attr("mesh_axis"), sl.attr("dim")) == (0, 1)
+    assert kinds(f) == ["slice", "allgather"]  # the free slice first: less data to gather
+    assert out_placements(f) == (Shard(1), R)
+
+
+def test_change_on_two_mesh_axes_is_a_sequence():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, MESH22, {0: X, 1: Y})
+        shard(z, MESH22, {1: X, 0: Y})
+    f = lower(fd)
+    steps = [op for op in f.ops]
+    assert all(len(op.inputs) == 1 for op in steps)
+    assert [op.outputs[0] for op in steps[:-1]] == [op.inputs[0] for op in steps[1:]]  # a chain
+    assert steps[0].inputs == (x.name,) and steps[-1].outputs == (z.name,)
+    assert [op.kind for op in steps] == ["allgather", "all_to_all", "slice"]
+    # every step touches one mesh axis and no intermediate shards a dim twice
+    for op in steps:
+        p = placements(f, op.outputs[0])
+        assert len([q for q in p if isinstance(q, Shard)]) == len({q for q in p if isinstance(q, Shard)})
+    assert [s.kind for s in f.segments] == ["communication", "communication", "compute"]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, MESH22, {0: X, 1: Y})
+        shard(z, MESH22)
+    f = lower(fd)
+    assert kinds(f) == ["allgather", "allgather"]
+    assert {(op.attr("mesh_axis"), op.attr("dim")) for op in f.ops} == {(1, 0), (0, 1)}
+
+
+def test_sum_over_one_of_two_sharded_dims_on_2d_mesh():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.sum(x, [1])
+        fd.add_output(z)
+        shard(x, MESH22, {0: Y, 1: X})
+    f = lower(fd)
+    assert kinds(f) == ["sum", "allreduce"]
+    assert placements(f, only(f, "sum").outputs[0]) == (Shard(0), Partial())
+    assert only(f, "allreduce").attr("mesh_axis") == 1
+    assert out_placements(f) == (Shard(0), R)
+
+
+# --- reshape and normalization ---------------------------------------------------------------
+
+
+def test_reshape_merge_keeps_sharding_of_leading_dim():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6, 8])  # [b, s, h], b sharded
+        z = fd.ops.reshape(x, [24, 8])  # [b*s, h]
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["reshape"]
+    assert out_placements(f) == (Shard(0),)
+
+
+def test_reshape_split_keeps_sharding_of_leading_dim():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([24, 8])
+        z = fd.ops.reshape(x, [4, 6, 8])
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["reshape"]
+    assert out_placements(f) == (Shard(0),)
+
+
+def test_reshape_merge_of_non_leading_sharded_dim_needs_allgather():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6, 8])
+        z = fd.ops.reshape(x, [24, 8])
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})  # s sharded: its pieces are not contiguous in b*s
+    f = lower(fd)
+    assert kinds(f) == ["allgather", "reshape"]
+    assert only(f, "allgather").attr("dim") == 1
+    assert out_placements(f) == (R,)
+
+
+def test_reshape_of_untouched_dim_keeps_its_sharding():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6, 8])
+        z = fd.ops.reshape(x, [24, 8])
+        fd.add_output(z)
+        shard(x, MESH2, {2: X})
+    f = lower(fd)
+    assert kinds(f) == ["reshape"] and out_placements(f) == (Shard(1),)
+
+
+@pytest.mark.parametrize("op", ["softmax", "layer_norm"])
+def test_normalization_over_sharded_dim_needs_allgather(op):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.softmax(x, 1) if op == "softmax" else fd.ops.layer_norm(x, [8])
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    assert kinds(f) == ["allgather", op]
+    assert only(f, "allgather").attr("dim") == 1
+
+
+@pytest.mark.parametrize("op", ["softmax", "layer_norm"])
+def test_normalization_over_unsharded_dim_stays_local(op):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.softmax(x, 1) if op == "softmax" else fd.ops.layer_norm(x, [8])
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == [op] and out_placements(f) == (Shard(0),)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_non_divisible_split_raises_sharding_error():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(MESH4)
+        with pytest.raises(ShardingError) as e:
+            x.outer_split(0, 4)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, TPFusionError)
+    msg = str(e.value)
+    assert "T0" in msg and "axis 0" in msg and "6" in msg and "4" in msg
+
+
+def test_non_divisible_propagated_extent_raises_sharding_error():
+    s = Sharding(MESH4, (Shard(1),))
+    with pytest.raises(ShardingError, match=r"T3.*dim 1 of extent 6.*4 devices"):
+        s.check_divides((8, 6), "T3")
+
+
+def test_sharding_an_inner_split_piece_is_not_implemented():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(MESH2)
+        x.split(0, 2)  # [4, 2]: the inner piece has the mesh's extent
+        with pytest.raises(LoweringError) as e:
+            x.axis(1).parallelize(X)
+    assert isinstance(e.value, NotImplementedError) and isinstance(e.value, TPFusionError)
+    assert "T0" in str(e.value) and "outer" in str(e.value)
+
+
+def test_sharding_one_dim_on_two_mesh_axes_is_not_implemented():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(MESH22)
+        x.outer_split(0, 2)
+        x.axis(0).parallelize(X)
+        x.outer_split(1, 2)
+        with pytest.raises(LoweringError):
+            x.axis(1).parallelize(Y)
+
+
+# --- shard_tensor / unshard_tensor -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh,pl", [
+    (MESH2, (Shard(0),)), (MESH2, (Shard(1),)), (MESH4, (R,)),
+    (MESH22, (Shard(0), Shard(1))), (MESH22, (Shard(1), R)), (MESH22, (R, Shard(0))),
+])
+def test_shard_unshard_roundtrip(mesh, pl):
+    full = torch.arange(8 * 4, dtype=torch.float64).reshape(8, 4)
+    s = Sharding(mesh, pl)
+    pieces = {r: shard_tensor(full, s, rank=r) for r in mesh.devices}
+    for r, p in pieces.items():
+        assert tuple(p.shape) == s.local_shape((8, 4)), r
+    torch.testing.assert_close(unshard_tensor(pieces, s), full)
+    if pl == (Shard(0), Shard(1)):  # mesh_y (axis 0) takes rows, mesh_x (axis 1) columns
+        torch.testing.assert_close(pieces[1], full[:4, 2:])
+        torch.testing.assert_close(pieces[2], full[4:, :2])
+
+
+def test_partial_shard_sums_to_the_full_value():
+    full = torch.arange(6, dtype=torch.float64)
+    s = Sharding(MESH2, (Partial(),))
+    pieces = {r: shard_tensor(full, s, rank=r) for r in (0, 1)}
+    torch.testing.assert_close(pieces[0] + pieces[1], full)
+    torch.testing.assert_close(unshard_tensor(pieces, s), full)
+
+
+def test_segments_never_mix_communication_and_compute():
+    fd, _ = _mlp(MESH22, 2, "dp_tp", shape=(4, 2, 8))
+    f = lower(fd)
+    for s in f.segments:
+        n_comm = sum(f.ops[i].kind in COLLECTIVES for i in s.ops)
+        assert n_comm == (0 if s.kind == "compute" else 1)
