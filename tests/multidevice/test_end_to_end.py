@@ -332,9 +332,9 @@ CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
 # --- running on ranks ------------------------------------------------------------------------
 
 
-def _check(case: Case) -> None:
+def _check(case: Case, device: str = "cpu") -> None:
     fd = case.fd
-    local = [shard_tensor(full, tv) for full, tv in zip(case.full, case.inputs)]
+    local = [shard_tensor(full, tv).to(device) for full, tv in zip(case.full, case.inputs)]
     saved = [t.clone() for t in local]
     outs = fd.execute(local)
     for i, (t, s) in enumerate(zip(local, saved)):
@@ -345,7 +345,7 @@ def _check(case: Case) -> None:
     input_storages = {t.untyped_storage().data_ptr() for t in local if t.numel()}
     for out, ref, sh in zip(outs, expected, shardings):
         assert not sh.has_partial
-        torch.testing.assert_close(out, shard_tensor(ref, sh))
+        torch.testing.assert_close(out.cpu(), shard_tensor(ref, sh))
         assert not out.numel() or out.untyped_storage().data_ptr() not in input_storages, "output aliases an input"
     assert fd.plan.collectives() == case.collectives, str(fd.plan)
     plans = dist.gather_from_all(str(fd.plan))
@@ -451,15 +451,17 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes
 }
 
 
-def _worker(rank: int, world: int, names_1d: list[str], names_2d: list[str], out_path: str) -> None:
+def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=True) -> dict:
+    """Run the cases on this rank; every rank gets {case: None or the failing ranks' tracebacks}.
+    ``device`` is where the local shards live (CUDA with NCCL: tests/gpu/nccl_end_to_end.py)."""
     torch.manual_seed(0)
     mesh1 = DeviceMesh(range(world))
     mesh2 = DeviceMesh(torch.arange(4).reshape(2, 2)) if world == 4 else None
-    todo = [(n, lambda n=n: _check(CASES_1D[n](mesh1))) for n in names_1d]
-    todo += [(n, lambda n=n: SPECIAL[n](mesh1)) for n in SPECIAL]
-    todo += [(f"2x2/{n}", lambda n=n: _check(CASES_2D[n](mesh2))) for n in names_2d]
+    todo = [(n, lambda n=n: _check(CASES_1D[n](mesh1), device)) for n in names_1d]
+    todo += [(n, lambda n=n: SPECIAL[n](mesh1)) for n in SPECIAL if special]
+    todo += [(f"2x2/{n}", lambda n=n: _check(CASES_2D[n](mesh2), device)) for n in names_2d]
     if world >= 2:
-        todo += [(n, lambda n=n: _check(CASES_MESHES[n](world))) for n in CASES_MESHES]
+        todo += [(n, lambda n=n: _check(CASES_MESHES[n](world), device)) for n in CASES_MESHES]
     results = {}
     for name, run in todo:
         try:
@@ -469,6 +471,11 @@ def _worker(rank: int, world: int, names_1d: list[str], names_2d: list[str], out
             err = f"rank {rank}: {traceback.format_exc()}"
         errs = [e for e in dist.gather_from_all(err) if e]  # also keeps the ranks in step
         results[name] = "\n".join(errs) if errs else None
+    return results
+
+
+def _worker(rank: int, world: int, names_1d: list[str], names_2d: list[str], out_path: str) -> None:
+    results = run_cases(rank, world, names_1d, names_2d)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
