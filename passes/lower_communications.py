@@ -2,8 +2,9 @@
 
 Per mesh axis (DTensor's redistribute table): Shard->Replicate allgather, Partial->Replicate
 allreduce, Partial->Shard reduce_scatter, Shard(i)->Shard(j) all_to_all, Replicate->Shard a local
-slice (no communication). A change on several mesh axes becomes a sequence: free slices first
-(less data to move afterwards), then the rest; a step that would shard one dim on two mesh axes
+slice and Replicate->Partial a local ``to_partial`` (the value on mesh index 0, zeros elsewhere; no
+communication). A change on several mesh axes becomes a sequence: free local steps first (less
+data to move afterwards), then the rest; a step that would shard one dim on two mesh axes
 waits, and if every remaining step waits, one axis is gathered first. A change of mesh moves
 the data with send_recv (meshes of one shape, placements kept) or broadcast (otherwise, from the
 source mesh's first device, replicated), with same-mesh steps before and after.
@@ -17,7 +18,7 @@ from tp_fusion.ir import Fusion, Op, Tensor
 
 # Op kinds that communicate (each becomes a communication segment), and those that stay local.
 COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
-LOCAL_RESHARDS = ("slice",)
+LOCAL_RESHARDS = ("slice", "to_partial")
 
 
 def _step(src, dst) -> tuple[str, dict] | None:
@@ -33,6 +34,8 @@ def _step(src, dst) -> tuple[str, dict] | None:
             return "all_to_all", {"src_dim": src.dim, "dim": dst.dim}
         case Replicate(), Shard():
             return "slice", {"dim": dst.dim}
+        case Replicate(), Partial():  # local: the value on mesh index 0, zeros elsewhere
+            return "to_partial", {}
     return None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from passes.lower_communications import COLLECTIVES
+from passes.lower_communications import COLLECTIVES, LOCAL_RESHARDS
 from passes.propagate_shardings import default_mesh
 from sharding.sharding import Partial
 from sharding.strategy import choose
@@ -33,7 +33,7 @@ def verify(fusion: Fusion, after: str) -> None:
         assert not any(isinstance(p, Partial) for p in fusion.tensor(o).sharding.placements), f"output T{o} is Partial"
     if stage >= 1:
         for op in fusion.ops:
-            if op.kind in ("set", "slice", *COLLECTIVES):
+            if op.kind in ("set", *LOCAL_RESHARDS, *COLLECTIVES):
                 continue
             st = choose(op, fusion, fusion.tensor(op.outputs[0]).sharding, mesh)
             for a, need in zip(op.inputs, st.inputs):

@@ -2,10 +2,16 @@
 
 Every check of the inputs happens before any communication, and under a process group the
 ranks agree on the outcome first, so a bad input on one rank raises the same error on all.
+The agreement also compares a fingerprint of the fusion and of the inputs' GLOBAL shapes, so
+ranks that pass inconsistent shards (e.g. of a symbolic extent) or define different fusions
+raise instead of running mismatched collectives. Process groups are created (a collective
+step) only after the ranks agree.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 from collections.abc import Sequence
 
@@ -13,10 +19,19 @@ import torch
 
 from passes import run_pipeline
 from tp_fusion import ops as _ops
-from tp_fusion.errors import DefinitionError, InputError, ShardingError, TPFusionError
+from tp_fusion.errors import (
+    DefinitionError,
+    ExecutionError,
+    InputError,
+    LoweringError,
+    ShardingError,
+    TPFusionError,
+)
 from tp_fusion.ir import Fusion
 from tp_fusion.plan import Plan
 from tp_fusion.runtime import dist
+
+_ERRORS = {c.__name__: c for c in (InputError, ShardingError, DefinitionError, LoweringError, ExecutionError)}
 
 
 def _signature(inputs: Sequence) -> tuple:
@@ -29,34 +44,93 @@ class Executor:
 
     def __init__(self, fusion: Fusion):
         self.fusion = fusion
-        self._plans: dict[tuple, Plan] = {}
+        self._text = str(fusion)
+        self._plans: dict[tuple, tuple[Plan, int, str]] = {}
 
     def run(self, inputs: list) -> tuple[list[torch.Tensor], Plan]:
         sig = _signature(inputs)
-        plan, error = self._plans.get(sig), None
-        if plan is None:
+        cached, error = self._plans.get(sig), None
+        multi = self.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1
+        if cached is None:
             try:
-                plan = compile_plan(self.fusion, inputs)
+                lowered, device, shapes = prepare(self.fusion, inputs)
+                detail = _describe_shapes(self.fusion, shapes)
+                fingerprint = _fingerprint(self._text, _agreed_shapes(self.fusion, shapes))
             except TPFusionError as e:
                 error = e
-        if self.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1:
-            _agree(error)
+            except Exception as e:  # an internal error: still agree, so no peer is left waiting
+                if not multi:
+                    raise
+                error = e
+        else:
+            plan, fingerprint, detail = cached
+        if multi:
+            _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
         elif error is not None:
             raise error
-        self._plans[sig] = plan
+        if cached is None:
+            plan = Plan(lowered, dist.rank(), device)  # creates process groups: after the agreement
+            self._plans[sig] = (plan, fingerprint, detail)
         return plan.run(inputs), plan
 
 
-def _agree(error: TPFusionError | None) -> None:
-    """Raise on every rank if any rank's inputs were rejected (a host-side exchange)."""
-    if not dist.any_rank_flagged(error is not None):
+def _fingerprint(text: str, shapes) -> int:
+    digest = hashlib.blake2b(repr((text, shapes)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _agreed_shapes(fusion: Fusion, shapes: list[tuple[int, ...]]) -> tuple:
+    """The global input shapes every rank must agree on: those of inputs every rank holds (a rank
+    outside a tensor's mesh cannot know its symbolic extents)."""
+    world = set(range(dist.world_size()))
+    out = []
+    for name, shape in zip(fusion.inputs, shapes):
+        t = fusion.tensor(name)
+        held_by_all = t.sharding is None or world <= set(t.sharding.mesh.devices)
+        out.append(tuple(shape) if held_by_all else t.shape)
+    return tuple(out)
+
+
+def _describe_shapes(fusion: Fusion, shapes) -> str:
+    return ", ".join(f"T{n} {list(s)}" for n, s in zip(fusion.inputs, shapes))
+
+
+def _agree(error: Exception | None, fingerprint: int, detail: str) -> None:
+    """Raise on every rank if any rank's inputs were rejected, or if the ranks compiled different
+    fusions or global shapes (one host-side all_reduce; a gather only when something is wrong)."""
+    rank = dist.rank()
+    try:
+        failed, differ = dist.agree(error is not None, fingerprint)
+    except Exception as e:  # a peer left (or failed in an earlier plan): the process group is broken
+        raise ExecutionError(dist.report_failure(
+            rank, "the input agreement before running the plan", f"{type(e).__name__}: {e}",
+            primary=False, exc=e)) from (error or e)
+    if not failed and not differ:
         return
-    reports = dist.gather_from_all(None if error is None else (type(error).__name__, str(error)))
-    if error is not None:
-        raise error
-    bad = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-    cls = next((c for c in (InputError, ShardingError, DefinitionError) if c.__name__ == bad[1][0]), InputError)
-    raise cls(f"rank {bad[0]} rejected its inputs: {bad[1][1]}")
+    if failed:
+        report = None if error is None else (type(error).__name__, str(error))
+        reports = dist.gather_from_all(report)
+        if error is not None:
+            raise error
+        bad, (name, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+        if name not in _ERRORS:  # an internal error while compiling on that rank
+            raise ExecutionError(f"rank {bad} failed while compiling the plan: {name}: {msg}")
+        raise _ERRORS[name](f"rank {bad} rejected its inputs: {msg}")
+    views = dist.gather_from_all((fingerprint, detail))
+    counts: dict[int, int] = {}
+    for fp, _ in views:
+        counts[fp] = counts.get(fp, 0) + 1
+    common = max(counts, key=lambda fp: (counts[fp], -next(r for r, v in enumerate(views) if v[0] == fp)))
+    ref = next(r for r, v in enumerate(views) if v[0] == common)
+    odd = [r for r, v in enumerate(views) if v[0] != common]
+    if all(v[1] == views[ref][1] for v in views):
+        raise DefinitionError(
+            f"execute: rank(s) {odd} defined a different fusion than rank {ref} (different ops, shapes "
+            "or shardings); every rank must build the same FusionDefinition")
+    lines = "; ".join(f"rank {r}: {views[r][1]}" for r in [ref, *odd])
+    raise InputError(
+        f"execute: the ranks' inputs imply different global shapes ({lines}); rank(s) {odd} differ from "
+        f"rank {ref}. Pass every rank its shard (shard_tensor) of the same global tensors")
 
 
 def _check_inputs(fusion: Fusion, inputs: list, rank: int) -> list[tuple[int, ...]]:
@@ -93,24 +167,49 @@ def _check_inputs(fusion: Fusion, inputs: list, rank: int) -> list[tuple[int, ..
     return shapes
 
 
+def _check_mesh_sizes(fusion: Fusion) -> None:
+    world = dist.world_size()
+    for t in fusion.tensors:
+        mesh = t.sharding.mesh if t.sharding is not None else None
+        if mesh is not None and max(mesh.devices) >= world:
+            raise ShardingError(
+                f"T{t.name}: {mesh!r} ({mesh.size} devices) names rank {max(mesh.devices)}, but the process "
+                f"group has {world} rank(s) (ranks 0..{world - 1}); build the mesh from "
+                "range(dist.get_world_size()) or start more ranks")
+
+
 def _check_meshes(fusion: Fusion, devices) -> None:
     meshes = {t.sharding.mesh for t in fusion.tensors if t.sharding is not None}
-    world = dist.world_size()
-    for mesh in meshes:
-        if max(mesh.devices) >= world:
-            raise ShardingError(
-                f"{mesh!r} names rank {max(mesh.devices)}, but the process group has {world} rank(s) "
-                f"(ranks 0..{world - 1}); build the mesh from range(dist.get_world_size())")
     if meshes and not dist.is_initialized() and any(m.devices != (0,) for m in meshes):
         raise InputError("execute: the fusion is sharded across devices, but no torch.distributed process "
                          "group is initialized; start it under torchrun (or tp_fusion.launch.run_on_ranks) "
                          "and call init_process_group first")
+    _check_mesh_sizes(fusion)
     if dist.is_initialized() and meshes:
         backend = dist.backend()
-        for device in devices:
-            if (device.type == "cuda") != (backend == "nccl"):
-                raise InputError(f"execute: inputs on {device} with a {backend} process group; use CUDA tensors "
-                                 "with NCCL and CPU tensors with gloo")
+        want = "cuda" if backend == "nccl" else "cpu"
+        for device, name in devices.items():
+            if device.type != want:
+                raise InputError(f"execute: input T{name} is on {device} with a {backend} process group; use "
+                                 "CUDA tensors with NCCL and CPU tensors with gloo")
+
+
+def _check_symbolic_splits(fusion: Fusion, concrete: Fusion) -> None:
+    """A split of a symbolic extent could not be checked when it was scheduled: check it now."""
+    for t in fusion.tensors:
+        if t.loop is None:
+            continue
+        for d, n in enumerate(concrete.tensor(t.name).shape):
+            if t.shape[d] >= 0 or n < 0:
+                continue
+            factors = [a.extent for a in t.loop if a.dim == d and a.extent >= 0]
+            k = math.prod(factors)
+            if n % k != 0:
+                by = f"{' x '.join(map(str, factors))} = {k}"
+                raise ShardingError(
+                    f"T{t.name} {t.type_str()}: dim {d} is symbolic and bound to {n} at execute, but its "
+                    f"schedule splits it by {by}, which does not divide {n}; pass a size that is a multiple "
+                    f"of {k} or change the split")
 
 
 def concretize(fusion: Fusion, input_shapes: list[tuple[int, ...]]) -> Fusion:
@@ -131,12 +230,19 @@ def concretize(fusion: Fusion, input_shapes: list[tuple[int, ...]]) -> Fusion:
     return fusion.replace(tensors=tuple(tensors))
 
 
-def compile_plan(fusion: Fusion, inputs: list) -> Plan:
+def prepare(fusion: Fusion, inputs: list) -> tuple[Fusion, torch.device, list[tuple[int, ...]]]:
+    """Check the inputs and lower the fusion for their sizes; no communication, no process groups.
+    Returns the lowered fusion, the device, and the inputs' global shapes."""
     rank = dist.rank()
+    if dist.is_initialized():
+        _check_mesh_sizes(fusion)  # before the shapes: a local shape is judged against the mesh
     shapes = _check_inputs(fusion, inputs, rank)
-    devices = {x.device for x in inputs if isinstance(x, torch.Tensor)}
+    devices: dict[torch.device, int] = {}
+    for name, x in zip(fusion.inputs, inputs):
+        devices.setdefault(x.device, name)
     _check_meshes(fusion, devices)
     concrete = concretize(fusion, shapes)
+    _check_symbolic_splits(fusion, concrete)
     for t in concrete.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")
@@ -144,5 +250,10 @@ def compile_plan(fusion: Fusion, inputs: list) -> Plan:
     for t in lowered.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")
-    device = next(iter(devices), torch.device("cpu"))
-    return Plan(lowered, rank, device)
+    return lowered, next(iter(devices), torch.device("cpu")), shapes
+
+
+def compile_plan(fusion: Fusion, inputs: list) -> Plan:
+    """``prepare`` and build the Plan (which creates its process groups) without agreement."""
+    lowered, device, _ = prepare(fusion, inputs)
+    return Plan(lowered, dist.rank(), device)

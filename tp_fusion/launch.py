@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -29,6 +30,7 @@ def init_from_env(timeout_s: float = 300.0) -> torch.device:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+    dist.warm_up_before_init()
     dist.init_process_group(backend, rank, world, "env://", timeout_s)
     return device
 
@@ -41,6 +43,7 @@ def _free_port() -> int:
 
 def _rank_main(rank, world, port, fn, args, errors, timeout_s):
     torch.set_num_threads(1)
+    dist.warm_up_before_init()
     dist.init_process_group("gloo", rank, world, f"tcp://127.0.0.1:{port}", timeout_s)
     try:
         fn(rank, world, *args)
@@ -51,11 +54,22 @@ def _rank_main(rank, world, port, fn, args, errors, timeout_s):
         dist.destroy_process_group()
 
 
-def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0) -> None:
+class RanksFailed(RuntimeError):
+    """Some spawned ranks failed: ``exitcodes`` per rank (None: killed), ``failures`` rank -> traceback."""
+
+    def __init__(self, message: str, exitcodes: list, failures: dict[int, str]):
+        super().__init__(message)
+        self.exitcodes, self.failures = exitcodes, failures
+
+
+def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float = 30.0) -> None:
     """Run ``fn(rank, world, *args)`` on ``nproc`` spawned CPU ranks joined by gloo.
 
-    ``fn`` must be picklable (a module-level function). If any rank fails, raises
-    ``RuntimeError`` carrying the failing ranks' tracebacks.
+    ``fn`` must be picklable (a module-level function). Bounded in time: ``timeout_s`` is the
+    process group's timeout (each collective, and joining it), the whole run may take at most
+    ``timeout_s + 60`` seconds, and once a rank has failed the others get ``grace_s`` seconds to
+    finish before they are killed. If any rank fails, raises ``RanksFailed`` (a RuntimeError)
+    carrying the exit codes and the failing ranks' tracebacks.
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
@@ -66,16 +80,31 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0) -> None:
     ]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s + 60)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    failures = []
+    failures: dict[int, str] = {}
+    deadline, failed_at, killed = time.monotonic() + timeout_s + 60, None, []
+    while True:
+        while not errors.empty():
+            r, tb = errors.get()
+            failures[r] = tb
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        now = time.monotonic()
+        if failed_at is None and (failures or any(p.exitcode not in (None, 0) for p in procs)):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > grace_s):
+            for p in alive:
+                killed.append(procs.index(p))
+                p.kill()
+            for p in alive:
+                p.join()
+            break
+        alive[0].join(0.05)
     while not errors.empty():
-        failures.append(errors.get())
-    if failures or any(p.exitcode != 0 for p in procs):
-        codes = [p.exitcode for p in procs]
-        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures))
-        raise RuntimeError(f"ranks failed (exit codes {codes}):\n{detail}")
+        r, tb = errors.get()
+        failures[r] = tb
+    codes = [p.exitcode for p in procs]
+    if failures or any(c != 0 for c in codes):
+        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        note = f" (killed: ranks {killed}, still running after the others failed or the deadline)" if killed else ""
+        raise RanksFailed(f"ranks failed (exit codes {codes}){note}:\n{detail}", codes, failures)

@@ -153,7 +153,7 @@ class Plan:
         # A RuntimeError out of a segment that communicates is most likely a peer that left: the
         # store says whether another rank failed first.
         primary = seg.segment.kind == "compute" or not isinstance(e, RuntimeError)
-        return dist.report_failure(self.rank, where, error, primary)
+        return dist.report_failure(self.rank, where, error, primary, exc=e)
 
     def _args(self, op: Op, env) -> list:
         return [env[a] if isinstance(a, int) else a.value for a in op.inputs]
@@ -165,9 +165,10 @@ class Plan:
         if op.kind in RESHARDS:
             src = self.fusion.tensor(op.inputs[0])
             out_t = self.fusion.tensor(op.outputs[0])
-            result = collectives.run_reshard(op, env.get(op.inputs[0]), self.rank, src.sharding.mesh,
+            x = env.get(op.inputs[0])
+            result = collectives.run_reshard(op, x, self.rank, src.sharding.mesh,
                                              self._local_shape(out_t.name), out_t.dtype.torch, self.device,
-                                             c.donate_input)
+                                             c.donate_input and not _aliased(x, op.inputs[0], env))
             if result is not None:
                 env[op.outputs[0]] = result
             return
@@ -233,3 +234,13 @@ def _epilogue(ops: list[CompiledOp]):
             t = _ops.run(c.op.kind, [t], c.attrs)
         return t
     return chain
+
+
+def _aliased(x, name: int, env) -> bool:
+    """Whether ``x`` shares storage with another tensor in ``env`` (a view, e.g. a permute, of a
+    tensor that is still used): then it must not be reduced in place."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    ptr = x.untyped_storage().data_ptr()
+    return any(k != name and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr
+               for k, v in env.items())

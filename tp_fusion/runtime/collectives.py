@@ -96,6 +96,8 @@ def run_reshard(op: Op, x, rank: int, mesh: DeviceMesh, out_local_shape, dtype, 
     n = len(ranks)
     if kind == "slice":
         return x.chunk(n, op.attr("dim"))[ranks.index(rank)]
+    if kind == "to_partial":  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
+        return x if ranks.index(rank) == 0 else torch.zeros_like(x)
     pg = dist.group(ranks)
     if kind == "allgather":
         return allgather(x, op.attr("dim"), pg, n)
@@ -112,6 +114,6 @@ def groups_of(op: Op, mesh: DeviceMesh) -> list[tuple[int, ...]]:
     """Every process group ``op`` uses on any rank (created up front, alike on every rank)."""
     if op.kind == "broadcast":
         return [broadcast_ranks(op.attr("src_mesh"), op.attr("dst_mesh"))]
-    if op.kind in ("send_recv", "slice"):
+    if op.kind in ("send_recv", "slice", "to_partial"):
         return []
     return mesh.all_axis_groups(op.attr("mesh_axis"))

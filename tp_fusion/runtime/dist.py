@@ -271,8 +271,20 @@ def _default_store():
         return None
 
 
-def abort_process_groups() -> None:
-    """Tear down every process group of this rank now, so peers blocked on it error out promptly."""
+def abort_process_groups(exc: BaseException | None = None) -> None:
+    """Tear down every process group of this rank now, so peers blocked on it error out promptly.
+
+    gloo closes its connections only when the group object dies: the frames of ``exc`` (the error
+    being handled, whose torch frames hold the group) are cleared first.
+    """
+    import gc
+    import traceback
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
     if not is_initialized():
         return
     try:
@@ -287,6 +299,7 @@ def abort_process_groups() -> None:
     finally:
         group.cache_clear()
         _cpu_group.cache_clear()
+        gc.collect()
 
 
 def _store_records(store, world: int) -> dict[int, str]:
@@ -298,10 +311,12 @@ def _store_records(store, world: int) -> dict[int, str]:
     return out
 
 
-def report_failure(rank: int, where: str, error: str, primary: bool, grace_s: float | None = None) -> str:
+def report_failure(rank: int, where: str, error: str, primary: bool, exc: BaseException | None = None,
+                   grace_s: float | None = None) -> str:
     """Publish this rank's failure, abort its process groups, and describe the failure that came first.
 
-    ``primary``: the error arose on this rank (not a collective that broke because a peer left).
+    ``primary``: the error arose on this rank (not a collective that broke because a peer left);
+    ``exc``: the exception being handled (its frames are cleared, see ``abort_process_groups``).
     A peer's failure is waited for at most ``grace_s`` seconds (env ``TP_FUSION_FAULT_GRACE_S``,
     default 3); ranks that published nothing by then are named as having stopped responding.
     Returns the text for this rank's ExecutionError.
@@ -316,23 +331,27 @@ def report_failure(rank: int, where: str, error: str, primary: bool, grace_s: fl
     own = f"rank {rank} failed in {where}: {error}"
     store = _fault_store = _default_store() if is_initialized() else _fault_store
     if store is None or world <= 1:
-        abort_process_groups()
+        abort_process_groups(exc)
         return own
+    unreachable = (f"{own} (the process group's store is unreachable: rank 0, which hosts it, most likely "
+                   "exited or failed first)")
     try:
         store.set_timeout(datetime.timedelta(seconds=max(grace_s, 1.0)))
         seq = store.add(f"{_FAULT_KEY}seq", 1)
         store.set(f"{_FAULT_KEY}{rank}", f"{seq}|{int(primary)}|{own}")
     except Exception:
         store = None
-    abort_process_groups()
+    abort_process_groups(exc)
     if store is None:
-        return own
+        return unreachable
     deadline = time.monotonic() + grace_s
     records: dict[int, str] = {}
     while True:
         try:
             records = _store_records(store, world)
         except Exception:  # the store's host (rank 0) is gone
+            if not records:
+                return unreachable
             break
         firsts = [r for r, v in records.items() if v.split("|", 2)[1] == "1"]
         if primary:  # stay until the peers have read the store (this process may host it)

@@ -1,0 +1,230 @@
+"""Bad schedules, meshes and inputs raise a clear TPFusionError on EVERY rank, before any
+communication, and never leave a rank waiting. Each rank function runs many cases in one spawn;
+after each case the ranks run a small collective, so a rank left behind would show as a hang
+(bounded by the process group's timeout) or as a wrong result.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tp_fusion import (
+    DefinitionError,
+    DeviceMesh,
+    FusionDefinition,
+    InputError,
+    LoweringError,
+    ParallelType,
+    ShardingError,
+    TPFusionError,
+    shard_tensor,
+)
+from tp_fusion.launch import run_on_ranks
+from tp_fusion.runtime import dist
+
+TIMEOUT_S = 60.0
+
+
+def _raises(cls, match, fn, *, base=ValueError):
+    with pytest.raises(cls, match=match) as info:
+        fn()
+    assert isinstance(info.value, TPFusionError) and isinstance(info.value, base), repr(info.value)
+    _in_step()
+    return info.value
+
+
+def _in_step() -> None:
+    """Every rank reaches this point: a tiny collective that would hang if one had not."""
+    t = torch.ones(1)
+    dist.all_reduce(t, None)
+    assert t.item() == dist.world_size()
+
+
+def _sharded_relu(world: int, rows: int = -1, cols: int = 4):
+    """x [rows, cols] sharded on dim 0 -> relu -> replicated output (an allgather)."""
+    mesh = DeviceMesh(range(world))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([rows, cols])
+        y = fd.ops.relu(x)
+        fd.add_output(y)
+        for tv in (x, y):
+            tv.set_device_mesh(mesh)
+        x.outer_split(0, world)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    return fd, x
+
+
+def _schedule_errors(rank: int, world: int) -> None:
+    mesh = DeviceMesh(range(world))
+    fd = FusionDefinition()
+    t = fd.define_tensor([5, 6])
+    t.set_device_mesh(mesh)
+    # A split that does not divide its extent.
+    _raises(ShardingError, r"T0: split factor 2 does not divide loop axis 0 of extent 5 .*use a factor that "
+                           r"divides 5", lambda: t.outer_split(0, world))
+    # Axes out of range.
+    _raises(ShardingError, r"T0.split: axis 2 is out of range for a loop domain of 2 axes \(tensor shape "
+                           r"\[5, 6\]\)", lambda: t.split(2, 2))
+    _raises(ShardingError, r"T0.axis: axis -3 is out of range", lambda: t.axis(-3))
+    # A device parallel type used twice.
+    t.outer_split(1, world)  # [5, 2, 3]
+    t.axis(1).parallelize(ParallelType.mesh_x)
+    t.split(0, 5)  # [1, 5, mesh_x{2}, 3]
+    _raises(ShardingError, r"T0: mesh_x is already bound to loop axis 2; a device parallel type may be used "
+                           "once per tensor", lambda: t.axis(0).parallelize(ParallelType.mesh_x))
+    # Meshes with repeated devices, or empty.
+    _raises(ShardingError, r"DeviceMesh \[0, 1, 0\] repeats device\(s\) \[0\]", lambda: DeviceMesh([0, 1, 0]))
+    _raises(ShardingError, r"at least one device", lambda: DeviceMesh([]))
+    # A device dim on an inner piece of a split cannot be lowered.
+    fd2 = FusionDefinition()
+    u = fd2.define_tensor([8, 6])
+    u.set_device_mesh(mesh)
+    u.split(0, world)  # [4, 2]: the device dim would be the inner piece
+    _raises(ShardingError, r"extent 4 must equal the mesh axis size 2",
+            lambda: u.axis(0).parallelize(ParallelType.mesh_x))
+    _raises(LoweringError, r"only the outermost piece of a dim can be device-parallel; use outer_split",
+            lambda: u.axis(1).parallelize(ParallelType.mesh_x), base=NotImplementedError)
+
+
+def _execute_errors(rank: int, world: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2 * world, 4, generator=g)
+    fd, x = _sharded_relu(world, rows=2 * world)
+    good = shard_tensor(full, x)
+
+    # A mesh larger than the world.
+    big = DeviceMesh(range(world + 1))
+    with FusionDefinition() as fd_big:
+        a = fd_big.define_tensor([world + 1, 3])
+        fd_big.add_output(fd_big.ops.neg(a))
+        a.set_device_mesh(big)
+    err = _raises(ShardingError, re.escape(f"T0: DeviceMesh({list(range(world + 1))}) ({world + 1} devices) "
+                                           f"names rank {world}, but the process group has {world} rank(s)"),
+                  lambda: fd_big.execute([torch.ones(world + 1, 3)]))
+    assert "start more ranks" in str(err)
+
+    # A wrong number of inputs.
+    _raises(InputError, r"execute: the fusion takes 1 inputs \(T0\), got 2", lambda: fd.execute([good, good]))
+
+    # A bad local shape, dtype or device on EVERY rank.
+    _raises(InputError, rf"input T0 dim 0 has local extent {2 * world}; its global extent {2 * world} split "
+                        rf"{world} ways gives 2.*expected local shape \[2, 4\]", lambda: fd.execute([full]))
+    _raises(InputError, r"input T0 has dtype torch.float64, the fusion defines it as torch.float32",
+            lambda: fd.execute([good.double()]))
+    _raises(InputError, r"input T0 is on meta with a gloo process group; use CUDA tensors with NCCL and CPU",
+            lambda: fd.execute([torch.empty(2, 4, device="meta")]))
+
+    # A good run fills the plan cache; then ONE rank passes a bad input: a cache hit on the others
+    # must not run into the collective while that rank raises.
+    (out,) = fd.execute([good])
+    torch.testing.assert_close(out, torch.relu(full))
+    for bad, want in ((good[:1], r"dim 0 has local extent 1"), (good.double(), r"has dtype torch.float64"),
+                      (torch.empty(2, 4, device="meta"), r"input T0 is on meta")):
+        mine = bad if rank == 1 else good
+        err = _raises(InputError, want if rank == 1 else rf"rank 1 rejected its inputs: execute: .*{want}",
+                      lambda mine=mine: fd.execute([mine]))
+        assert "T0" in str(err)
+    (out,) = fd.execute([good])  # a rejected input poisons nothing
+    torch.testing.assert_close(out, torch.relu(full))
+
+    # Symbolic extents: a sharded -1 dim whose shards disagree across ranks (only detectable by
+    # comparing ranks: each rank's shard is self-consistent).
+    fd_sym, xs = _sharded_relu(world)
+    rows = 3 if rank == 1 else 2
+    err = _raises(InputError, r"execute: the ranks' inputs imply different global shapes \(rank 0: T0 "
+                              rf"\[{2 * world}, 4\]; rank 1: T0 \[{3 * world}, 4\]\); rank\(s\) \[1\] differ",
+                  lambda: fd_sym.execute([torch.ones(rows, 4)]))
+    (out,) = fd_sym.execute([good])
+    torch.testing.assert_close(out, torch.relu(full))
+
+    # A split of a symbolic extent that does not divide the size bound at execute.
+    mesh = DeviceMesh(range(world))
+    with FusionDefinition() as fd_div:
+        s = fd_div.define_tensor([-1, 4])
+        r = fd_div.ops.relu(s)
+        fd_div.add_output(r)
+        for tv in (s, r):
+            tv.set_device_mesh(mesh)
+        r.outer_split(0, world)
+        r.axis(0).parallelize(ParallelType.mesh_x)
+    _raises(ShardingError, rf"T1 f32\[\?, 4\]: dim 0 is symbolic and bound to {2 * world + 1} at execute, but "
+                           rf"its schedule splits it by {world} = {world}, which does not divide {2 * world + 1}",
+            lambda: fd_div.execute([torch.ones(2 * world + 1, 4)]))
+    with FusionDefinition() as fd_ser:
+        s = fd_ser.define_tensor([-1, 4])
+        fd_ser.add_output(fd_ser.ops.neg(s))
+        s.set_device_mesh(mesh)
+        s.split(0, 3)  # serial: checked once the extent is known
+    _raises(ShardingError, r"T0 f32\[\?, 4\]: dim 0 is symbolic and bound to 4 at execute, but its schedule "
+                           r"splits it by 3 = 3, which does not divide 4",
+            lambda: fd_ser.execute([torch.ones(4, 4)]))
+
+    # Ranks that build different fusions (e.g. a rank-dependent schedule).
+    with FusionDefinition() as fd_div2:
+        x2 = fd_div2.define_tensor([2 * world, 4])
+        y2 = fd_div2.ops.relu(x2) if rank == 0 else fd_div2.ops.abs(x2)  # a different op on rank 1
+        fd_div2.add_output(y2)
+        for tv in (x2, y2):
+            tv.set_device_mesh(mesh)
+        x2.outer_split(0, world)
+        x2.axis(0).parallelize(ParallelType.mesh_x)
+    _raises(DefinitionError, r"execute: rank\(s\) \[1\] defined a different fusion than rank 0",
+            lambda: fd_div2.execute([good]))
+
+    (out,) = fd.execute([good])
+    torch.testing.assert_close(out, torch.relu(full))
+
+
+def test_schedule_errors_on_every_rank():
+    run_on_ranks(_schedule_errors, 2, timeout_s=TIMEOUT_S)
+
+
+def test_execute_errors_on_every_rank():
+    run_on_ranks(_execute_errors, 2, timeout_s=TIMEOUT_S)
+
+
+def _cross_mesh(rank: int, world: int) -> None:
+    """Operands on different meshes are reconciled by moving data (send_recv between meshes of one
+    shape, broadcast otherwise); the result equals torch on every rank that holds it."""
+    g = torch.Generator().manual_seed(1)
+    xf, yf = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    cases = [
+        (DeviceMesh([0, 1]), DeviceMesh([2, 3]), True),  # same shape: send_recv
+        (DeviceMesh([0, 1]), DeviceMesh([0, 1, 2, 3]), False),  # different sizes: broadcast
+        (DeviceMesh([1, 3]), DeviceMesh(torch.arange(4).reshape(2, 2)), True),  # 1-D and 2-D
+    ]
+    for mx, my, shard_y in cases:
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([4, 6])
+            y = fd.define_tensor([4, 6])
+            z = fd.ops.add(x, y)
+            fd.add_output(z)
+            x.set_device_mesh(mx)
+            y.set_device_mesh(my)
+            z.set_device_mesh(my)
+            x.outer_split(0, 2)
+            x.axis(0).parallelize(ParallelType.mesh_x)
+            if shard_y:
+                y.outer_split(1, 2)
+                y.axis(1).parallelize(ParallelType.mesh_x)
+        (out,) = fd.execute([shard_tensor(xf, x), shard_tensor(yf, y)])
+        want = shard_tensor(xf + yf, fd.output_shardings()[0])
+        torch.testing.assert_close(out, want, msg=f"{mx} + {my}\n{fd.plan}")
+        _in_step()
+
+
+def test_operands_on_different_meshes():
+    run_on_ranks(_cross_mesh, 4, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="needs no process group")
+def test_sharded_fusion_without_a_process_group():
+    fd, x = _sharded_relu(2, rows=4)
+    with pytest.raises(InputError, match=re.escape("no torch.distributed process group is initialized")):
+        fd.execute([torch.ones(2, 4)])
+    fd_big, _ = _sharded_relu(4, rows=4)  # a mesh larger than the world of 1: still the missing group
+    with pytest.raises(InputError, match="no torch.distributed process group"):
+        fd_big.execute([torch.ones(1, 4)])
