@@ -6,6 +6,7 @@ names the communications they run; ``run`` executes the plan on this rank's loca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ class CompiledOp:
     op: Op
     attrs: dict  # attributes for running on local shards
     runs_here: bool  # whether this rank takes part
-    donate_input: bool = False  # the input dies here and is no fusion input: may be reused
+    run: Callable[[dict], None] = field(default=None, repr=False)  # env -> None, built at compile time
 
 
 @dataclass
@@ -33,10 +34,15 @@ class CompiledSegment:
     ops: list[CompiledOp]
     choice: str | None = None  # for fused segments: "fused" or "sequential", decided on first run
     pg: object = field(default=None, repr=False)
+    run_fused: Callable[[dict], None] | None = field(default=None, repr=False)
 
     @property
     def collectives(self) -> list[str]:
         return [c.op.kind for c in self.ops if c.op.kind in COLLECTIVES]
+
+
+# Ops whose result may be a view of their input: such a result is never reduced in place.
+VIEW_OPS = ("permute", "reshape", "squeeze", "unsqueeze", "broadcast_in_dim", "slice", "to_partial")
 
 
 class Plan:
@@ -56,14 +62,18 @@ class Plan:
                     mesh = fusion.tensor(op.inputs[0]).sharding.mesh
                     for ranks in collectives.groups_of(op, mesh):
                         dist.group(ranks)  # every rank creates every group, in plan order
-                donate = op.inputs[0] not in keep and last_use.get(op.inputs[0]) == i if op.inputs else False
-                compiled.append(CompiledOp(op, self._local_attrs(op), self._runs_here(op), donate))
+                donate = bool(op.tensor_inputs) and self._donatable(op.inputs[0], i, keep, last_use)
+                c = CompiledOp(op, self._local_attrs(op), self._runs_here(op))
+                c.run = self._runner(c, donate)
+                compiled.append(c)
             cs = CompiledSegment(seg, compiled)
             if seg.kind == "fused":
                 comm = next(c.op for c in compiled if c.op.kind in COLLECTIVES)
                 mesh = fusion.tensor(comm.inputs[0]).sharding.mesh
                 cs.pg = dist.group(mesh.axis_group(comm.attr("mesh_axis"), rank)) if rank in mesh else None
+                cs.run_fused = self._fused_runner(cs)
             self.segments.append(cs)
+        self._outputs_here = [(o, self._holds(o)) for o in fusion.outputs]
 
     # --- compile-time helpers ----------------------------------------------------------------
 
@@ -122,24 +132,26 @@ class Plan:
         env: dict[int, torch.Tensor] = dict(zip(self.fusion.inputs, inputs))
         for i, seg in enumerate(self.segments):
             try:
-                if seg.segment.kind == "fused" and self._decide(seg, env) == "fused":
-                    self._run_fused(seg, env)
+                if seg.run_fused is not None and self._decide(seg) == "fused":
+                    seg.run_fused(env)
                 else:
                     for c in seg.ops:
-                        self._run_op(c, env)
+                        c.run(env)
             except Exception as e:
                 if isinstance(e, ExecutionError):
                     raise
                 raise ExecutionError(self._failure(i, seg, e)) from e
         input_storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         outs = []
-        for o in self.fusion.outputs:
-            x = env.get(o)
-            if x is None:  # this rank holds no part of this output
-                t = self.fusion.tensor(o)
-                x = torch.empty((0,), dtype=t.dtype.torch, device=self.device)
-            elif x.untyped_storage().data_ptr() in input_storages or not x.is_contiguous():
-                x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+        for o, held in self._outputs_here:
+            if not held:  # this rank holds no part of this output
+                outs.append(torch.empty((0,), dtype=self.fusion.tensor(o).dtype.torch, device=self.device))
+                continue
+            x = env[o]
+            if not x.is_contiguous():
+                x = x.contiguous()
+            elif x.untyped_storage().data_ptr() in input_storages:
+                x = x.clone()
             outs.append(x)
         return outs
 
@@ -155,35 +167,61 @@ class Plan:
         primary = seg.segment.kind == "compute" or not isinstance(e, RuntimeError)
         return dist.report_failure(self.rank, where, error, primary, exc=e)
 
-    def _args(self, op: Op, env) -> list:
-        return [env[a] if isinstance(a, int) else a.value for a in op.inputs]
+    def _donatable(self, name: int, i: int, keep: set, last_use: dict) -> bool:
+        """Whether op ``i`` may overwrite tensor ``name``: its last use, no fusion input or output,
+        and no view of or into another tensor (those may still be read)."""
+        producer = self.fusion.producer(name)
+        return (name not in keep and last_use.get(name) == i
+                and (producer is None or producer.kind not in VIEW_OPS)
+                and all(c.kind not in VIEW_OPS for c in self.fusion.consumers(name)))
 
-    def _run_op(self, c: CompiledOp, env) -> None:
-        if not c.runs_here:
-            return
+    def _holds(self, name: int) -> bool:
+        t = self.fusion.tensor(name)
+        return t.sharding is None or self.rank in t.sharding.mesh
+
+    def _runner(self, c: CompiledOp, donate: bool) -> Callable[[dict], None]:
+        """``run(env)`` for one op on this rank, with everything but the tensors looked up now."""
         op = c.op
+        if not c.runs_here:
+            return lambda env: None
         if op.kind in RESHARDS:
-            src = self.fusion.tensor(op.inputs[0])
-            out_t = self.fusion.tensor(op.outputs[0])
-            x = env.get(op.inputs[0])
-            result = collectives.run_reshard(op, x, self.rank, src.sharding.mesh,
-                                             self._local_shape(out_t.name), out_t.dtype.torch, self.device,
-                                             c.donate_input and not _aliased(x, op.inputs[0], env))
-            if result is not None:
-                env[op.outputs[0]] = result
-            return
-        result = _ops.run(op.kind, self._args(op, env), c.attrs)
-        for o, r in zip(op.outputs, result if isinstance(result, tuple) else (result,)):
-            env[o] = r
+            src, out_t = self.fusion.tensor(op.inputs[0]), self.fusion.tensor(op.outputs[0])
+            fn = collectives.reshard_fn(op, self.rank, src.sharding.mesh, self._local_shape(out_t.name),
+                                        out_t.dtype.torch, self.device, donate)
+            name, out = op.inputs[0], op.outputs[0]
 
-    def _gemm_operands(self, gemm: Op, env):
-        """(x, weight [out, in], bias) of a linear or matmul."""
-        if gemm.kind == "linear":
-            bias = gemm.inputs[2]
-            return env[gemm.inputs[0]], env[gemm.inputs[1]], None if isinstance(bias, Const) else env[bias]
-        return env[gemm.inputs[0]], env[gemm.inputs[1]].t(), None
+            def run_reshard(env):
+                result = fn(env.get(name))
+                if result is not None:
+                    env[out] = result
+            return run_reshard
+        kind, attrs, outs = op.kind, c.attrs, op.outputs
+        ops = _ops.OPS  # looked up per call, so an op's implementation can be swapped (fault tests)
+        consts = {i: a.value for i, a in enumerate(op.inputs) if isinstance(a, Const)}
+        names = list(enumerate(op.inputs))
+        if len(outs) == 1:
+            (out,) = outs
 
-    def _decide(self, seg: CompiledSegment, env) -> str:
+            def run_one(env):
+                env[out] = ops[kind].impl(*[consts[i] if i in consts else env[a] for i, a in names], **attrs)
+            return run_one
+
+        def run_many(env):
+            for o, r in zip(outs, ops[kind].impl(*[consts[i] if i in consts else env[a] for i, a in names], **attrs)):
+                env[o] = r
+        return run_many
+
+    def _gemm_operands(self, gemm: Op) -> Callable[[dict], tuple]:
+        """``env -> (x, weight [out, in], bias or None)`` of a linear or matmul."""
+        x, w = gemm.inputs[0], gemm.inputs[1]
+        if gemm.kind == "matmul":
+            return lambda env: (env.get(x), env[w].t(), None)
+        b = gemm.inputs[2]
+        if isinstance(b, Const):
+            return lambda env: (env.get(x), env[w], None)
+        return lambda env: (env.get(x), env[w], env[b])
+
+    def _decide(self, seg: CompiledSegment) -> str:
         if seg.choice is None:
             if not all(c.runs_here for c in seg.ops):
                 seg.choice = "sequential"
@@ -200,25 +238,32 @@ class Plan:
                 seg.choice = overlap.decide(kind, x_shape, w_shape, dtype, seg.pg)
         return seg.choice
 
-    def _run_fused(self, seg: CompiledSegment, env) -> None:
-        comm_i = next(i for i, c in enumerate(seg.ops) if c.op.kind in COLLECTIVES)
-        comm = seg.ops[comm_i].op
+    def _fused_runner(self, seg: CompiledSegment) -> Callable[[dict], None]:
+        """``run(env)`` for a fused segment through ``tp_fusion.runtime.overlap``."""
+        comm = next(c.op for c in seg.ops if c.op.kind in COLLECTIVES)
+        pg = seg.pg
         if comm.kind == "allgather":
-            gemm = seg.ops[1].op
-            epilogue_ops = seg.ops[2:]
+            gemm, epilogue = seg.ops[1].op, _epilogue(seg.ops[2:])
+            x_name, out, dim = comm.inputs[0], seg.ops[-1].op.outputs[0], comm.attr("dim")
+            operands = self._gemm_operands(gemm)
 
-            _, w, b = self._gemm_operands(gemm, {**env, comm.outputs[0]: None})
-            result = overlap.allgather_linear(env[comm.inputs[0]], w, b, gather_dim=comm.attr("dim"),
-                                              pg=seg.pg, epilogue=_epilogue(epilogue_ops))
-            env[seg.ops[-1].op.outputs[0]] = result
-            return
-        gemm = seg.ops[0].op
-        x, w, _ = self._gemm_operands(gemm, env)
+            def run_allgather_linear(env):
+                _, w, b = operands(env)
+                env[out] = overlap.allgather_linear(env[x_name], w, b, gather_dim=dim, pg=pg, epilogue=epilogue)
+            return run_allgather_linear
+        operands, out = self._gemm_operands(seg.ops[0].op), comm.outputs[0]
         if comm.kind == "reduce_scatter":
-            result = overlap.linear_reduce_scatter(x, w, scatter_dim=comm.attr("dim"), pg=seg.pg)
-        else:
-            result = overlap.linear_allreduce(x, w, pg=seg.pg)
-        env[comm.outputs[0]] = result
+            dim = comm.attr("dim")
+
+            def run_linear_reduce_scatter(env):
+                x, w, _ = operands(env)
+                env[out] = overlap.linear_reduce_scatter(x, w, scatter_dim=dim, pg=pg)
+            return run_linear_reduce_scatter
+
+        def run_linear_allreduce(env):
+            x, w, _ = operands(env)
+            env[out] = overlap.linear_allreduce(x, w, pg=pg)
+        return run_linear_allreduce
 
 
 def _epilogue(ops: list[CompiledOp]):
@@ -234,13 +279,3 @@ def _epilogue(ops: list[CompiledOp]):
             t = _ops.run(c.op.kind, [t], c.attrs)
         return t
     return chain
-
-
-def _aliased(x, name: int, env) -> bool:
-    """Whether ``x`` shares storage with another tensor in ``env`` (a view, e.g. a permute, of a
-    tensor that is still used): then it must not be reduced in place."""
-    if not isinstance(x, torch.Tensor):
-        return False
-    ptr = x.untyped_storage().data_ptr()
-    return any(k != name and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == ptr
-               for k, v in env.items())

@@ -84,29 +84,33 @@ def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
     return buf if rank in dst.devices else None
 
 
-def run_reshard(op: Op, x, rank: int, mesh: DeviceMesh, out_local_shape, dtype, device, donate: bool):
-    """Run a lowered resharding op for this rank. ``mesh`` is the input's mesh."""
+def reshard_fn(op: Op, rank: int, mesh: DeviceMesh, out_local_shape, dtype, device, donate: bool):
+    """``fn(x) -> local result (None where this rank holds none)`` running the lowered resharding
+    ``op`` for this rank; groups, indices and shapes are looked up once, here. ``mesh`` is the
+    input's mesh; ``donate``: ``x`` may be reduced in place."""
     kind = op.kind
     if kind == "send_recv":
-        return send_recv(x, op.attr("src_mesh"), op.attr("dst_mesh"), rank, out_local_shape, dtype, device)
+        src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
+        return lambda x: send_recv(x, src, dst, rank, out_local_shape, dtype, device)
     if kind == "broadcast":
-        return broadcast(x, op.attr("src_mesh"), op.attr("dst_mesh"), rank, out_local_shape, dtype, device)
-    axis = op.attr("mesh_axis")
-    ranks = mesh.axis_group(axis, rank)
-    n = len(ranks)
+        src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
+        return lambda x: broadcast(x, src, dst, rank, out_local_shape, dtype, device)
+    ranks = mesh.axis_group(op.attr("mesh_axis"), rank)
+    n, index, dim = len(ranks), ranks.index(rank), op.attr("dim")
     if kind == "slice":
-        return x.chunk(n, op.attr("dim"))[ranks.index(rank)]
+        return lambda x: x.chunk(n, dim)[index]
     if kind == "to_partial":  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
-        return x if ranks.index(rank) == 0 else torch.zeros_like(x)
+        return (lambda x: x) if index == 0 else torch.zeros_like
     pg = dist.group(ranks)
     if kind == "allgather":
-        return allgather(x, op.attr("dim"), pg, n)
+        return lambda x: allgather(x, dim, pg, n)
     if kind == "reduce_scatter":
-        return reduce_scatter(x, op.attr("dim"), pg, n)
+        return lambda x: reduce_scatter(x, dim, pg, n)
     if kind == "allreduce":
-        return allreduce(x, pg, donate)
+        return lambda x: allreduce(x, pg, donate)
     if kind == "all_to_all":
-        return all_to_all(x, op.attr("src_dim"), op.attr("dim"), pg, n)
+        src_dim = op.attr("src_dim")
+        return lambda x: all_to_all(x, src_dim, dim, pg, n)
     raise AssertionError(f"not a resharding op: {op}")
 
 
