@@ -177,10 +177,15 @@ def async_tp_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim
 # --- host-side agreement (used by the executor) ---
 
 
+HOST_TIMEOUT_S = 120.0  # how long a host-side exchange waits for a peer under NCCL
+
+
 @functools.cache
 def _cpu_group() -> ProcessGroup | None:
     """A gloo group over the world for small host-side exchanges (the world itself under gloo)."""
-    return None if backend() == "gloo" else _dist.new_group(backend="gloo")
+    if backend() == "gloo":
+        return None
+    return _dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=HOST_TIMEOUT_S))
 
 
 def any_rank_flagged(flag: bool) -> bool:
