@@ -16,8 +16,16 @@ from tp_fusion.types import DataType, ParallelType
 __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
     "LoweringError", "ParallelType", "Partial", "Replicate", "Shard", "Sharding", "ShardingError",
-    "TPFusionError", "TensorView", "execute_with_dtensors", "shard_tensor",
+    "TPFusionError", "TensorView", "execute_with_dtensors", "release_cuda_graphs", "shard_tensor",
 ]
+
+
+def release_cuda_graphs() -> None:
+    """Release the CUDA graphs plans replay; call before ``torch.distributed.destroy_process_group``
+    (``tp_fusion.runtime.dist.destroy_process_group`` does it for you)."""
+    from tp_fusion.runtime import graphs
+
+    graphs.release_all()
 
 
 def execute_with_dtensors(fd, dtensors):

@@ -13,14 +13,48 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "multidevice")]
 
 from test_end_to_end import CASES_1D, CASES_2D, run_cases  # noqa: E402
 
+from tp_fusion import DataType  # noqa: E402
 from tp_fusion.launch import init_from_env  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
+
+
+def graph_replay_check(rank: int, world: int, device) -> str | None:
+    """A small SP MLP executed repeatedly (the plan may switch to a CUDA graph on its second run):
+    every call must match torch, and earlier outputs must stay as they were."""
+    import torch
+    import torch.nn.functional as F
+
+    from tp_fusion import shard_tensor
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tp_mlp import define_mlp, reference_inputs
+
+    fd = define_mlp(256, 256, world, "sp", DataType.Float)
+    tvs = [fd.fusion.tensor(i) for i in fd.fusion.inputs]
+    kept = []
+    for step in range(4):
+        full = reference_inputs(256, 256, torch.float32, device)
+        full[0] = full[0] + step
+        (out,) = fd.execute([shard_tensor(t, tv.sharding, rank) for t, tv in zip(full, tvs)])
+        want = shard_tensor(F.linear(F.gelu(F.linear(full[0], full[1], full[2]), approximate="tanh"),
+                                     full[3], full[4]), fd.output_shardings()[0], rank)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        kept.append((out, out.clone()))
+    for out, copy in kept:
+        if not torch.equal(out, copy):
+            return "an earlier output changed after a later execute"
+    if rank == 0:
+        print(f"graph replay check: plan {'replayed as a CUDA graph' if fd.plan.graph else 'eager'}")
+    return None
 
 
 def main() -> int:
     device = init_from_env()
     world, rank = dist.world_size(), dist.rank()
     results = run_cases(rank, world, list(CASES_1D), list(CASES_2D) if world == 4 else [], device, special=False)
+    try:
+        results["graph_replay"] = graph_replay_check(rank, world, device)
+    except Exception as e:  # noqa: BLE001 - reported like the other cases
+        results["graph_replay"] = f"rank {rank}: {type(e).__name__}: {e}"
     failed = {name: err for name, err in results.items() if err}
     if rank == 0:
         for name, err in failed.items():

@@ -43,8 +43,18 @@ def init_process_group(backend: str, rank: int, world_size: int, init_method: st
     )
 
 
+_before_destroy: list = []
+
+
+def before_destroy(callback) -> None:
+    """Have ``destroy_process_group`` call ``callback()`` first (e.g. to release CUDA graphs)."""
+    _before_destroy.append(callback)
+
+
 def destroy_process_group() -> None:
     if is_initialized():
+        for callback in _before_destroy:
+            callback()
         _dist.destroy_process_group()
 
 
