@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
-from tp_fusion.launch import init_from_env, run_on_ranks, under_torchrun  # noqa: E402
+from tp_fusion.launch import run_program  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
 
 DTYPES = {"f32": (torch.float32, DataType.Float), "bf16": (torch.bfloat16, DataType.BFloat16),
@@ -116,14 +116,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if under_torchrun():
-        device = init_from_env()
-        try:
-            main_on_rank(dist.rank(), dist.world_size(), args, device)
-        finally:
-            dist.destroy_process_group()
-    else:
-        run_on_ranks(main_on_rank, args.nproc, args)
+    run_program(main_on_rank, args, args.nproc)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,18 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
         detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         note = f" (killed: ranks {killed}, still running after the others failed or the deadline)" if killed else ""
         raise RanksFailed(f"ranks failed (exit codes {codes}){note}:\n{detail}", codes, failures)
+
+
+def run_program(main_on_rank, args, nproc: int) -> None:
+    """Run ``main_on_rank(rank, world, args, device)`` on every rank: under torchrun on the ranks it
+    started (CUDA + NCCL when there are GPUs), otherwise on ``nproc`` spawned CPU ranks with gloo.
+    The examples' ``main``; ``main_on_rank`` must be a module-level function (it is pickled)."""
+    if under_torchrun():
+        device = init_from_env()
+        try:
+            main_on_rank(dist.rank(), dist.world_size(), args, device)
+        finally:
+            dist.destroy_process_group()
+    else:
+        run_on_ranks(main_on_rank, nproc, args)
+
