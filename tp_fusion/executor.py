@@ -262,9 +262,3 @@ def prepare(fusion: Fusion, inputs: list) -> tuple[Fusion, torch.device, list[tu
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")
     return lowered, next(iter(devices), torch.device("cpu")), shapes
-
-
-def compile_plan(fusion: Fusion, inputs: list) -> Plan:
-    """``prepare`` and build the Plan (which creates its process groups) without agreement."""
-    lowered, device, _ = prepare(fusion, inputs)
-    return Plan(lowered, dist.rank(), device)

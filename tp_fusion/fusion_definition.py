@@ -271,7 +271,7 @@ class FusionDefinition:
         return outputs
 
     def output_shardings(self) -> list:
-        """One Sharding per output (available after ``execute`` or ``compile``)."""
+        """One Sharding per output, from the plan of the last ``execute``."""
         if self.plan is None:
             raise DefinitionError("output_shardings: run execute() first; shardings depend on the inputs' sizes")
         return self.plan.output_shardings()
