@@ -24,13 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
+from examples.common import DTYPES, execute_and_check  # noqa: E402
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType  # noqa: E402
 from tp_fusion.launch import run_program  # noqa: E402
-from tp_fusion.runtime import dist  # noqa: E402
-
-DTYPES = {"f32": (torch.float32, DataType.Float), "bf16": (torch.bfloat16, DataType.BFloat16),
-          "f64": (torch.float64, DataType.Double)}
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def define_mlp(batch: int, seq: int, hidden: int, mesh: DeviceMesh, dtype: DataType) -> FusionDefinition:
@@ -81,24 +77,9 @@ def main_on_rank(rank: int, world: int, args, device=None) -> None:
     torch_dtype, dtype = DTYPES[args.dtype]
     fd = define_mlp(args.batch, args.seq, args.hidden, mesh, dtype)
     full = reference_inputs(args.batch, args.seq, args.hidden, torch_dtype, device)
-    tvs = [fd.fusion.tensor(i) for i in fd.fusion.inputs]
-    local = [shard_tensor(t, tv.sharding, rank) for t, tv in zip(full, tvs)]
-    (out,) = fd.execute(local)
-    expected = shard_tensor(reference_mlp(*full), fd.output_shardings()[0], rank)
-    rel = (out.double() - expected).abs().max().item() / expected.abs().max().item()
-    errors = dist.gather_from_all(rel)
-    if rank == 0:
-        print(f"===== DP x TP MLP: mesh {list(mesh.shape)} (mesh_y = data parallel, mesh_x = tensor "
-              f"parallel), batch {args.batch}, seq {args.seq}, hidden {args.hidden}, {args.dtype}, "
-              f"{out.device.type} =====")
-        print(fd)
-        print(fd.plan)
-        print(f"collectives: {fd.plan.collectives()}")
-        print(f"max relative error per rank vs aten: {[f'{e:.2e}' for e in errors]}")
-    if fd.plan.collectives() != ["allreduce"]:
-        raise SystemExit(f"rank {rank}: the plan ran {fd.plan.collectives()}, expected one allreduce")
-    if max(errors) > TOLERANCE[torch_dtype]:
-        raise SystemExit(f"rank {rank}: error {max(errors):.3e} exceeds {TOLERANCE[torch_dtype]:.0e}")
+    title = (f"DP x TP MLP: mesh {list(mesh.shape)} (mesh_y = data parallel, mesh_x = tensor parallel), "
+             f"batch {args.batch}, seq {args.seq}, hidden {args.hidden}, {args.dtype}")
+    execute_and_check(rank, fd, full, reference_mlp(*full), title, ["allreduce"])
     if rank == 0:
         print("OK: the DP x TP MLP matches the aten reference on every rank")
 

@@ -23,13 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
+from examples.common import DTYPES, execute_and_check  # noqa: E402
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType  # noqa: E402
 from tp_fusion.launch import run_program  # noqa: E402
-from tp_fusion.runtime import dist  # noqa: E402
 
-DTYPES = {"f32": (torch.float32, DataType.Float), "bf16": (torch.bfloat16, DataType.BFloat16),
-          "f64": (torch.float64, DataType.Double)}
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}
 EXPECTED_COLLECTIVES = {"column": [], "row": ["allreduce"]}
 
 
@@ -70,25 +67,10 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> float:
     torch_dtype, dtype = DTYPES[args.dtype]
     fd = define_linear(args.tokens, args.in_features, args.out_features, world, mode, dtype)
     full = reference_inputs(args.tokens, args.in_features, args.out_features, torch_dtype, device)
-    tvs = [fd.fusion.tensor(i) for i in fd.fusion.inputs]
-    local = [shard_tensor(t, tv.sharding, rank) for t, tv in zip(full, tvs)]
-    (out,) = fd.execute(local)
     reference = F.linear(*(t.double() for t in full))  # aten, unsharded, in float64
-    expected = shard_tensor(reference, fd.output_shardings()[0], rank)
-    rel = (out.double() - expected).abs().max().item() / expected.abs().max().item()
-    errors = dist.gather_from_all(rel)
-    if rank == 0:
-        print(f"===== {mode}-parallel linear: {world} ranks, tokens {args.tokens}, "
-              f"{args.in_features} -> {args.out_features}, {args.dtype}, {out.device.type} =====")
-        print(fd)
-        print(fd.plan)
-        print(f"collectives: {fd.plan.collectives()}")
-        print(f"max relative error per rank vs aten: {[f'{e:.2e}' for e in errors]}")
-    if fd.plan.collectives() != EXPECTED_COLLECTIVES[mode]:
-        raise SystemExit(f"rank {rank}: {mode} ran {fd.plan.collectives()}, expected {EXPECTED_COLLECTIVES[mode]}")
-    if max(errors) > TOLERANCE[torch_dtype]:
-        raise SystemExit(f"rank {rank}: {mode} error {max(errors):.3e} exceeds {TOLERANCE[torch_dtype]:.0e}")
-    return max(errors)
+    title = (f"{mode}-parallel linear: {world} ranks, tokens {args.tokens}, "
+             f"{args.in_features} -> {args.out_features}, {args.dtype}")
+    return execute_and_check(rank, fd, full, reference, title, EXPECTED_COLLECTIVES[mode])[1]
 
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:

@@ -25,12 +25,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
+from examples.common import DTYPES, execute_and_check  # noqa: E402
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType  # noqa: E402
 from tp_fusion.launch import run_program  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
 
-DTYPES = {"f32": (torch.float32, DataType.Float), "bf16": (torch.bfloat16, DataType.BFloat16),
-          "f64": (torch.float64, DataType.Double)}
+EXPECTED_COLLECTIVES = {"tp": ["allreduce"], "sp": ["allgather", "reduce_scatter"]}
 
 
 def define_mlp(tokens: int, hidden: int, d: int, mode: str, dtype: DataType) -> FusionDefinition:
@@ -75,34 +75,17 @@ def reference_mlp(x, w1, b1, w2, b2) -> torch.Tensor:
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
 
 
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}
-
 
 def run_mode(rank: int, world: int, args, mode: str, device) -> float:
     torch_dtype, dtype = DTYPES[args.dtype]
     fd = define_mlp(args.tokens, args.hidden, world, mode, dtype)
     full = reference_inputs(args.tokens, args.hidden, torch_dtype, device)
-    tvs = [fd.fusion.tensor(i) for i in fd.fusion.inputs]
-    local = [shard_tensor(t, tv.sharding, rank) for t, tv in zip(full, tvs)]
-    (out,) = fd.execute(local)
-    expected = shard_tensor(reference_mlp(*full), fd.output_shardings()[0], rank)
-    err = (out.double() - expected).abs().max().item()
-    rel = err / expected.abs().max().item()
-    errors = dist.gather_from_all(rel)
-    if rank == 0:
-        print(f"===== mode {mode}: {world} ranks, tokens {args.tokens}, hidden {args.hidden}, {args.dtype}, "
-              f"{out.device.type} =====")
-        print(fd)
-        print(fd.plan)
-        print(f"collectives: {fd.plan.collectives()}")
-        if getattr(args, "explain", False):
-            print(fd.plan.summary())
-        print(f"max relative error per rank vs aten: {[f'{e:.2e}' for e in errors]}")
-    if max(errors) > TOLERANCE[torch_dtype]:
-        raise SystemExit(f"rank {rank}: mode {mode} error {max(errors):.3e} exceeds {TOLERANCE[torch_dtype]:.0e}")
+    title = f"mode {mode}: {world} ranks, tokens {args.tokens}, hidden {args.hidden}, {args.dtype}"
+    local, error = execute_and_check(rank, fd, full, reference_mlp(*full), title, EXPECTED_COLLECTIVES[mode],
+                                     explain=getattr(args, "explain", False))
     if getattr(args, "profile", None) and mode == profiled_mode(args):
         profile(rank, world, fd, local, Path(args.profile), mode)
-    return max(errors)
+    return error
 
 
 def profiled_mode(args) -> str:

@@ -195,7 +195,6 @@ def _check_meshes(fusion: Fusion, devices) -> None:
         raise InputError("execute: the fusion is sharded across devices, but no torch.distributed process "
                          "group is initialized; start it under torchrun (or tp_fusion.launch.run_on_ranks) "
                          "and call init_process_group first")
-    _check_mesh_sizes(fusion)
     if dist.is_initialized() and meshes:
         backend = dist.backend()
         want = "cuda" if backend == "nccl" else "cpu"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from tp_fusion.runtime import dist
+from tp_fusion.runtime import dist, timing
 
 TIMED_ITERS = 10
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -68,27 +68,14 @@ def enabled() -> bool:
     return os.environ.get("TP_FUSION_CUDA_GRAPHS", "1") != "0"
 
 
-def _time_ms(fn) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(TIMED_ITERS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / TIMED_ITERS
-
-
 def capture_if_faster(run: Callable[[list], list], inputs: list[torch.Tensor]) -> GraphedRun | None:
     """Capture ``run`` and keep the graph if replaying it is faster than running eagerly on every
     rank (collective: every rank of the world must call it, with the same plan)."""
     try:
         graphed = GraphedRun(run, inputs)
-        times = [_time_ms(lambda: run(inputs)), _time_ms(lambda: graphed.replay(inputs)), 0.0]
+        times = [timing.time_ms(lambda: run(inputs), TIMED_ITERS, 1),
+                 timing.time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, 1), 0.0]
     except RuntimeError:  # this rank could not capture: every rank stays eager
         graphed, times = None, [0.0, 0.0, 1.0]
-    agreed = torch.tensor(times, device=inputs[0].device)
-    if dist.is_initialized():
-        dist.all_reduce(agreed, None, op="max")
-    eager_ms, graph_ms, failed = agreed.tolist()
+    eager_ms, graph_ms, failed = timing.slowest(times, None, inputs[0].device)
     return graphed if not failed and graph_ms < eager_ms else None

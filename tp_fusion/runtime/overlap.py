@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tp_fusion.runtime import dist
+from tp_fusion.runtime import dist, timing
 
 
 def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
@@ -406,18 +406,6 @@ def _symm_linear_reduce_scatter(x3, weight, pg) -> torch.Tensor:
 _decisions: dict[tuple, str] = {}
 
 
-def _time_ms(fn, iters: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def _decide_cuda(kind, x_shape, w_shape, dtype, name, pg) -> str:
     key = (kind, x_shape, w_shape, dtype, name)
     if key in _decisions:
@@ -461,7 +449,7 @@ def _decide_cuda(kind, x_shape, w_shape, dtype, name, pg) -> str:
     else:
         raise ValueError(f"decide: unknown kind {kind!r}; expected allgather_linear, "
                          "linear_reduce_scatter or linear_allreduce")
-    times = torch.tensor([_time_ms(fused), _time_ms(sequential)], device=device)
-    dist.all_reduce(times, pg, op="max")
-    _decisions[key] = "fused" if times[0] <= times[1] else "sequential"
+    fused_ms, sequential_ms = timing.slowest([timing.time_ms(fused, 5, 2), timing.time_ms(sequential, 5, 2)],
+                                             pg, device)
+    _decisions[key] = "fused" if fused_ms <= sequential_ms else "sequential"
     return _decisions[key]

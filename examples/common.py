@@ -1,0 +1,42 @@
+"""What the examples share: dtype names, tolerances, and one check of a fusion against aten."""
+
+from __future__ import annotations
+
+import torch
+
+from tp_fusion import DataType, FusionDefinition, shard_tensor
+from tp_fusion.runtime import dist
+
+DTYPES = {"f32": (torch.float32, DataType.Float), "bf16": (torch.bfloat16, DataType.BFloat16),
+          "f64": (torch.float64, DataType.Double)}
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def execute_and_check(rank: int, fd: FusionDefinition, full: list[torch.Tensor], reference: torch.Tensor,
+                      title: str, expected_collectives: list[str] | None = None,
+                      explain: bool = False) -> tuple[list[torch.Tensor], float]:
+    """Execute ``fd`` on this rank's shards of the ``full`` inputs and compare its output shard with
+    the same shard of ``reference`` (the unsharded aten result). Rank 0 prints the fusion, the plan,
+    its collectives (and with ``explain`` its summary) and every rank's max relative error. Exits
+    on a plan with other collectives than expected or an error above the dtype's tolerance.
+    Returns (this rank's local inputs, the max error over ranks)."""
+    tvs = [fd.fusion.tensor(i) for i in fd.fusion.inputs]
+    local = [shard_tensor(t, tv.sharding, rank) for t, tv in zip(full, tvs)]
+    (out,) = fd.execute(local)
+    expected = shard_tensor(reference, fd.output_shardings()[0], rank)
+    errors = dist.gather_from_all((out.double() - expected).abs().max().item() / expected.abs().max().item())
+    collectives = fd.plan.collectives()
+    if rank == 0:
+        print(f"===== {title}, {out.device.type} =====")
+        print(fd)
+        print(fd.plan)
+        print(f"collectives: {collectives}")
+        if explain:
+            print(fd.plan.summary())
+        print(f"max relative error per rank vs aten: {[f'{e:.2e}' for e in errors]}")
+    if expected_collectives is not None and collectives != expected_collectives:
+        raise SystemExit(f"rank {rank}: {title}: the plan ran {collectives}, expected {expected_collectives}")
+    tolerance = TOLERANCE[full[0].dtype]
+    if max(errors) > tolerance:
+        raise SystemExit(f"rank {rank}: {title}: error {max(errors):.3e} exceeds {tolerance:.0e}")
+    return local, max(errors)
