@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from passes.fuse_collectives import fuse_collectives
-from passes.insert_reshardings import insert_reshardings
-from passes.lower_communications import lower_communications
-from passes.propagate_shardings import propagate_shardings
-from passes.segment import segment
-from passes.verify import verify
+from tp_fusion.passes.fuse_collectives import fuse_collectives
+from tp_fusion.passes.insert_reshardings import insert_reshardings
+from tp_fusion.passes.lower_communications import lower_communications
+from tp_fusion.passes.propagate_shardings import propagate_shardings
+from tp_fusion.passes.segment import segment
+from tp_fusion.passes.verify import verify
 from tp_fusion.ir import Fusion
 
 PIPELINE = (propagate_shardings, insert_reshardings, lower_communications, segment, fuse_collectives)

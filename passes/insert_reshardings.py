@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from passes.propagate_shardings import default_mesh
-from sharding.sharding import REPLICATE, Partial, Shard, Sharding
-from sharding.strategy import choose
+from tp_fusion.passes.propagate_shardings import default_mesh
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Shard, Sharding
+from tp_fusion.sharding.strategy import choose
 from tp_fusion.ir import Const, Fusion, Op, Tensor
 
 

@@ -12,7 +12,7 @@ source mesh's first device, replicated), with same-mesh steps before and after.
 
 from __future__ import annotations
 
-from sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op, Tensor
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from sharding.sharding import REPLICATE, Partial, Sharding
-from sharding.strategy import choose
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Sharding
+from tp_fusion.sharding.strategy import choose
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from passes.lower_communications import COLLECTIVES
+from tp_fusion.passes.lower_communications import COLLECTIVES
 from tp_fusion.ir import Fusion, Segment
 
 

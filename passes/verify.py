@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from passes.lower_communications import COLLECTIVES, LOCAL_RESHARDS
-from passes.propagate_shardings import default_mesh
-from sharding.sharding import Partial
-from sharding.strategy import choose
+from tp_fusion.passes.lower_communications import COLLECTIVES, LOCAL_RESHARDS
+from tp_fusion.passes.propagate_shardings import default_mesh
+from tp_fusion.sharding.sharding import Partial
+from tp_fusion.sharding.strategy import choose
 from tp_fusion.ir import Fusion
 
 _STAGES = ("propagate_shardings", "insert_reshardings", "lower_communications", "segment", "fuse_collectives")

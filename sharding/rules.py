@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sharding.sharding import PARTIAL_SUM, REPLICATE, Placement, Shard
+from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Placement, Shard
 from tp_fusion.ir import Fusion, Op
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sharding.rules import RULES, Candidate, preference
-from sharding.sharding import REPLICATE, Replicate, Shard, Sharding
+from tp_fusion.sharding.rules import RULES, Candidate, preference
+from tp_fusion.sharding.sharding import REPLICATE, Replicate, Shard, Sharding
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh

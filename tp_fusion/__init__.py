@@ -1,6 +1,6 @@
 """tp_fusion: a tensor-parallel fusion frontend in the style of nvFuser's multidevice Python API."""
 
-from sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor
+from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor
 from tp_fusion.errors import (
     DefinitionError,
     ExecutionError,

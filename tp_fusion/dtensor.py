@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.errors import InputError, ShardingError, UnevenShardError, UnsupportedPlacementError
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from passes import run_pipeline
+from tp_fusion.passes import run_pipeline
 from tp_fusion import ops as _ops
 from tp_fusion.errors import (
     DefinitionError,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sharding.sharding import REPLICATE, Shard, Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
 from tp_fusion import ops as _ops
 from tp_fusion.errors import DefinitionError, LoweringError, ShardingError
 from tp_fusion.ir import Const, Fusion, LoopAxis, Op, Tensor, freeze

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from sharding.sharding import Sharding
+from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.types import DataType, ParallelType
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from passes.lower_communications import COLLECTIVES, LOCAL_RESHARDS
+from tp_fusion.passes.lower_communications import COLLECTIVES, LOCAL_RESHARDS
 from tp_fusion import ops as _ops
 from tp_fusion.errors import ExecutionError
 from tp_fusion.ir import Const, Fusion, Op, Segment

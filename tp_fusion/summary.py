@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from passes.lower_communications import COLLECTIVES
+from tp_fusion.passes.lower_communications import COLLECTIVES
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.types import ParallelType
 

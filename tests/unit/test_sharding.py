@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import passes
-from passes.lower_communications import COLLECTIVES
-from sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor, unshard_tensor
+from tp_fusion import passes
+from tp_fusion.passes.lower_communications import COLLECTIVES
+from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor, unshard_tensor
 from tp_fusion import (
     DataType,
     DeviceMesh,
