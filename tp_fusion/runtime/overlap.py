@@ -184,7 +184,7 @@ def _group_size(pg) -> int:
 
 def _label(name: str):
     """A ``record_function`` span for profiles (nothing when no profiler runs)."""
-    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() \
         else contextlib.nullcontext()
 
 
@@ -326,7 +326,11 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
     """One GEMM over the gathered rows that waits per tile on each chunk's signal (torch's CUTLASS
     ``_async_input_mm``, starting at this rank's chunk), so there are no chunk boundaries. Peers push
     their rows straight into this rank's gathered buffer; the comm stream turns each peer's ready flag
-    into the kernel's 0/1 signal. Bias and epilogue follow as separate passes."""
+    into the kernel's 0/1 signal. Bias and epilogue follow as separate passes. (The peers' copies run on
+copy engines: the spinning GEMM holds the SMs.)"""
+    if x2.dtype != torch.bfloat16 or x2.shape[0] % 128 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"Tuning(ag_gemm='async_input') needs bf16 operands and a multiple of 128 rows per "
+                         f"rank (got {x2.dtype} x of {tuple(x2.shape)}); use ag_gemm='chunks'")
     device = x2.device
     symm._symm_mem()  # registers torch.ops.symm_mem
     box = symm.mailbox("allgather_linear.async_input", 1, x2.shape, x2.dtype, pg, device)
@@ -335,9 +339,8 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
     main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
     signals = torch.zeros(n, dtype=torch.uint32, device=device)
     comm.wait_stream(main)
-    with torch.cuda.stream(comm):
-        box.slots[r, 0].copy_(x2)
-    flags.write(comm, signals.data_ptr() + 4 * r, 1)
+    box.slots[r, 0].copy_(x2)  # on the compute stream, ahead of the GEMM that spins on its signal
+    flags.write(main, signals.data_ptr() + 4 * r, 1)
     for step in range(1, n):
         box.push(comm, (r - step) % n, 0, x2, epoch)
     for step in range(1, n):
