@@ -90,6 +90,34 @@ def _rank_main(rank, world, workdir, fn, args, timeout_s):
             tdist.destroy_process_group()
 
 
+def _kill(procs) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.join()
+
+
+def _wait(procs, deadline: float, grace_s: float) -> list[int]:
+    """Wait for ``procs`` to end; kill those still running at ``deadline`` or ``grace_s`` seconds
+    after one failed. Returns the indices of the killed ones."""
+    failed_at = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            return []
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        end = deadline if failed_at is None else min(deadline, failed_at + grace_s)
+        if now >= end:
+            _kill(alive)
+            return [procs.index(p) for p in alive]
+        wait([p.sentinel for p in alive], timeout=end - now)
+        for p in alive:
+            if not p.is_alive():
+                p.join()
+
+
 class RanksFailed(RuntimeError):
     """Some spawned ranks failed: ``exitcodes`` per rank (None: killed), ``failures`` rank -> traceback."""
 
@@ -118,27 +146,11 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
     with tempfile.TemporaryDirectory(prefix="tp_fusion_ranks_") as workdir:
         ctx = mp.start_processes(_rank_main, (nproc, workdir, fn, args, timeout_s), nprocs=nproc, join=False)
         procs = ctx.processes
-        deadline = time.monotonic() + (timeout_s + 60 if deadline_s is None else deadline_s)
-        failed_at, killed = None, []
-        while True:
-            alive = [p for p in procs if p.exitcode is None]
-            if not alive:
-                break
-            now = time.monotonic()
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now
-            end = deadline if failed_at is None else min(deadline, failed_at + grace_s)
-            if now >= end:
-                for p in alive:
-                    killed.append(procs.index(p))
-                    p.kill()
-                for p in alive:
-                    p.join()
-                break
-            wait([p.sentinel for p in alive], timeout=end - now)
-            for p in alive:
-                if not p.is_alive():
-                    p.join()
+        try:
+            killed = _wait(procs, time.monotonic() + (timeout_s + 60 if deadline_s is None else deadline_s), grace_s)
+        except BaseException:  # interrupted (Ctrl-C, a test timeout): leave no rank behind
+            _kill([p for p in procs if p.exitcode is None])
+            raise
         failures = {}
         for r in range(nproc):
             path = os.path.join(workdir, f"error.{r}")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 
@@ -50,7 +49,7 @@ from tp_fusion import multidevice
 
 RANK_FIXTURES = ("multidevice_test", "setup_default_process_group")
 _PARAM = "_multidevice_ranks"
-_in_spawned_rank = False  # set in ranks started by this plugin
+_spawned_world = 0  # in ranks started by this plugin: their world size
 
 
 @dataclass
@@ -84,7 +83,11 @@ class MultideviceTest:
 def _rank_mode() -> bool:
     """True in a rank: spawned by this plugin, or started by torchrun (the test of tp_fusion.launch,
     spelled out here so that loading the plugin imports no torch)."""
-    return _in_spawned_rank or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    return bool(_spawned_world) or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _world_size() -> int:
+    return _spawned_world or int(os.environ["WORLD_SIZE"])
 
 
 # --- fixtures -----------------------------------------------------------------------------------
@@ -142,6 +145,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "mpi: a test that runs on every rank (nvFuser's marker; no effect here)")
+    config.addinivalue_line("markers", "ranks(*sizes): run this multidevice test only at these world sizes")
     if not _rank_mode():
         config.pluginmanager.register(_Spawner(config), "tp_fusion_spawner")
 
@@ -150,20 +154,39 @@ def _is_rank_test(fixturenames) -> bool:
     return any(name in fixturenames for name in RANK_FIXTURES)
 
 
+def _marked_worlds(node) -> tuple[int, ...] | None:
+    marker = node.get_closest_marker("ranks")
+    return None if marker is None else tuple(marker.args)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_generate_tests(metafunc):
     if _rank_mode() or not _is_rank_test(metafunc.fixturenames):
         return
     worlds = [int(w) for w in metafunc.config.getoption("multidevice_ranks").split(",") if w.strip()]
+    only = _marked_worlds(metafunc.definition)
+    worlds = [w for w in worlds if only is None or w in only]
     metafunc.fixturenames.append(_PARAM)
     metafunc.parametrize(_PARAM, worlds, ids=[f"ranks{w}" for w in worlds])
 
 
+def pytest_runtest_setup(item):
+    if _rank_mode() and _is_rank_test(getattr(item, "fixturenames", ())):
+        only, world = _marked_worlds(item), _world_size()
+        if only is not None and world not in only:
+            pytest.skip(f"runs on {' or '.join(map(str, only))} ranks, not {world}")
+
+
+def _world_of(item) -> int:
+    """The world size ``item`` runs at on spawned ranks; 0 for a test of this process."""
+    return getattr(item, "callspec", None) and item.callspec.params.get(_PARAM, 0) or 0
+
+
 def _rank_nodeid(item) -> str:
     """The id the ranks know ``item`` by: its own, less the world-size parameter (added last)."""
-    world = item.callspec.params[_PARAM]
-    return re.sub(rf"(\[ranks{world}\]|-ranks{world}\])$", lambda m: "" if m.group(0)[0] == "[" else "]",
-                  item.nodeid)
+    suffix = f"ranks{item.callspec.params[_PARAM]}"
+    head, ids = item.nodeid[:-1].rsplit("[", 1)
+    return head if ids == suffix else f"{head}[{ids.removesuffix('-' + suffix)}]"
 
 
 class _Spawner:
@@ -173,22 +196,25 @@ class _Spawner:
     def __init__(self, config):
         self.config = config
         self.outcomes: dict[int, tuple[dict, str | None]] = {}
+        self.last: dict[int, object] = {}  # world size -> the last of its tests
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items):
         if not self.config.pluginmanager.hasplugin("timeout"):
             return
         for item in items:
-            if hasattr(item, "callspec") and _PARAM in item.callspec.params:
+            if _world_of(item):
                 item.add_marker(pytest.mark.timeout(0))  # the ranks' own timeouts bound them
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_pyfunc_call(self, pyfuncitem):
-        if not (hasattr(pyfuncitem, "callspec") and _PARAM in pyfuncitem.callspec.params):
+        world = _world_of(pyfuncitem)
+        if not world:
             return None
-        world = pyfuncitem.callspec.params[_PARAM]
         if world not in self.outcomes:
-            self.outcomes[world] = self._run(world, pyfuncitem.session.items)
+            batch = [i for i in pyfuncitem.session.items if _world_of(i) == world]
+            self.last[world] = batch[-1]
+            self.outcomes[world] = self._run(world, batch)
         results, error = self.outcomes[world]
         ranks = results.get(_rank_nodeid(pyfuncitem))
         if ranks is None or len(ranks) < world:
@@ -196,17 +222,18 @@ class _Spawner:
         failed = {r: text for r, (outcome, text) in sorted(ranks.items()) if outcome == "failed"}
         if failed:
             pytest.fail("\n".join(f"===== rank {r} =====\n{text}" for r, text in failed.items()), pytrace=False)
+        if error and pyfuncitem is self.last[world]:
+            pytest.fail(f"the ranks did not exit cleanly after their last test: {error}", pytrace=False)
         if all(outcome == "skipped" for outcome, _ in ranks.values()):
             pytest.skip(ranks[0][1] if 0 in ranks else next(iter(ranks.values()))[1])
         return True
 
     def _run(self, world: int, items) -> tuple[dict, str | None]:
-        """Run every rank test of ``world`` on ``world`` spawned ranks: ({nodeid: {rank: (outcome,
+        """Run ``items`` (in their order) on ``world`` spawned ranks: ({nodeid: {rank: (outcome,
         text)}}, the launch's error or None)."""
         from tp_fusion.launch import RanksFailed, run_on_ranks
 
-        nodeids = sorted({_rank_nodeid(i) for i in items
-                          if hasattr(i, "callspec") and i.callspec.params.get(_PARAM) == world})
+        nodeids = list(dict.fromkeys(_rank_nodeid(i) for i in items))
         root = self.config.rootpath
         args = [str(root / n) for n in nodeids] + [
             f"--rootdir={root}", "-p", "no:cacheprovider", "-q", "--no-header", "-o", "addopts=",
@@ -252,8 +279,8 @@ class _Reporter:
 
 def _pytest_on_rank(rank: int, world: int, args: list[str], out: str) -> None:
     """A spawned rank: run pytest on ``args`` inside the process group, write the outcomes to ``out``."""
-    global _in_spawned_rank
-    _in_spawned_rank = True
+    global _spawned_world
+    _spawned_world = world
     reporter = _Reporter()
     pytest.main(args, plugins=[reporter])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
