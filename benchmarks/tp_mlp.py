@@ -19,9 +19,10 @@ designs tried (``overlap.Tuning`` variants). Every variant is checked against NC
 (classic TP) before it is timed; one that disagrees is reported and not timed.
 
 Results go to ``{out}/{gpu}x{N}.json`` (e.g. h200x2.json), named after the machine the run is on,
-and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces the first sp shape's
-tp_fusion, kernels and NCCL sequential runs (``profiling.profile_iterations``), prints where the time
-goes per rank and draws the timelines. Without a CUDA GPU it says so and exits 0.
+and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces tp_fusion, the kernels
+and the sequential baseline on the first shape of each mode (or ``--profile-shapes``), prints where
+the time goes per rank (``tp_fusion.profiling``) and draws the timelines. Without a CUDA GPU it says
+so and exits 0.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classi
 SP_DESIGNS = {
     "ag_one_stream": overlap.Tuning(ag_streams=1),
     "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
-    "rs_addmm_2_pieces": overlap.Tuning(rs_reduce="addmm", rs_subchunks=2),
     "rs_remote_store": overlap.Tuning(rs_remote_store=True),
-    "previous": overlap.Tuning(ag_streams=1, rs_reduce="addmm", rs_subchunks=2),
+    "rs_inplace_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2),
+    "rs_inplace_remote_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
 }
 TP_DESIGNS = {"ar_1_piece": overlap.Tuning(ar_subchunks=1), "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}
 REFERENCE = {"sp": "nccl_sequential", "tp": "classic_tp"}
@@ -71,7 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--sp", nargs="*", type=shapes, default=list(SP_SHAPES), help="tokens,hidden,ffn triples")
     p.add_argument("--tp", nargs="*", type=shapes, default=list(TP_SHAPES), help="tokens,hidden,ffn triples")
     p.add_argument("--designs", action="store_true", help="also time the kernel designs tried")
-    p.add_argument("--profile", metavar="DIR", help="trace the first sp shape; report and timelines in DIR")
+    p.add_argument("--profile", metavar="DIR", help="trace the profiled shapes; reports and timelines in DIR")
+    p.add_argument("--profile-shapes", nargs="*", type=shapes, default=None,
+                   help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; the median is reported")
@@ -387,31 +390,34 @@ def draw(rows, machine, path):
     plt.close(fig)
 
 
-def profile(fns, out_dir, shape):
-    """Trace tp_fusion, the kernels and NCCL sequential; rank 0 prints the reports and draws the timelines."""
+def profile(fns, out_dir, mode, shape):
+    """Trace tp_fusion, the kernels and the sequential baseline; rank 0 prints where the time goes per
+    rank (appending to ``report.txt``) and draws the timelines."""
     from tp_fusion import profiling
 
     n, r = dist.world_size(), dist.rank()
+    tag = f"{mode}_{'x'.join(map(str, shape))}"
     lines = []
-    for name in ("tp_fusion", "tp_fusion_kernels", "nccl_sequential"):
+    for name in ("tp_fusion", "tp_fusion_kernels", REFERENCE[mode]):
         if name not in fns:
             continue
-        profiling.profile_iterations(fns[name], os.path.join(out_dir, f"{name}_rank{r}.json"))
+        trace = os.path.join(out_dir, f"{tag}_{name}_rank{{}}.json")
+        profiling.profile_iterations(fns[name], trace.format(r), before_each=dist.barrier)
         dist.barrier()
         if r == 0:
-            traces = [os.path.join(out_dir, f"{name}_rank{q}.json") for q in range(n)]
+            traces = [trace.format(q) for q in range(n)]
             reports = [profiling.rank_report(t, q) for q, t in enumerate(traces)]
-            lines += [f"\n{name}, sp {shape}:", profiling.format_report(reports)]
+            lines += [f"\n{name}, {mode} {','.join(map(str, shape))}:", profiling.format_report(reports)]
             try:
-                profiling.plot_timeline(traces, os.path.join(out_dir, f"timeline_{name}.png"),
-                                        title=f"{name}: sp MLP {shape}, one iteration on {n} GPUs")
+                profiling.plot_timeline(traces, os.path.join(out_dir, f"timeline_{tag}_{name}.png"),
+                                        title=f"{name}: {mode} MLP {shape}, one iteration on {n} GPUs")
             except ImportError as e:
                 lines.append(f"(no timeline: {e})")
     if r == 0:
         text = "\n".join(lines)
         print(text)
-        with open(os.path.join(out_dir, "report.txt"), "w") as f:
-            f.write(text.lstrip() + "\n")
+        with open(os.path.join(out_dir, "report.txt"), "a") as f:
+            f.write(text + "\n")
 
 
 def main(argv=None):
@@ -424,14 +430,14 @@ def main(argv=None):
 
     device = init_from_env()
     n = dist.world_size()
-    rows, profiled = [], False
+    rows = []
     for mode, shapes in (("sp", args.sp), ("tp", args.tp)):
-        for tokens, hidden, ffn in shapes:
-            row, fns = run_shape(mode, tokens, hidden, ffn, args, device)
+        profiled = args.profile_shapes if args.profile_shapes is not None else shapes[:1]
+        for shape in shapes:
+            row, fns = run_shape(mode, *shape, args, device)
             rows.append(row)
-            if args.profile and mode == "sp" and not profiled:
-                profile(fns, args.profile, f"{tokens},{hidden},{ffn}")
-                profiled = True
+            if args.profile and shape in profiled:
+                profile(fns, args.profile, mode, shape)
             del fns
             torch.cuda.empty_cache()
     if dist.rank() == 0:

@@ -8,7 +8,8 @@ writes a Chrome trace (open it in ``chrome://tracing`` or https://ui.perfetto.de
 the GPU when the trace has GPU events (else on the CPU threads): the busy time of compute and of
 communication (unions of their intervals), the *exposed* communication (communication while no
 compute runs), the overlap efficiency (the share of communication hidden under compute), and the
-idle gaps on the main compute stream. ``format_report`` prints those per rank.
+gaps on the compute streams (no compute kernel running on any of them). ``format_report`` prints those
+per rank.
 
 ``plot_timeline(traces, png)`` draws the same iteration per rank as horizontal bars, one row per
 lane named by what it carries: the segments (``record_function`` labels such as
@@ -44,9 +45,10 @@ LANES = ("segments", "compute (main stream)", "compute (second stream)", "NCCL",
 
 
 def profile_iterations(step: Callable[[], object], trace_path: str | Path, iterations: int = 3,
-                       warmup: int = 1) -> Path:
+                       warmup: int = 1, before_each: Callable[[], object] | None = None) -> Path:
     """Run ``step`` ``warmup`` times, then ``iterations`` times under torch.profiler; write the
-    Chrome trace to ``trace_path`` (its folder is created) and return the path."""
+    Chrome trace to ``trace_path`` (its folder is created) and return the path. ``before_each`` runs
+    before every marked iteration, outside it (e.g. a barrier, so that ranks start together)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -57,6 +59,10 @@ def profile_iterations(step: Callable[[], object], trace_path: str | Path, itera
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(iterations):
+            if before_each is not None:
+                before_each()
+                if cuda:
+                    torch.cuda.synchronize()
             with record_function(ITERATION):
                 step()
                 if cuda:
@@ -107,8 +113,7 @@ def iteration_bars(trace_path: str | Path, rank: int) -> list[Bar]:
     inside = [e for e in spans if float(e["ts"]) + float(e["dur"]) >= t0 and float(e["ts"]) <= t1]
     gpu = any(e.get("cat") in GPU_CATEGORIES for e in inside)
     segment_cat = "gpu_user_annotation" if gpu else "user_annotation"
-    bars = [Bar(f"rank {rank} segments", (float(e["ts"]) - t0) / 1e3, float(e["dur"]) / 1e3, str(e["name"]), False)
-            for e in inside if _is_segment(e) and e.get("cat") == segment_cat]
+    bars = _merged_segments([e for e in inside if _is_segment(e) and e.get("cat") == segment_cat], t0, rank)
     work = [e for e in inside if (e.get("cat") in GPU_CATEGORIES if gpu else
                                   e.get("cat") not in SKIP_CATEGORIES + SEGMENT_CATEGORIES
                                   and e.get("name") != ITERATION and not str(e.get("name")).startswith("ProfilerStep"))]
@@ -118,6 +123,21 @@ def iteration_bars(trace_path: str | Path, rank: int) -> list[Bar]:
         lane = lanes[e.get("tid")]
         comm = is_communication(name) or lane == "copy engine"
         bars.append(Bar(f"rank {rank} {lane}", (float(e["ts"]) - t0) / 1e3, float(e["dur"]) / 1e3, name, comm))
+    return bars
+
+
+def _merged_segments(events: list[dict], t0: float, rank: int) -> list[Bar]:
+    """One bar per segment: kineto copies a label onto every stream it launched on; overlapping copies
+    of one label merge."""
+    bars: list[Bar] = []
+    for e in sorted(events, key=lambda e: float(e["ts"])):
+        start, end, name = (float(e["ts"]) - t0) / 1e3, (float(e["ts"]) + float(e["dur"]) - t0) / 1e3, str(e["name"])
+        same = next((i for i in range(len(bars) - 1, -1, -1) if bars[i].name == name), None)
+        if same is not None and start <= bars[same].end_ms:
+            b = bars[same]
+            bars[same] = Bar(b.row, b.start_ms, max(b.end_ms, end) - b.start_ms, name, False)
+        else:
+            bars.append(Bar(f"rank {rank} segments", start, end - start, name, False))
     return bars
 
 
@@ -162,8 +182,8 @@ def _number_duplicates(lanes: dict) -> dict:
 class RankReport:
     """One rank's iteration (ms): ``span`` from its first to its last GPU (or CPU) event; ``compute``
     and ``comm`` the time when any compute (communication) runs; ``exposed_comm`` the time when
-    communication runs and no compute; ``gaps`` the idle intervals (start, length) on the main compute
-    lane within the span, longest first."""
+    communication runs and no compute; ``gaps`` the intervals (start, length) within the span when no
+    compute runs on any compute stream (idle, or waiting on communication), longest first."""
 
     rank: int
     span: float
@@ -222,11 +242,8 @@ def report_from_bars(bars: Sequence[Bar], rank: int, min_gap_ms: float = 0.002) 
     compute = _union((b.start_ms, b.end_ms) for b in work if not b.comm)
     comm = _union((b.start_ms, b.end_ms) for b in work if b.comm)
     span = max(b.end_ms for b in work) - min(b.start_ms for b in work)
-    main_lane = next((lane for lane in ("compute (main stream)", "main thread")
-                      if any(b.row.endswith(lane) for b in work)), None)
-    main = _union((b.start_ms, b.end_ms) for b in work if main_lane and b.row.endswith(main_lane))
     first, last = min(b.start_ms for b in work), max(b.end_ms for b in work)
-    holes = _minus([(first, last)], main) if main else []
+    holes = _minus([(first, last)], compute)
     gaps = tuple(sorted(((a, b - a) for a, b in holes if b - a >= min_gap_ms), key=lambda g: -g[1]))
     return RankReport(rank, span, _length(compute), _length(comm), _length(_minus(comm, compute)), gaps)
 
@@ -238,8 +255,8 @@ def rank_report(trace_path: str | Path, rank: int, min_gap_ms: float = 0.002) ->
 
 def format_report(reports: Sequence[RankReport], top_gaps: int = 3) -> str:
     """One line per rank: span, compute, communication, exposed communication, overlap efficiency,
-    idle on the main compute lane (count, total, the longest gaps)."""
-    lines = ["rank  span ms  compute ms  comm ms  exposed comm ms  overlap eff.  idle on main compute lane"]
+    compute gaps (count, total, the longest with their start)."""
+    lines = ["rank  span ms  compute ms  comm ms  exposed comm ms  overlap eff.  gaps with no compute running"]
     for r in reports:
         longest = ", ".join(f"{length:.3f} at {start:.3f}" for start, length in r.gaps[:top_gaps])
         lines.append(f"{r.rank:>4} {r.span:8.3f} {r.compute:11.3f} {r.comm:8.3f} {r.exposed_comm:16.3f} "
