@@ -10,7 +10,7 @@ Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [
   TP (the same, one NCCL allreduce).
 
 Per shape, in one process, each variant's CUDA-event time per iteration (``--iters`` after
-``--warmup``), max over ranks, median of ``--rounds`` interleaved rounds (clocks drift):
+``--warmup``), max over ranks, median of ``--rounds`` interleaved rounds (clocks and power drift):
 compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
 (``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
 yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
@@ -55,12 +55,15 @@ TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classi
 # The kernel designs tried (docs/performance.md says what each measured); the defaults are tp_fusion_kernels.
 SP_DESIGNS = {
     "ag_one_stream": overlap.Tuning(ag_streams=1),
+    "rs_one_stream": overlap.Tuning(rs_streams=1),
+    "one_stream": overlap.Tuning(ag_streams=1, rs_streams=1),
     "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
     "rs_remote_store": overlap.Tuning(rs_remote_store=True),
     "rs_inplace_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2),
     "rs_inplace_remote_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
 }
-TP_DESIGNS = {"ar_1_piece": overlap.Tuning(ar_subchunks=1), "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}
+TP_DESIGNS = {"ar_one_stream": overlap.Tuning(rs_streams=1), "ar_1_piece": overlap.Tuning(ar_subchunks=1),
+              "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}
 REFERENCE = {"sp": "nccl_sequential", "tp": "classic_tp"}
 TOLERANCE = 3e-2  # relative error (norm) against the reference; bf16 GEMM chains land near 5e-3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +80,7 @@ def parse_args(argv=None):
                    help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; the median is reported")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
     return p.parse_args(argv)
 

@@ -29,6 +29,7 @@ def _tunings():
     from tp_fusion.runtime.overlap import Tuning
 
     return [Tuning(), Tuning(ag_streams=1, rs_reduce="inplace", rs_subchunks=2), Tuning(rs_remote_store=True),
+            Tuning(ag_streams=1, rs_streams=1, ar_subchunks=1),
             Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
             Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4)]
 
