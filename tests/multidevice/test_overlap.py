@@ -22,10 +22,11 @@ def _check_group(pg, ranks) -> None:
     for dim in (0, 1):
         x_local = x_full.chunk(n, dim=dim)[r]
         for bias, epilogue in ((None, None), (b, None), (b, overlap.gelu_tanh), (None, torch.tanh)):
-            got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=pg, epilogue=epilogue)
             want = F.linear(x_full, w, bias)
             want = epilogue(want) if epilogue else want
-            torch.testing.assert_close(got, want, msg=f"allgather_linear dim={dim} bias={bias is not None}")
+            for mode in (None, *overlap.MODES):
+                got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode)
+                torch.testing.assert_close(got, want, msg=f"allgather_linear dim={dim} bias={bias is not None} {mode}")
     x2 = _rand(4, 2 * n, 5)
     got = overlap.allgather_linear(x2.chunk(n)[r], w, b, gather_dim=-2, pg=pg, epilogue=overlap.gelu_tanh)
     torch.testing.assert_close(got, overlap.gelu_tanh(F.linear(x2, w, b)))
@@ -34,10 +35,14 @@ def _check_group(pg, ranks) -> None:
     xs = [_rand(10 + g, 2 * n, 3 * n, 5) for g in ranks]
     ws = [_rand(20 + g, 7, 5) for g in ranks]
     total = sum(F.linear(x, wg) for x, wg in zip(xs, ws, strict=True))
-    for dim in (0, 1, -2):
-        got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg)
-        torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim}")
-    torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg), total)
+    for mode in (None, *overlap.MODES):
+        for dim in (0, 1, -2):
+            got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg, mode=mode)
+            torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim} {mode}")
+        got = overlap.linear_reduce_scatter(xs[r], ws[r], b, scatter_dim=1, pg=pg, mode=mode)
+        torch.testing.assert_close(got, (total + b).chunk(n, dim=1)[r], msg=f"linear_reduce_scatter bias {mode}")
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg, mode=mode), total)
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, pg=pg, mode=mode), total + b)
     odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential fallback
     torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg),
                                sum(F.linear(x, wg) for x, wg in zip(odd, ws, strict=True)))
@@ -54,6 +59,10 @@ def _all_checks(rank: int, world: int) -> None:
         overlap.allgather_linear(torch.zeros(2, 3), torch.zeros(4, 3), gather_dim=1, pg=None)
     with pytest.raises(ValueError, match="divide"):
         overlap.linear_reduce_scatter(torch.zeros(world + 1, 3), torch.zeros(4, 3), scatter_dim=0, pg=None)
+    with pytest.raises(ValueError, match="mode="):
+        overlap.linear_allreduce(torch.zeros(world, 3), torch.zeros(4, 3), pg=None, mode="overlapped")
+    with pytest.raises(ValueError, match="split evenly"):
+        overlap.linear_allreduce(torch.zeros(world + 1, 3), torch.zeros(4, 3), pg=None, mode="fused")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -66,3 +75,9 @@ def test_single_process_needs_no_group():
     torch.testing.assert_close(overlap.allgather_linear(x, w, b, gather_dim=0, pg=None), F.linear(x, w, b))
     torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, scatter_dim=0, pg=None), F.linear(x, w))
     torch.testing.assert_close(overlap.linear_allreduce(x, w, pg=None), F.linear(x, w))
+    torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, b, scatter_dim=0, pg=None), F.linear(x, w, b))
+
+
+def test_tuning_is_validated():
+    with pytest.raises(ValueError, match="rs_reduce"):
+        overlap.Tuning(rs_reduce="tree")

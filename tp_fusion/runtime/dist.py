@@ -136,10 +136,7 @@ def _reduce_op(op: str):
     return {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
 
 
-# --- symmetric memory and P2P (used by overlap.py) ---
-# Symmetric memory (torch.distributed._symmetric_memory) is CUDA-only: every rank of a group allocates
-# a same-shaped buffer, rendezvous maps the peers' buffers into this process, and copies from or to a
-# peer's buffer run on the copy engines. The module is imported lazily: CPU builds may lack parts of it.
+# --- group geometry (used by overlap.py and symm.py) ---
 
 
 def group_size(pg: ProcessGroup | None) -> int:
@@ -149,43 +146,6 @@ def group_size(pg: ProcessGroup | None) -> int:
 def global_rank(pg: ProcessGroup | None, group_rank: int) -> int:
     """The world rank of ``group_rank`` in ``pg`` (send/recv address world ranks)."""
     return group_rank if pg is None else _dist.get_global_rank(pg, group_rank)
-
-
-def _symm_mem():
-    import torch.distributed._symmetric_memory as symm_mem
-
-    return symm_mem
-
-
-def symm_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialized tensor in symmetric memory; ``symm_rendezvous`` must follow on every rank."""
-    return _symm_mem().empty(tuple(shape), dtype=dtype, device=device)
-
-
-def symm_rendezvous(t: torch.Tensor, pg: ProcessGroup | None):
-    """Collective: map every group rank's ``t`` (from ``symm_empty``) into this process; returns the handle."""
-    return _symm_mem().rendezvous(t, group_name(pg))
-
-
-def symm_peer_tensor(handle, peer: int, t: torch.Tensor) -> torch.Tensor:
-    """Group rank ``peer``'s copy of the symmetric tensor ``t`` (same shape and dtype), addressable here."""
-    return handle.get_buffer(peer, tuple(t.shape), t.dtype, t.storage_offset())
-
-
-def async_tp_all_gather_matmul(a_shard: torch.Tensor, b: torch.Tensor, gather_dim: int,
-                               pg: ProcessGroup | None) -> torch.Tensor:
-    """PyTorch async-TP's ``all_gather(a_shard, gather_dim) @ b`` (a baseline for the benchmarks)."""
-    _symm_mem()
-    _, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], gather_dim, group_name(pg),
-                                                           return_A=False)
-    return out
-
-
-def async_tp_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, scatter_dim: int,
-                                   pg: ProcessGroup | None) -> torch.Tensor:
-    """PyTorch async-TP's ``reduce_scatter(a @ b, scatter_dim)`` (a baseline for the benchmarks)."""
-    _symm_mem()
-    return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim, group_name(pg))
 
 
 # --- host-side exchanges (used by tp_fusion.runtime.faults) ---

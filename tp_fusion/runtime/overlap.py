@@ -1,30 +1,32 @@
 """Matmul+collective kernels whose communication overlaps the GEMMs (the executor's fused segments).
 
-Every function computes exactly what a collective followed (or preceded) by ``F.linear`` computes,
-split into one GEMM per group rank's chunk so that moving one chunk overlaps computing another:
+Each public function computes exactly what a collective followed (or preceded) by ``F.linear``
+computes, in one of two modes that the caller chooses:
 
-- CUDA: pushes through torch's symmetric memory. A rank copies its chunk straight into each peer's
-  receive slot (a copy-engine write over NVLink, no SMs taken from the GEMMs) and flags it ready; the
-  peer waits for the flag, GEMMs the slot and flags it free again. Flags are written and waited on
-  with CUDA stream memory operations (``cuStreamWriteValue32``/``cuStreamWaitValue32``), so no
-  spinning barrier kernel competes with the GEMMs and the host never synchronizes. Each call bumps
-  an epoch that all ranks agree on (they make the same calls in the same order), so flags never need
-  resetting. Every rank starts with its local chunk and issues the same kernels in the same order.
-- CPU (gloo): the same chunk order as a ring of send/recv (exact, for CI).
-- Anything else, or a shape where ``decide`` measured the fused plan slower: one NCCL collective
-  and one GEMM ("sequential").
+- ``"fused"``: split into one GEMM per group rank's chunk so that moving one chunk overlaps computing
+  another. On CUDA through symmetric memory (``symm.py``): a rank copies its chunk straight into each
+  peer's receive slot (a copy-engine write over NVLink, no SMs taken from the GEMMs) and flags it
+  ready with a stream memory operation; the peer's stream waits on the flag, consumes the slot and
+  flags it free. On the CPU (gloo) the same chunk order runs as a ring of send/recv (exact, for CI).
+- ``"sequential"``: one collective and one GEMM.
+
+Every rank issues the same kernels in the same order and starts with its local chunk; nothing
+assumes two ranks. Knobs of the CUDA pipelines are explicit (``Tuning``); ``mode=None`` measures
+both modes once per signature (``decide``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from tp_fusion.runtime import dist, timing
+from tp_fusion.runtime import dist, symm, timing
+
+MODES = ("fused", "sequential")
 
 
 def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
@@ -34,100 +36,171 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
     return F.gelu(t, approximate="tanh")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Knobs of the CUDA pipeline. Defaults from 2x H200 (benchmarks/tp_mlp.py): the alternatives
-    (a second GEMM stream, GEMM stores straight into the peer's slot) measured within noise there;
-    they stay for larger groups, where compute/compute overlap matters more."""
+    """Knobs of the CUDA pipelines (the CPU rings have none). Defaults: the best measured on 2x H200
+    (docs/performance.md); every combination computes the same result."""
 
-    ag_streams: int = 1          # 2: peers' chunks on a second compute stream (compute/compute overlap)
-    rs_max_subchunks: int = 2    # GEMM+RS: split each destination's rows into up to this many pieces,
-    rs_min_subchunk_rows: int = 1024  # each of at least this many rows
-    rs_remote_store: bool = False  # GEMM+RS: the GEMM writes the peer's slot directly (no copy engine)
+    ag_streams: int = 2  # AG+GEMM: 2 puts every other peer chunk's GEMM on a second stream, so that
+    #                      the tail wave of one GEMM overlaps the next (wave quantization of chunks)
+    ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
+    #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
+    #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
+    rs_reduce: str = "sum"  # GEMM+RS: "sum": the local GEMM (bias in its epilogue) waits for nothing,
+    #                         then one pass adds the received partials; "addmm": the received partial
+    #                         is C of the local GEMM (2 ranks; the bias rides in the peer's partial)
+    rs_subchunks: int = 1  # GEMM+RS: pieces per destination (a push of piece k overlaps GEMM k+1)
+    rs_remote_store: bool = False  # GEMM+RS: the partial GEMM writes into the peer's slot (no copy engine)
+    ar_subchunks: int = 2  # GEMM+AR: row pieces per reducing rank (sums of piece k travel during k+1)
+
+    def __post_init__(self):
+        if self.ag_streams not in (1, 2) or self.ag_gemm not in ("chunks", "async_input") \
+                or self.rs_reduce not in ("sum", "addmm") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
+            raise ValueError(f"invalid {self}: ag_streams is 1 or 2, ag_gemm 'chunks' or 'async_input', "
+                             "rs_reduce 'sum' or 'addmm', sub-chunk counts >= 1")
 
 
-TUNING = Tuning()
+DEFAULT_TUNING = Tuning()
 
 
 # --------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------
 
-def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogue=None) -> torch.Tensor:
+def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogue=None, mode: str | None = None,
+                     tuning: Tuning | None = None) -> torch.Tensor:
     """``epilogue(F.linear(cat(all group ranks' x_local, dim=gather_dim), weight, bias))``.
 
     ``gather_dim`` must not be the last dim of ``x_local``; ``epilogue`` is pointwise or None.
     """
     dim = _non_last_dim(gather_dim, x_local, "gather_dim")
-    n = dist.group_size(pg) if dist.is_initialized() else 1
+    n = _group_size(pg)
     x_rows = x_local.movedim(dim, 0)
     lead = x_rows.shape[:-1]
     x2 = x_rows.reshape(-1, x_rows.shape[-1]).contiguous()
+    tuning = tuning or DEFAULT_TUNING
     if n == 1:
         out = _linear(x2, weight, bias, epilogue)
-    elif not x2.is_cuda:
-        out = _ring_allgather_linear(x2, weight, bias, epilogue, pg)
-    elif decide("allgather_linear", tuple(x2.shape), tuple(weight.shape), x2.dtype, pg) == "fused":
-        out = _symm_allgather_linear(x2, weight, bias, epilogue, pg)
     else:
-        gathered = x2.new_empty((n * x2.shape[0], x2.shape[1]))
-        dist.all_gather(gathered, x2, pg)
-        out = _linear(gathered, weight, bias, epilogue)
+        mode = _resolve("allgather_linear", mode, x2, weight, bias, epilogue, pg, tuning)
+        with _label(f"tp_fusion::allgather_linear[{mode}]"):
+            if mode == "sequential":
+                gathered = x2.new_empty((n * x2.shape[0], x2.shape[1]))
+                dist.all_gather(gathered, x2, pg)
+                out = _linear(gathered, weight, bias, epilogue)
+            elif x2.is_cuda:
+                out = _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning)
+            else:
+                out = _ring_allgather_linear(x2, weight, bias, epilogue, pg)
     return out.view(n * lead[0], *lead[1:], -1).movedim(0, dim).contiguous()
 
 
-def linear_reduce_scatter(x, weight, *, scatter_dim: int, pg) -> torch.Tensor:
-    """This rank's chunk along ``scatter_dim`` (not the last dim) of ``sum over ranks of F.linear(x, w)``."""
+def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: str | None = None,
+                          tuning: Tuning | None = None) -> torch.Tensor:
+    """This rank's chunk along ``scatter_dim`` (not the last dim) of ``sum over ranks of F.linear(x, w)``,
+    plus ``bias`` (added once)."""
     dim = _non_last_dim(scatter_dim, x, "scatter_dim")
-    n = dist.group_size(pg) if dist.is_initialized() else 1
+    n = _group_size(pg)
     if x.shape[dim] % n:
         raise ValueError(f"linear_reduce_scatter: dim {dim} of x (size {x.shape[dim]}) does not divide "
                          f"into {n} ranks; pad it to a multiple of {n}")
     x_rows = x.movedim(dim, 0)
     lead = (x_rows.shape[0] // n, *x_rows.shape[1:-1])
     x3 = x_rows.reshape(n, -1, x_rows.shape[-1]).contiguous()  # [destination rank, rows, in]
-    out = _linear_reduce_scatter_rows(x3, weight, pg)
+    tuning = tuning or DEFAULT_TUNING
+    if n == 1:
+        out = F.linear(x3[0], weight, bias)
+    else:
+        mode = _resolve("linear_reduce_scatter", mode, x3.view(-1, x3.shape[-1]), weight, bias, None, pg, tuning)
+        with _label(f"tp_fusion::linear_reduce_scatter[{mode}]"):
+            out = _linear_reduce_scatter_rows(x3, weight, bias, pg, mode, tuning)
     return out.view(*lead, -1).movedim(0, dim).contiguous()
 
 
-def linear_allreduce(x, weight, *, pg) -> torch.Tensor:
-    """``sum over group ranks of F.linear(x, weight)``: a fused GEMM+reduce_scatter over rows, then an
-    allgather of the reduced rows (sequential GEMM + allreduce where the rows do not split evenly)."""
-    n = dist.group_size(pg) if dist.is_initialized() else 1
+def linear_allreduce(x, weight, bias=None, *, pg, mode: str | None = None,
+                     tuning: Tuning | None = None) -> torch.Tensor:
+    """``sum over group ranks of F.linear(x, weight)``, plus ``bias`` (added once). Fused: each rank
+    reduces its share of the rows (GEMM+reduce_scatter) and sends the sums on to every peer while
+    the next rows are computed; this needs rows that split evenly over the ranks."""
+    n = _group_size(pg)
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if n == 1:
-        return F.linear(x, weight)
-    if rows % n or (x.is_cuda and decide("linear_allreduce", tuple(x2.shape), tuple(weight.shape),
-                                         x.dtype, pg) == "sequential"):
-        out = F.linear(x, weight)
-        dist.all_reduce(out, pg)
-        return out
-    mine = _linear_reduce_scatter_rows(x2.reshape(n, rows // n, -1).contiguous(), weight, pg)
-    out = mine.new_empty((rows, mine.shape[-1]))
-    dist.all_gather(out, mine, pg)
+        return F.linear(x, weight, bias)
+    tuning = tuning or DEFAULT_TUNING
+    if mode is None and rows % n:
+        mode = "sequential"  # nothing to pipeline over ranks
+    mode = _resolve("linear_allreduce", mode, x2, weight, bias, None, pg, tuning)
+    if mode == "fused" and rows % n:
+        raise ValueError(f"linear_allreduce(mode='fused'): the {rows} rows of x do not split evenly over "
+                         f"{n} ranks; use mode='sequential' or pad the rows to a multiple of {n}")
+    with _label(f"tp_fusion::linear_allreduce[{mode}]"):
+        if mode == "sequential":
+            out = F.linear(x2, weight, bias if dist.group_rank(pg) == 0 else None)
+            dist.all_reduce(out, pg)
+        elif x2.is_cuda:
+            out = _symm_linear_allreduce(x2.contiguous(), weight, bias, pg, tuning)
+        else:
+            x3 = x2.reshape(n, rows // n, -1).contiguous()
+            mine = _ring_linear_reduce_scatter(x3, weight, bias, pg)
+            out = mine.new_empty((rows, mine.shape[-1]))
+            dist.all_gather(out, mine, pg)
     return out.view(*x.shape[:-1], -1)
 
 
-def decide(kind: str, x_shape, w_shape, dtype, pg) -> str:
-    """"fused" or "sequential" for ``kind`` with an ``x`` of ``x_shape`` and a ``weight`` of ``w_shape``.
+def decide(kind: str, x_shape, w_shape, dtype, pg, *, bias: bool = False, epilogue=None,
+           tuning: Tuning | None = None) -> str:
+    """"fused" or "sequential" for ``kind`` with an ``x`` of ``x_shape`` and a ``weight`` of ``w_shape``
+    (with a bias and ``epilogue`` if given: what actually runs is timed).
 
     ``kind`` is ``allgather_linear`` (``x`` = this rank's shard), ``linear_reduce_scatter`` or
-    ``linear_allreduce`` (``x`` = the whole operand). On CUDA the first call for a signature times both
-    plans on random data (gathered/scattered dim 0) and takes the max over the group's ranks, so that
-    every rank chooses the same plan; it is collective: every rank of the group must make the same
-    calls, as it does for the functions above. On the CPU it is always "fused", so CI exercises the
-    decomposition.
+    ``linear_allreduce`` (``x`` = the whole operand). On CUDA the first call for a signature times
+    both modes on random data (gathered/scattered dim 0), interleaved over rounds, and takes the max
+    over the group's ranks, so that every rank chooses alike; it is collective: every rank of the
+    group must make the same calls. On the CPU it is always "fused", so CI exercises the decomposition.
     """
+    if kind not in _KINDS:
+        raise ValueError(f"decide: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}")
     if not torch.cuda.is_available() or dist.backend() != "nccl":
         return "fused"
     rows = (math.prod(x_shape[:-1]), x_shape[-1])
-    return _decide_cuda(kind, rows, tuple(w_shape), dtype, dist.group_name(pg), pg)
+    key = (kind, rows, tuple(w_shape), dtype, dist.group_name(pg), bias, epilogue, tuning or DEFAULT_TUNING)
+    if key not in _decisions:
+        _decisions[key] = _decide_cuda(kind, rows, tuple(w_shape), dtype, pg, bias, epilogue,
+                                       tuning or DEFAULT_TUNING)
+    return _decisions[key]
 
 
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------------
+
+_KINDS = ("allgather_linear", "linear_reduce_scatter", "linear_allreduce")
+
+
+def _group_size(pg) -> int:
+    return dist.group_size(pg) if dist.is_initialized() else 1
+
+
+def _label(name: str):
+    """A ``record_function`` span for profiles (nothing when no profiler runs)."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+        else contextlib.nullcontext()
+
+
+def _resolve(kind, mode, x2, weight, bias, epilogue, pg, tuning) -> str:
+    if mode is None:
+        if not x2.is_cuda:
+            return "fused"
+        return decide(kind, tuple(x2.shape), tuple(weight.shape), x2.dtype, pg, bias=bias is not None,
+                      epilogue=epilogue, tuning=tuning)
+    if mode not in MODES:
+        raise ValueError(f"{kind}: mode={mode!r}; expected one of {MODES} (or None to measure)")
+    if mode == "fused" and x2.is_cuda and symm.stream_flags() is None:
+        raise RuntimeError(f"{kind}(mode='fused') on CUDA needs cuda-python (cuda.bindings) for the stream "
+                           "flags; install it or use mode='sequential'")
+    return mode
+
 
 def _non_last_dim(dim: int, t: torch.Tensor, name: str) -> int:
     if not -t.dim() <= dim < t.dim():
@@ -140,7 +213,8 @@ def _non_last_dim(dim: int, t: torch.Tensor, name: str) -> int:
 
 
 def _linear(x2, weight, bias, epilogue, out=None) -> torch.Tensor:
-    """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2``, written into ``out`` if given."""
+    """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2``, written into ``out`` if given. On CUDA
+    the bias, and a tanh-GELU after it, run in the GEMM's epilogue."""
     wt = weight.t()
     if out is None:
         out = x2.new_empty((x2.shape[0], weight.shape[0]))
@@ -156,18 +230,16 @@ def _linear(x2, weight, bias, epilogue, out=None) -> torch.Tensor:
     return out
 
 
-def _linear_reduce_scatter_rows(x3, weight, pg) -> torch.Tensor:
-    """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``."""
-    n = x3.shape[0]
-    if n == 1:
-        return F.linear(x3[0], weight)
-    if not x3.is_cuda:
-        return _ring_linear_reduce_scatter(x3, weight, pg)
-    shape2 = (x3.shape[0] * x3.shape[1], x3.shape[2])
-    if decide("linear_reduce_scatter", shape2, tuple(weight.shape), x3.dtype, pg) == "fused":
-        return _symm_linear_reduce_scatter(x3, weight, pg)
+def _linear_reduce_scatter_rows(x3, weight, bias, pg, mode, tuning) -> torch.Tensor:
+    """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``, plus ``bias``."""
+    if mode == "fused":
+        if x3.is_cuda:
+            return _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning)
+        return _ring_linear_reduce_scatter(x3, weight, bias, pg)
     out = x3.new_empty((x3.shape[1], weight.shape[0]))
-    dist.reduce_scatter(out, F.linear(x3.view(shape2), weight), pg)
+    # The bias rides in one rank's GEMM epilogue, so the reduction adds it once.
+    partial = F.linear(x3.view(-1, x3.shape[2]), weight, bias if dist.group_rank(pg) == 0 else None)
+    dist.reduce_scatter(out, partial, pg)
     return out
 
 
@@ -193,9 +265,10 @@ def _ring_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
     return out.view(-1, weight.shape[0])
 
 
-def _ring_linear_reduce_scatter(x3, weight, pg) -> torch.Tensor:
+def _ring_linear_reduce_scatter(x3, weight, bias, pg) -> torch.Tensor:
     """The partial sum for chunk j starts at rank j+1 and travels the ring, each rank adding its own
-    partial (computed while the previous transfer is in flight), until it reaches rank j."""
+    partial (computed while the previous transfer is in flight), until it reaches rank j, which adds
+    its own partial and the bias."""
     n, r = dist.group_size(pg), dist.group_rank(pg)
     right, left = dist.global_rank(pg, (r + 1) % n), dist.global_rank(pg, (r - 1) % n)
     sends, recv, recv_req = [], None, None
@@ -207,7 +280,7 @@ def _ring_linear_reduce_scatter(x3, weight, pg) -> torch.Tensor:
         sends.append(dist.isend(partial, right))
         recv = torch.empty_like(partial)
         recv_req = dist.irecv(recv, left)
-    mine = F.linear(x3[r], weight)
+    mine = F.linear(x3[r], weight, bias)
     recv_req.wait()
     mine += recv
     for req in sends:
@@ -219,199 +292,183 @@ def _ring_linear_reduce_scatter(x3, weight, pg) -> torch.Tensor:
 # CUDA: pushes into peers' symmetric-memory slots, flagged with stream memory operations
 # --------------------------------------------------------------------------------------------------
 
-_READY, _FREE = 0, 1
-
-
-class _StreamFlags:
-    """Waits and writes of 32-bit flags enqueued on a stream (``cuStream{Wait,Write}Value32``): the
-    GPU's front end handles them, no kernel runs. A write is preceded by a memory fence, so whatever
-    the stream wrote before (a GEMM's output, a copy) is visible to whoever sees the flag."""
-
-    def __init__(self):
-        try:
-            from cuda.bindings import driver
-        except ImportError:  # cuda-python < 12.6 names the module cuda.cuda
-            from cuda import cuda as driver
-        self._driver = driver
-        self._geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-
-    def _check(self, result, what):
-        err = result[0]
-        if int(err) != 0:
-            raise RuntimeError(f"{what} failed: {err}")
-
-    def wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        """Work enqueued after this on ``stream`` waits until the flag at ``addr`` >= ``value``."""
-        self._check(self._driver.cuStreamWaitValue32(stream.cuda_stream, addr, value & 0xFFFFFFFF,
-                                                     self._geq), "cuStreamWaitValue32")
-
-    def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        """Once the work before it on ``stream`` is done, set the flag at ``addr`` (maybe a peer's)."""
-        self._check(self._driver.cuStreamWriteValue32(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0),
-                    "cuStreamWriteValue32")
-
-
-@functools.cache
-def _flags() -> _StreamFlags | None:
-    try:
-        return _StreamFlags()
-    except ImportError:
-        return None
-
-
-@functools.cache
-def _comm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream that issues the copy-engine pushes (high priority: they are tiny to launch)."""
-    return torch.cuda.Stream(device, priority=-1)
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A second compute stream, for compute/compute overlap."""
-    return torch.cuda.Stream(device)
-
-
-class _Mailbox:
-    """Receive slots for one (kind, slot shape, dtype, group): ``slots[src, sub]`` in symmetric memory
-    holds what group rank ``src`` pushed here; ``flags[READY, src, sub]`` is the epoch of src's last
-    push into it, ``flags[FREE, dst, sub]`` the epoch up to which rank ``dst`` is done with the slot
-    that this rank pushes into there. Both are written by the peers, through their mappings."""
-
-    def __init__(self, slot_shape, dtype, subchunks: int, pg, device):
-        n = dist.group_size(pg)
-        self.rank, self.n, self.epoch = dist.group_rank(pg), n, 0
-        self.slots = dist.symm_empty((n, *slot_shape), dtype, device)
-        flags = dist.symm_empty((2, n, subchunks), torch.int32, device)
-        flags.zero_()
-        slots_handle = dist.symm_rendezvous(self.slots, pg)
-        flags_handle = dist.symm_rendezvous(flags, pg)
-        self.flags = flags
-        # What this rank pushes to peer p lands in p's slots[rank]; what it flags, in p's flags.
-        self.peer_slots = [dist.symm_peer_tensor(slots_handle, p, self.slots)[self.rank] for p in range(n)]
-        self.peer_flags = [dist.symm_peer_tensor(flags_handle, p, flags) for p in range(n)]
-        torch.cuda.synchronize(device)
-        dist.barrier(pg)  # every rank's flags are zero before anyone writes them
-
-    @staticmethod
-    def addr(t: torch.Tensor) -> int:
-        return t.data_ptr()
-
-    def start_call(self) -> int:
-        self.epoch += 1
-        return self.epoch
-
-
-_mailboxes: dict[tuple, _Mailbox] = {}
-
-
-def _mailbox(kind: str, slot_shape, dtype, subchunks: int, pg, device) -> _Mailbox:
-    key = (kind, tuple(slot_shape), dtype, subchunks, dist.group_name(pg), device)
-    if key not in _mailboxes:
-        _mailboxes[key] = _Mailbox(slot_shape, dtype, subchunks, pg, device)
-    return _mailboxes[key]
-
-
-def _symm_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
+def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tensor:
     """Rank r pushes its rows to r-1, r-2, ... on the comm stream while it GEMMs its own rows, then
     GEMMs the rows of r+1, r+2, ... in that order, each as soon as its ready flag is set."""
-    flags, device = _flags(), x2.device
-    box = _mailbox("allgather_linear", x2.shape, x2.dtype, 1, pg, device)
+    if tuning.ag_gemm == "async_input":
+        return _async_input_allgather_linear(x2, weight, bias, epilogue, pg)
+    device = x2.device
+    box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
     n, r, epoch = box.n, box.rank, box.start_call()
-    main, comm = torch.cuda.current_stream(device), _comm_stream(device)
+    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
     out = x2.new_empty((n, x2.shape[0], weight.shape[0]))
     comm.wait_stream(main)
-    with torch.cuda.stream(comm):
-        for step in range(1, n):
-            dst = (r - step) % n
-            flags.wait(comm, box.addr(box.flags[_FREE, dst, 0]), epoch - 1)
-            box.peer_slots[dst].copy_(x2)
-            flags.write(comm, box.addr(box.peer_flags[dst][_READY, r, 0]), epoch)
-    side = _side_stream(device) if TUNING.ag_streams == 2 else main
+    for step in range(1, n):
+        box.push(comm, (r - step) % n, 0, x2, epoch)
+    side = symm.side_stream(device) if tuning.ag_streams == 2 else main
     if side is not main:
         side.wait_stream(main)
     _linear(x2, weight, bias, epilogue, out=out[r])
     for step in range(1, n):
         src = (r + step) % n
         stream = side if step % 2 else main
+        box.wait_ready(stream, src, 0, epoch)
         with torch.cuda.stream(stream):
-            flags.wait(stream, box.addr(box.flags[_READY, src, 0]), epoch)
-            _linear(box.slots[src], weight, bias, epilogue, out=out[src])
-            flags.write(stream, box.addr(box.peer_flags[src][_FREE, r, 0]), epoch)
+            _linear(box.slots[src, 0], weight, bias, epilogue, out=out[src])
+        box.release(stream, src, 0, epoch)
     main.wait_stream(comm)
     if side is not main:
         main.wait_stream(side)
     return out.view(-1, weight.shape[0])
 
 
-def _subchunks(rows: int) -> int:
-    """Pieces per destination: pushing piece k overlaps the GEMM of piece k+1 (and the last push the
-    first local GEMM), at the price of smaller GEMMs."""
-    fits = [c for c in range(1, TUNING.rs_max_subchunks + 1)
-            if rows % c == 0 and rows // c >= TUNING.rs_min_subchunk_rows]
-    return max(fits, default=1)
+def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
+    """One GEMM over the gathered rows that waits per tile on each chunk's signal (torch's CUTLASS
+    ``_async_input_mm``, starting at this rank's chunk), so there are no chunk boundaries. Peers push
+    their rows straight into this rank's gathered buffer; the comm stream turns each peer's ready flag
+    into the kernel's 0/1 signal. Bias and epilogue follow as separate passes."""
+    device = x2.device
+    symm._symm_mem()  # registers torch.ops.symm_mem
+    box = symm.mailbox("allgather_linear.async_input", 1, x2.shape, x2.dtype, pg, device)
+    n, r, epoch = box.n, box.rank, box.start_call()
+    flags = symm.stream_flags()
+    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
+    signals = torch.zeros(n, dtype=torch.uint32, device=device)
+    comm.wait_stream(main)
+    with torch.cuda.stream(comm):
+        box.slots[r, 0].copy_(x2)
+    flags.write(comm, signals.data_ptr() + 4 * r, 1)
+    for step in range(1, n):
+        box.push(comm, (r - step) % n, 0, x2, epoch)
+    for step in range(1, n):
+        src = (r + step) % n
+        box.wait_ready(comm, src, 0, epoch)
+        flags.write(comm, signals.data_ptr() + 4 * src, 1)
+    gathered = box.slots.view(n * x2.shape[0], x2.shape[1])
+    out = torch.ops.symm_mem._async_input_mm(gathered, weight.t(), signals, r)
+    for step in range(1, n):
+        box.release(main, (r + step) % n, 0, epoch)
+    main.wait_stream(comm)
+    if bias is not None:
+        out.add_(bias)
+    if epilogue is gelu_tanh:
+        torch.ops.aten.gelu_(out, approximate="tanh")
+    elif epilogue is not None:
+        out.copy_(epilogue(out))
+    return out
 
 
-def _symm_linear_reduce_scatter(x3, weight, pg) -> torch.Tensor:
-    """Rank r GEMMs the partial for r+1, r+2, ... (rows split in ``c`` sub-chunks) and pushes each
-    into that rank's slot; then, per sub-chunk, waits for the partials pushed to it and adds them in
-    the epilogue of its own GEMM (``addmm`` with the received partial as C; a sum for > 2 ranks)."""
-    flags, device = _flags(), x3.device
+def _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning) -> torch.Tensor:
+    """Rank r GEMMs the partial for r+1, r+2, ... and pushes each into that rank's slot (optionally in
+    sub-chunks, or stored by the GEMM straight into the slot); then GEMMs its own rows and adds the
+    partials pushed to it (``Tuning.rs_reduce``)."""
+    device = x3.device
     n_dst, rows, _ = x3.shape
     out_cols = weight.shape[0]
-    c = _subchunks(rows)
+    c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
     sub = rows // c
-    box = _mailbox("linear_reduce_scatter", (c, sub, out_cols), x3.dtype, c, pg, device)
+    box = symm.mailbox("linear_reduce_scatter", c, (sub, out_cols), x3.dtype, pg, device)
     n, r, epoch = box.n, box.rank, box.start_call()
-    main, comm = torch.cuda.current_stream(device), _comm_stream(device)
+    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
     wt = weight.t()
     xs = x3.view(n, c, sub, -1)
-    remote = TUNING.rs_remote_store
-    staging = None if remote else x3.new_empty((max(n - 1, 1), c, sub, out_cols))
+    in_epilogue = tuning.rs_reduce == "addmm" and n == 2
+    staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
     for step in range(1, n):
         dst = (r + step) % n
+        # "addmm": the partial pushed last to each rank carries the bias (added once, in this GEMM's epilogue)
+        b = bias if in_epilogue and step == n - 1 else None
         for k in range(c):
-            free = box.addr(box.flags[_FREE, dst, k])
-            ready = box.addr(box.peer_flags[dst][_READY, r, k])
-            if remote:
-                flags.wait(main, free, epoch - 1)
-                torch.mm(xs[dst, k], wt, out=box.peer_slots[dst][k])
-                flags.write(main, ready, epoch)
-                continue
-            torch.mm(xs[dst, k], wt, out=staging[step - 1, k])
-            comm.wait_stream(main)
-            with torch.cuda.stream(comm):
-                flags.wait(comm, free, epoch - 1)
-                box.peer_slots[dst][k].copy_(staging[step - 1, k])
-                flags.write(comm, ready, epoch)
+            if staging is None:
+                box.wait_free(main, dst, k, epoch)
+                _linear(xs[dst, k], weight, b, None, out=box.peer_slots[dst][k])
+                box.mark_ready(main, dst, k, epoch)
+            else:
+                _linear(xs[dst, k], weight, b, None, out=staging[step - 1, k])
+                comm.wait_stream(main)
+                box.push(comm, dst, k, staging[step - 1, k], epoch)
     out = x3.new_empty((c, sub, out_cols))
     for k in range(c):
-        for step in range(1, n):
-            flags.wait(main, box.addr(box.flags[_READY, (r - step) % n, k]), epoch)
-        if n == 2:
-            torch.addmm(box.slots[(r - 1) % n, k], xs[r, k], wt, out=out[k])
+        if in_epilogue:
+            src = (r + 1) % n
+            box.wait_ready(main, src, k, epoch)
+            torch.addmm(box.slots[src, k], xs[r, k], wt, out=out[k])
         else:
-            torch.mm(xs[r, k], wt, out=box.slots[r, k])  # own slot: never pushed into
-            torch.sum(box.slots[:, k], dim=0, out=out[k])
+            _linear(xs[r, k], weight, bias, None, out=box.slots[r, k])  # own slot: never pushed into
+            for step in range(1, n):
+                box.wait_ready(main, (r - step) % n, k, epoch)
+            _sum_slots(box.slots[:, k], out[k])
+        for step in range(1, n):
+            box.release(main, (r - step) % n, k, epoch)
+    main.wait_stream(comm)
+    return out.view(rows, out_cols)
+
+
+def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the sum of ``slots`` over its leading (source rank) dim, in one pass."""
+    if slots.shape[0] == 2:
+        torch.add(slots[0], slots[1], out=out)
+    else:
+        torch.sum(slots, dim=0, out=out)
+
+
+def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
+    """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
+    k, rank r pushes its partials of the peers' rows, GEMMs its own rows (plus the bias), sums what it
+    received, and pushes the sums to every peer while piece k+1 is computed; the peers' sums are
+    copied into the output as they arrive."""
+    device = x2.device
+    rows, out_cols = x2.shape[0], weight.shape[0]
+    n = dist.group_size(pg)
+    c = tuning.ar_subchunks if (rows // n) % tuning.ar_subchunks == 0 else 1
+    sub = rows // (n * c)
+    partials = symm.mailbox("linear_allreduce.partials", c, (sub, out_cols), x2.dtype, pg, device)
+    sums = symm.mailbox("linear_allreduce.sums", c, (sub, out_cols), x2.dtype, pg, device)
+    r, epoch = partials.rank, partials.start_call()
+    sums.start_call()
+    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
+    xs = x2.view(n, c, sub, -1)
+    out = x2.new_empty((n, c, sub, out_cols))
+    staging = x2.new_empty((n - 1, c, sub, out_cols))
+
+    def gather(k):
         for step in range(1, n):
             src = (r - step) % n
-            flags.write(main, box.addr(box.peer_flags[src][_FREE, r, k]), epoch)
+            sums.wait_ready(main, src, k, epoch)
+            out[src, k].copy_(sums.slots[src, k])
+            sums.release(main, src, k, epoch)
+
+    for k in range(c):
+        for step in range(1, n):
+            dst = (r + step) % n
+            _linear(xs[dst, k], weight, None, None, out=staging[step - 1, k])
+            comm.wait_stream(main)
+            partials.push(comm, dst, k, staging[step - 1, k], epoch)
+        _linear(xs[r, k], weight, bias, None, out=partials.slots[r, k])  # own slot: never pushed into
+        for step in range(1, n):
+            partials.wait_ready(main, (r - step) % n, k, epoch)
+        _sum_slots(partials.slots[:, k], out[r, k])
+        for step in range(1, n):
+            partials.release(main, (r - step) % n, k, epoch)
+        comm.wait_stream(main)
+        for step in range(1, n):
+            sums.push(comm, (r + step) % n, k, out[r, k], epoch)
+        if k:
+            gather(k - 1)
+    gather(c - 1)
     main.wait_stream(comm)
     return out.view(rows, out_cols)
 
 
 # --------------------------------------------------------------------------------------------------
-# Choosing fused vs sequential from measured times
+# Choosing fused vs sequential from measured times (until the plan's tuning step makes the choice)
 # --------------------------------------------------------------------------------------------------
 
 _decisions: dict[tuple, str] = {}
 
 
-def _decide_cuda(kind, x_shape, w_shape, dtype, name, pg) -> str:
-    key = (kind, x_shape, w_shape, dtype, name)
-    if key in _decisions:
-        return _decisions[key]
-    if _flags() is None:
-        _decisions[key] = "sequential"
+def _decide_cuda(kind, x_shape, w_shape, dtype, pg, bias, epilogue, tuning) -> str:
+    if symm.stream_flags() is None:
         return "sequential"
     n = dist.group_size(pg)
     if kind != "allgather_linear" and x_shape[0] % n:
@@ -420,36 +477,19 @@ def _decide_cuda(kind, x_shape, w_shape, dtype, name, pg) -> str:
     gen = torch.Generator(device).manual_seed(0)
     x = torch.randn(x_shape, dtype=dtype, device=device, generator=gen)
     w = torch.randn(w_shape, dtype=dtype, device=device, generator=gen) / math.sqrt(w_shape[-1])
-    rows = x_shape[0]
+    b = torch.randn(w_shape[0], dtype=dtype, device=device, generator=gen) if bias else None
     if kind == "allgather_linear":
-        gathered = x.new_empty((n * rows, x_shape[1]))
-
-        def fused():
-            _symm_allgather_linear(x, w, None, None, pg)
-
-        def sequential():
-            dist.all_gather(gathered, x, pg)
-            F.linear(gathered, w)
+        def run(mode):
+            allgather_linear(x, w, b, gather_dim=0, pg=pg, epilogue=epilogue, mode=mode, tuning=tuning)
     elif kind == "linear_reduce_scatter":
-        out = x.new_empty((rows // n, w_shape[0]))
-
-        def fused():
-            _symm_linear_reduce_scatter(x.view(n, rows // n, -1), w, pg)
-
-        def sequential():
-            dist.reduce_scatter(out, F.linear(x, w), pg)
-    elif kind == "linear_allreduce":
-        full = x.new_empty((rows, w_shape[0]))
-
-        def fused():
-            dist.all_gather(full, _symm_linear_reduce_scatter(x.view(n, rows // n, -1), w, pg), pg)
-
-        def sequential():
-            dist.all_reduce(F.linear(x, w), pg)
+        def run(mode):
+            linear_reduce_scatter(x, w, b, scatter_dim=0, pg=pg, mode=mode, tuning=tuning)
     else:
-        raise ValueError(f"decide: unknown kind {kind!r}; expected allgather_linear, "
-                         "linear_reduce_scatter or linear_allreduce")
-    fused_ms, sequential_ms = timing.slowest([timing.time_ms(fused, 5, 2), timing.time_ms(sequential, 5, 2)],
-                                             pg, device)
-    _decisions[key] = "fused" if fused_ms <= sequential_ms else "sequential"
-    return _decisions[key]
+        def run(mode):
+            linear_allreduce(x, w, b, pg=pg, mode=mode, tuning=tuning)
+    rounds = {mode: [] for mode in MODES}
+    for _ in range(3):  # interleaved rounds: clock drift hits both modes alike
+        for mode in MODES:
+            rounds[mode].append(timing.time_ms(lambda m=mode: run(m), 5, 2))
+    fused_ms, sequential_ms = timing.slowest([sorted(rounds[m])[1] for m in MODES], pg, device)
+    return "fused" if fused_ms <= sequential_ms else "sequential"

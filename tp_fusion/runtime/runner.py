@@ -15,7 +15,7 @@ import torch
 
 from tp_fusion.errors import ExecutionError
 from tp_fusion.ops import OPS
-from tp_fusion.program import SEQUENTIAL, Communicate, Compute, FusedGemm, Program, ProgramSegment
+from tp_fusion.program import FUSED, SEQUENTIAL, Communicate, Compute, FusedGemm, Program, ProgramSegment
 from tp_fusion.runtime import collectives, dist, faults, graphs, overlap
 from tp_fusion.sharding.reshard import Collective
 
@@ -122,7 +122,7 @@ class Runner:
 def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
     """``run(env)`` for a fused segment through ``tp_fusion.runtime.overlap``, in ``f.mode``."""
     pg = dist.group(f.group)
-    mode = f.mode or overlap.FUSED
+    mode = f.mode or FUSED
     epilogue = _epilogue(f.epilogue)
     x_name, w_name, b_name, out, dim, transpose = f.x, f.weight, f.bias, f.out, f.dim, f.transpose_weight
 
@@ -139,8 +139,8 @@ def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
             env[out] = overlap.linear_reduce_scatter(x, w, b, scatter_dim=dim, pg=pg, mode=mode)
     else:
         def run(env):
-            x, w, _ = operands(env)
-            env[out] = overlap.linear_allreduce(x, w, pg=pg, mode=mode)
+            x, w, b = operands(env)
+            env[out] = overlap.linear_allreduce(x, w, b, pg=pg, mode=mode)
     return run
 
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
-from tp_fusion.runtime import dist, graphs, overlap
+from tp_fusion.runtime import dist, graphs, symm
 from tp_fusion.runtime.runner import Runner, _fused
 
 TIMED_ITERS, WARMUP = 5, 2
@@ -72,7 +72,7 @@ def _choose_mode(i: int, program: Program) -> tuple[str, str]:
     f = seg.fused
     if not _measures(program) or not f.runs_here:
         return FUSED, ""
-    if not overlap.fused_available(program.device):
+    if symm.stream_flags() is None:
         return SEQUENTIAL, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}"
     env = _random_env(f, program)
     runs = {mode: _fused(dataclasses.replace(f, mode=mode), program) for mode in (FUSED, SEQUENTIAL)}
