@@ -172,16 +172,28 @@ def _meta_operand(a: Operand):
 
 def _torch_dtype(impl: Callable, args: list[Operand], attrs: dict) -> list[DataType]:
     """The output dtypes torch gives ``impl`` for operands of these dtypes and ranks: one run on
-    one-element meta tensors (torch's own promotion, and its dtype errors)."""
-    try:
-        out = impl(*[_meta_operand(a) for a in args], **attrs)
-    except (RuntimeError, TypeError, ValueError, IndexError) as e:
-        _bad(f"torch rejects operands {', '.join(map(str, args))}: {str(e).splitlines()[0]}")
-    outs = out if isinstance(out, tuple) else (out,)
-    try:
-        return [DataType.from_torch(o.dtype) for o in outs]
-    except ValueError as e:
-        _bad(str(e))
+    one-element meta tensors (torch's own promotion, and its dtype errors), cached by what decides
+    it (a scalar's type, not its value; a tensor's dtype and rank)."""
+    key = tuple((a.dtype, a.ndim) if isinstance(a, TensorType) else type(a) for a in args)
+    return list(_dtype_of(impl, key, tuple(args), tuple(attrs.items())))
+
+
+_DTYPE_CACHE: dict[tuple, tuple[DataType, ...]] = {}
+
+
+def _dtype_of(impl, key, args, attrs) -> tuple[DataType, ...]:
+    cache_key = (impl, key, attrs)
+    if cache_key not in _DTYPE_CACHE:
+        try:
+            out = impl(*[_meta_operand(a) for a in args], **dict(attrs))
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            _bad(f"torch rejects operands {', '.join(map(str, args))}: {str(e).splitlines()[0]}")
+        outs = out if isinstance(out, tuple) else (out,)
+        try:
+            _DTYPE_CACHE[cache_key] = tuple(DataType.from_torch(o.dtype) for o in outs)
+        except ValueError as e:
+            _bad(str(e))
+    return _DTYPE_CACHE[cache_key]
 
 
 def _same_dtype(args: list[Operand]) -> DataType:
