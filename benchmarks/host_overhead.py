@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tp_mlp import make_inputs, mlp_local, time_ms, tp_fusion_runner  # noqa: E402
+from benchmarks.tp_mlp import make_inputs, mlp_local_fused, time_ms, tp_fusion_runner  # noqa: E402
 from tp_fusion.launch import init_from_env  # noqa: E402
 from tp_fusion.runtime import dist, faults  # noqa: E402
 
@@ -47,13 +47,13 @@ def main() -> None:
     device = init_from_env()
     n, r = dist.world_size(), dist.rank()
     inp = make_inputs(args.tokens, args.hidden, args.ffn, n, r, device)
-    plan_fn = tp_fusion_runner(args.tokens, args.hidden, args.ffn, n, inp)
+    plan_fn, _ = tp_fusion_runner(args.tokens, args.hidden, args.ffn, n, inp)
     gathered = torch.empty_like(inp["x_full"])
     out = torch.empty(args.tokens // n, args.hidden, device=device, dtype=torch.bfloat16)
 
     def sequential():
         dist.all_gather(gathered, inp["x_local"], None)
-        dist.reduce_scatter(out, mlp_local(gathered, inp["w1"], inp["b1"], inp["w2"]), None)
+        dist.reduce_scatter(out, mlp_local_fused(gathered, inp["w1"], inp["b1"], inp["w2"]), None)
 
     rows = {
         "plan GPU ms/iter": time_ms(plan_fn, 50, 10),

@@ -1,24 +1,39 @@
-"""Sequence-parallel TP MLP forward (allgather -> linear+bias -> tanh-GELU -> linear -> reduce_scatter), bf16.
+"""Tensor-parallel MLP forward, bf16, against the best single-GPU compute of the same local work.
 
-Run on one node:  torchrun --nproc_per_node=N benchmarks/tp_mlp.py [--shapes T,H,F ...] [--iters 20]
-                  [--warmup 5] [--rounds 3] [--out benchmarks/results] [--figure docs/tp_mlp_h200xN.png]
+Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/tp_mlp.py [--sp T,H,F ...] [--tp T,H,F ...]
+        [--designs] [--profile DIR] [--iters 20] [--warmup 5] [--rounds 3] [--out benchmarks/results]
 
-Times, per shape and in one process, the max over ranks of CUDA-event time per iteration (20 after 5
-warm-ups; the median of 3 interleaved rounds, as clocks drift) of: compute_only (the same GEMMs and
-GELU on already gathered rows, no communication), comm_only (the allgather and the reduce_scatter
-alone), nccl_sequential, async_tp (torch.ops.symm_mem fused ops), classic_tp (replicated input, one
-allreduce), tp_fusion (a FusionDefinition through the public API) and tp_fusion_kernels
-(tp_fusion.runtime.overlap called directly). Each rank holds the local shards (w1: [ffn/N, hidden],
-b1: [ffn/N], w2: [hidden, ffn/N]); every variant is checked against nccl_sequential before it is
-timed. Writes {out}/h200x{N}.json and the bar chart {figure}.
+Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [hidden, ffn/N]):
+- sp (sequence parallel): x sharded on tokens -> allgather -> linear+bias -> tanh-GELU -> linear
+  -> reduce_scatter; baselines NCCL sequential and PyTorch async-TP (torch.ops.symm_mem fused ops).
+- tp (plain TP): x replicated -> linear+bias -> tanh-GELU -> linear -> allreduce; baseline classic
+  TP (the same, one NCCL allreduce).
+
+Per shape, in one process, each variant's CUDA-event time per iteration (``--iters`` after
+``--warmup``), max over ranks, median of ``--rounds`` interleaved rounds (clocks and power drift):
+compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
+(``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
+yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
+tp_fusion_kernels (``tp_fusion.runtime.overlap`` with mode="fused"). ``--designs`` adds the kernel
+designs tried (``overlap.Tuning`` variants). Every variant is checked against NCCL sequential
+(classic TP) before it is timed; one that disagrees is reported and not timed.
+
+Results go to ``{out}/{gpu}x{N}.json`` (e.g. h200x2.json), named after the machine the run is on,
+and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces tp_fusion, the kernels
+and the sequential baseline on the first shape of each mode (or ``--profile-shapes``), prints where
+the time goes per rank (``tp_fusion.profiling``) and draws the timelines. Without a CUDA GPU it says
+so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -27,32 +42,61 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from tp_fusion.launch import init_from_env  # noqa: E402
 from tp_fusion.runtime import dist, overlap  # noqa: E402
 
-SHAPES = ((8192, 8192, 28672), (8192, 4096, 16384), (2048, 8192, 28672), (256, 1024, 4096))
-VARIANTS = ("compute_only", "comm_only", "nccl_sequential", "async_tp", "classic_tp", "tp_fusion",
-            "tp_fusion_kernels")
+SP_SHAPES = ((256, 1024, 4096), (1024, 4096, 16384), (2048, 8192, 28672), (3072, 12288, 49152),
+             (4096, 5120, 13824), (8192, 4096, 16384), (8192, 8192, 28672), (8192, 12288, 49152),
+             (16384, 8192, 28672))
+TP_SHAPES = ((256, 1024, 4096), (2048, 8192, 28672), (3072, 12288, 49152), (8192, 8192, 28672))
+SP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "nccl_sequential", "async_tp",
+               "tp_fusion", "tp_fusion_kernels")
+TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classic_tp", "tp_fusion",
+               "tp_fusion_kernels")
+# The kernel designs tried (docs/performance.md says what each measured); the defaults are tp_fusion_kernels.
+SP_DESIGNS = {
+    "ag_one_stream": overlap.Tuning(ag_streams=1),
+    "rs_one_stream": overlap.Tuning(rs_streams=1),
+    "one_stream": overlap.Tuning(ag_streams=1, rs_streams=1),
+    "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
+    "rs_remote_store": overlap.Tuning(rs_remote_store=True),
+    "rs_inplace_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2),
+    "rs_inplace_remote_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
+}
+TP_DESIGNS = {"ar_one_stream": overlap.Tuning(rs_streams=1), "ar_1_piece": overlap.Tuning(ar_subchunks=1),
+              "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}
+REFERENCE = {"sp": "nccl_sequential", "tp": "classic_tp"}
+TOLERANCE = 3e-2  # relative error (norm) against the reference; bf16 GEMM chains land near 5e-3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=[",".join(map(str, s)) for s in SHAPES],
-                   help="tokens,hidden,ffn triples")
+    shapes = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+    p.add_argument("--sp", nargs="*", type=shapes, default=list(SP_SHAPES), help="tokens,hidden,ffn triples")
+    p.add_argument("--tp", nargs="*", type=shapes, default=list(TP_SHAPES), help="tokens,hidden,ffn triples")
+    p.add_argument("--designs", action="store_true", help="also time the kernel designs tried")
+    p.add_argument("--profile", metavar="DIR", help="trace the profiled shapes; reports and timelines in DIR")
+    p.add_argument("--profile-shapes", nargs="*", type=shapes, default=None,
+                   help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="time every variant this many times, interleaved; report the median")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="JSON directory")
-    p.add_argument("--figure", default=None, help="PNG path (default docs/tp_mlp_h200x{N}.png)")
-    args = p.parse_args(argv)
-    args.shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
-    return args
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
+    return p.parse_args(argv)
 
+
+def machine_slug(n: int) -> str:
+    """``h200x2`` for 2 'NVIDIA H200' GPUs: the results file's name."""
+    words = [w for w in torch.cuda.get_device_name().lower().split() if w not in ("nvidia", "tesla")]
+    return f"{re.sub(r'[^a-z0-9]', '', words[0] if words else 'gpu')}x{n}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs and variants
+# --------------------------------------------------------------------------------------------------
 
 def make_inputs(tokens, hidden, ffn, n, r, device):
-    """Seeded full tensors (identical on every rank), then this rank's shards and gathered rows."""
+    """Seeded full tensors (identical on every rank), then this rank's shards."""
     gen = torch.Generator(device).manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -71,37 +115,61 @@ def make_inputs(tokens, hidden, ffn, n, r, device):
 
 
 def mlp_local(x, w1, b1, w2):
-    """This rank's partial of the MLP on rows ``x`` (its ffn shard)."""
+    """This rank's partial of the MLP on rows ``x`` (its ffn shard), unfused: linear, GELU, linear."""
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2)
 
 
-def tp_fusion_runner(tokens, hidden, ffn, n, inp):
-    """``fd.execute`` of the sequence-parallel MLP through the public API, or the reason it can't run."""
-    try:
-        from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
-
-        mesh = DeviceMesh(range(n))
-        with FusionDefinition() as fd:
-            x = fd.define_tensor([tokens, hidden], dtype=DataType.BFloat16)
-            w1 = fd.define_tensor([ffn, hidden], dtype=DataType.BFloat16)
-            b1 = fd.define_tensor([ffn], dtype=DataType.BFloat16)
-            w2 = fd.define_tensor([hidden, ffn], dtype=DataType.BFloat16)
-            y = fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh")
-            z = fd.ops.linear(y, w2)
-            fd.add_output(z)
-            for tv in (x, w1, b1, w2, z):
-                tv.set_device_mesh(mesh)
-            for tv, axis in ((x, 0), (w1, 0), (b1, 0), (w2, 1), (z, 0)):
-                tv.outer_split(axis, n)
-                tv.axis(axis).parallelize(ParallelType.mesh_x)
-    except (ImportError, AttributeError, NotImplementedError, TypeError) as e:
-        return f"tp_fusion's public API is not usable here ({type(e).__name__}: {e})"
-    args = [inp["x_local"], inp["w1"], inp["b1"], inp["w2"]]
-    return lambda: fd.execute(args)[0]
+def mlp_local_fused(x, w1, b1, w2):
+    """The same with bias and GELU in the first GEMM's epilogue (cuBLASLt GELU_BIAS)."""
+    return F.linear(torch._addmm_activation(b1, x, w1.t(), use_gelu=True), w2)
 
 
-def variants(tokens, hidden, ffn, n, inp):
-    """name -> zero-argument callable returning this rank's output (or a skip reason string)."""
+def define_mlp(tokens, hidden, ffn, n, mode):
+    """The MLP as a FusionDefinition over ``n`` ranks: ``sp`` shards x and the output on tokens."""
+    from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
+
+    mesh = DeviceMesh(range(n))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([tokens, hidden], dtype=DataType.BFloat16)
+        w1 = fd.define_tensor([ffn, hidden], dtype=DataType.BFloat16)
+        b1 = fd.define_tensor([ffn], dtype=DataType.BFloat16)
+        w2 = fd.define_tensor([hidden, ffn], dtype=DataType.BFloat16)
+        z = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh"), w2)
+        fd.add_output(z)
+        for tv in (x, w1, b1, w2, z):
+            tv.set_device_mesh(mesh)
+        sharded = ((w1, 0), (b1, 0), (w2, 1)) + (((x, 0), (z, 0)) if mode == "sp" else ())
+        for tv, axis in sharded:
+            tv.outer_split(axis, n)
+            tv.axis(axis).parallelize(ParallelType.mesh_x)
+    return fd
+
+
+def tp_fusion_runner(tokens, hidden, ffn, n, inp, mode="sp"):
+    """``fd.execute`` of the MLP through the public API (returns (callable, fd))."""
+    fd = define_mlp(tokens, hidden, ffn, n, mode)
+    args = [inp["x_local" if mode == "sp" else "x_full"], inp["w1"], inp["b1"], inp["w2"]]
+    return (lambda: fd.execute(args)[0]), fd
+
+
+def async_tp_all_gather_matmul(a_shard, b, gather_dim: int, pg):
+    """PyTorch async-TP's ``all_gather(a_shard, gather_dim) @ b``."""
+    import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+
+    _, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(a_shard, [b], gather_dim, dist.group_name(pg),
+                                                           return_A=False)
+    return out
+
+
+def async_tp_matmul_reduce_scatter(a, b, scatter_dim: int, pg):
+    """PyTorch async-TP's ``reduce_scatter(a @ b, scatter_dim)``."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", scatter_dim, dist.group_name(pg))
+
+
+def sp_variants(tokens, hidden, ffn, n, inp, designs):
+    """(name -> zero-argument callable returning this rank's output shard [tokens/n, hidden], the fd)."""
     x_local, x_full, w1, b1, w2 = inp["x_local"], inp["x_full"], inp["w1"], inp["b1"], inp["w2"]
     gathered = torch.empty_like(x_full)
     z_partial = torch.empty(tokens, hidden, device=x_full.device, dtype=x_full.dtype)
@@ -115,33 +183,61 @@ def variants(tokens, hidden, ffn, n, inp):
     def nccl_sequential():
         dist.all_gather(gathered, x_local, None)
         out = torch.empty_like(z_local)
-        dist.reduce_scatter(out, mlp_local(gathered, w1, b1, w2), None)
+        dist.reduce_scatter(out, mlp_local_fused(gathered, w1, b1, w2), None)
         return out
 
     def async_tp():
-        h = dist.async_tp_all_gather_matmul(x_local, w1.t(), 0, None)
-        y = F.gelu(h.add_(b1), approximate="tanh")
-        return dist.async_tp_matmul_reduce_scatter(y, w2.t(), 0, None)
+        h = async_tp_all_gather_matmul(x_local, w1.t(), 0, None)
+        return async_tp_matmul_reduce_scatter(F.gelu(h.add_(b1), approximate="tanh"), w2.t(), 0, None)
+
+    def kernels(tuning):
+        def run():
+            y = overlap.allgather_linear(x_local, w1, b1, gather_dim=0, pg=None, epilogue=overlap.gelu_tanh,
+                                         mode="fused", tuning=tuning)
+            return overlap.linear_reduce_scatter(y, w2, scatter_dim=0, pg=None, mode="fused", tuning=tuning)
+        return run
+
+    tp_fusion, fd = tp_fusion_runner(tokens, hidden, ffn, n, inp, "sp")
+    fns = {"compute_unfused": lambda: mlp_local(x_full, w1, b1, w2),
+           "compute_fused_epilogue": lambda: mlp_local_fused(x_full, w1, b1, w2),
+           "comm_only": comm_only, "nccl_sequential": nccl_sequential, "async_tp": async_tp,
+           "tp_fusion": tp_fusion,
+           "tp_fusion_kernels": kernels(overlap.DEFAULT_TUNING)}
+    if designs:
+        fns.update({f"design:{name}": kernels(t) for name, t in SP_DESIGNS.items()})
+    return fns, fd
+
+
+def tp_variants(tokens, hidden, ffn, n, inp, designs):
+    """(name -> zero-argument callable returning this rank's replicated output [tokens, hidden], the fd)."""
+    x_full, w1, b1, w2 = inp["x_full"], inp["w1"], inp["b1"], inp["w2"]
+    z = torch.empty(tokens, hidden, device=x_full.device, dtype=x_full.dtype)
 
     def classic_tp():
-        out = mlp_local(x_full, w1, b1, w2)
+        out = mlp_local_fused(x_full, w1, b1, w2)
         dist.all_reduce(out, None)
-        return out.chunk(n)[dist.rank()]
+        return out
 
-    def kernels():
-        y = overlap.allgather_linear(x_local, w1, b1, gather_dim=0, pg=None, epilogue=overlap.gelu_tanh)
-        return overlap.linear_reduce_scatter(y, w2, scatter_dim=0, pg=None)
+    def kernels(tuning):
+        def run():
+            y = torch._addmm_activation(b1, x_full, w1.t(), use_gelu=True)
+            return overlap.linear_allreduce(y, w2, pg=None, mode="fused", tuning=tuning)
+        return run
 
-    return {
-        "compute_only": lambda: mlp_local(x_full, w1, b1, w2),
-        "comm_only": comm_only,
-        "nccl_sequential": nccl_sequential,
-        "async_tp": async_tp,
-        "classic_tp": classic_tp,
-        "tp_fusion": tp_fusion_runner(tokens, hidden, ffn, n, inp),
-        "tp_fusion_kernels": kernels,
-    }
+    tp_fusion, fd = tp_fusion_runner(tokens, hidden, ffn, n, inp, "tp")
+    fns = {"compute_unfused": lambda: mlp_local(x_full, w1, b1, w2),
+           "compute_fused_epilogue": lambda: mlp_local_fused(x_full, w1, b1, w2),
+           "comm_only": lambda: dist.all_reduce(z, None) or z, "classic_tp": classic_tp,
+           "tp_fusion": tp_fusion,
+           "tp_fusion_kernels": kernels(overlap.DEFAULT_TUNING)}
+    if designs:
+        fns.update({f"design:{name}": kernels(t) for name, t in TP_DESIGNS.items()})
+    return fns, fd
 
+
+# --------------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------------
 
 def time_ms(fn, iters, warmup) -> float:
     """CUDA-event time per iteration, max over ranks."""
@@ -167,108 +263,208 @@ def max_rel_err(got, want) -> float:
     return t.item()
 
 
-def run_shape(tokens, hidden, ffn, args):
+def any_rank(flag: bool, device) -> bool:
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, None, op="max")
+    return bool(t.item())
+
+
+def plan_segments(fd) -> list[str]:
+    """The segment lines of ``str(fd.plan)`` (fused segments name their measured choice)."""
+    return [line.strip() for line in str(getattr(fd, "plan", "")).splitlines() if "segment" in line]
+
+
+def run_shape(mode, tokens, hidden, ffn, args, device):
     n, r = dist.world_size(), dist.rank()
-    inp = make_inputs(tokens, hidden, ffn, n, r, torch.device("cuda", torch.cuda.current_device()))
-    fns = variants(tokens, hidden, ffn, n, inp)
-    ref = fns["nccl_sequential"]()
-    row = {"tokens": tokens, "hidden": hidden, "ffn": ffn, "ms": {}, "ms_rounds": {}, "rel_err": {},
-           "skipped": {}}
-    for name in VARIANTS:
-        fn = fns[name]
-        if name == "tp_fusion" and not isinstance(fn, str):
-            try:  # the frontend is young: a plan it cannot run yet is reported, not fatal
-                fn()
-            except Exception as e:  # every rank raises the same
-                fn = fns[name] = f"fd.execute failed: {type(e).__name__}: {e}"
-        if isinstance(fn, str):
-            row["ms"][name], row["skipped"][name] = None, fn
-        elif name in ("async_tp", "classic_tp", "tp_fusion", "tp_fusion_kernels"):
-            row["rel_err"][name] = max_rel_err(fn(), ref)
-    timed = [name for name in VARIANTS if not isinstance(fns[name], str)]
+    if tokens % n or ffn % n:
+        raise SystemExit(f"shape {tokens},{hidden},{ffn}: tokens and ffn must divide by {n} ranks")
+    inp = make_inputs(tokens, hidden, ffn, n, r, device)
+    fns, fd = (sp_variants if mode == "sp" else tp_variants)(tokens, hidden, ffn, n, inp, args.designs)
+    names = list(fns)
+    ref = fns[REFERENCE[mode]]()
+    row = {"mode": mode, "tokens": tokens, "hidden": hidden, "ffn": ffn, "ms": {}, "ms_rounds": {},
+           "rel_err": {}, "failed": {}}
+    timed = []
+    for name in names:
+        if name.startswith("compute") or name == "comm_only":
+            timed.append(name)  # other work: nothing to compare
+            continue
+        try:
+            out = fns[name]()
+            error = None
+        except Exception as e:  # every rank raises alike for a shape a design cannot run
+            out, error = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        if any_rank(error is not None, device):
+            row["failed"][name] = error or "failed on another rank"
+            continue
+        row["rel_err"][name] = max_rel_err(out, ref)
+        if row["rel_err"][name] > TOLERANCE:
+            row["failed"][name] = f"relative error {row['rel_err'][name]:.2e} against {REFERENCE[mode]}"
+            continue
+        timed.append(name)
+    row["plan"] = plan_segments(fd)
     for _ in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike
         for name in timed:
             row["ms_rounds"].setdefault(name, []).append(time_ms(fns[name], args.iters, args.warmup))
-    for name in timed:
-        row["ms"][name] = statistics.median(row["ms_rounds"][name])
+    row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in timed}
     ms = row["ms"]
-    for name in ("tp_fusion", "tp_fusion_kernels"):
-        if ms[name] is not None:
-            row[f"{name}/compute_only"] = ms[name] / ms["compute_only"]
-            row[f"{name}/async_tp"] = ms[name] / ms["async_tp"]
-    return row
+    ms["best_compute"] = min(ms["compute_unfused"], ms["compute_fused_epilogue"])
+    base = ("best_compute", "nccl_sequential", "async_tp") if mode == "sp" else ("best_compute", "classic_tp")
+    row["ratios"] = {f"{name}/{b}": ms[name] / ms[b] for name in timed if name.startswith(("tp_fusion", "design"))
+                     for b in base if b in ms}
+    return row, fns
+
+
+def goals(rows) -> list[str]:
+    """The issue's goals, checked on the sp rows (and 'never slower than sequential' on tp)."""
+    out = []
+    for row in rows:
+        ms, shape = row["ms"], f"{row['mode']} {row['tokens']},{row['hidden']},{row['ffn']}"
+        if "tp_fusion" not in ms:
+            out.append(f"FAIL {shape}: tp_fusion did not run")
+            continue
+        seq = ms.get("nccl_sequential", ms.get("classic_tp"))
+        checks = []
+        if row["mode"] == "sp" and row["tokens"] >= 2048:
+            checks += [("/best_compute", ms["tp_fusion"] / ms["best_compute"], 1.02)]
+            if "async_tp" in ms:
+                checks += [("/async_tp", ms["tp_fusion"] / ms["async_tp"], 0.97)]
+        checks += [("/sequential", ms["tp_fusion"] / seq, 1.0 if row["tokens"] >= 2048 else 1.10)]
+        for what, ratio, limit in checks:
+            out.append(f"{'ok  ' if ratio <= limit else 'MISS'} {shape} tp_fusion{what} {ratio:.3f} (goal <= {limit})")
+    return out
 
 
 def print_table(rows, n):
-    cols = VARIANTS
-    head = f"{'tokens,hidden,ffn':>20} " + " ".join(f"{c:>17}" for c in cols)
-    print(f"\nTP MLP forward, bf16, {n} GPUs, ms per iteration (max over ranks, median of rounds)\n{head}")
-    for row in rows:
-        cells = " ".join(f"{row['ms'][c]:17.3f}" if row["ms"][c] is not None else f"{'skipped':>17}"
-                         for c in cols)
-        print(f"{row['tokens']:>6},{row['hidden']:>6},{row['ffn']:>6} {cells}")
-    print()
-    for row in rows:
-        shape = f"{row['tokens']},{row['hidden']},{row['ffn']}"
-        for name in ("tp_fusion", "tp_fusion_kernels"):
-            if f"{name}/compute_only" in row:
-                print(f"{shape:>20} {name:>17}: /compute_only {row[f'{name}/compute_only']:.3f}  "
-                      f"/async_tp {row[f'{name}/async_tp']:.3f}")
-        errs = "  ".join(f"{k} {v:.1e}" for k, v in row["rel_err"].items())
-        print(f"{'':>20} rel. error vs nccl_sequential: {errs}")
-        for name, why in row["skipped"].items():
-            print(f"{'':>20} {name} skipped: {why}")
+    for mode in ("sp", "tp"):
+        mine = [row for row in rows if row["mode"] == mode]
+        if not mine:
+            continue
+        cols = ["best_compute"] + [c for c in mine[0]["ms"] if c != "best_compute"]
+        print(f"\n{mode}: TP MLP forward, bf16, {n} GPUs, ms per iteration (max over ranks, median of rounds)")
+        widths = [max(9, len(c)) for c in cols]
+        print(f"{'tokens,hidden,ffn':>20} " + " ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
+        for row in mine:
+            cells = " ".join(f"{row['ms'][c]:{w}.3f}" if c in row["ms"] else f"{'-':>{w}}"
+                             for c, w in zip(cols, widths))
+            print(f"{row['tokens']:>6},{row['hidden']:>6},{row['ffn']:>6} {cells}")
+        for row in mine:
+            shape = f"{row['tokens']},{row['hidden']},{row['ffn']}"
+            ratios = "  ".join(f"{k} {v:.3f}" for k, v in row["ratios"].items() if k.startswith("tp_fusion"))
+            print(f"{shape:>20} {ratios}")
+            for name, why in row["failed"].items():
+                print(f"{'':>20} {name} FAILED: {why}")
+            for line in row["plan"]:
+                print(f"{'':>20} plan: {line}")
 
 
 def draw(rows, machine, path):
-    """Grouped bars per shape: time / compute_only on a log axis, labelled in ms."""
+    """Per mode: time / best_compute per variant and shape (labels: ms)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [c for c in VARIANTS if c != "comm_only"]
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        vals = [(row["ms"][name] or math.nan) / row["ms"]["compute_only"] for row in rows]
-        bars = ax.bar([j + i * width for j in range(len(rows))], vals, width, label=name)
-        for bar, row in zip(bars, rows, strict=True):
-            if row["ms"][name] is not None:
-                ax.annotate(f"{row['ms'][name]:.2f}", (bar.get_x() + width / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=6, rotation=90)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"{r['tokens']}x{r['hidden']}x{r['ffn']}" for r in rows])
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_ylabel("time / compute only, log scale (labels: ms)")
-    ax.set_title(f"Sequence-parallel TP MLP forward, bf16, {machine}")
-    ax.legend(fontsize=7, ncol=4)
+    modes = [m for m in ("sp", "tp") if any(row["mode"] == m for row in rows)]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(14, 4.2 * len(modes)), squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes):
+        mine = [row for row in rows if row["mode"] == mode]
+        names = [c for c in (SP_VARIANTS if mode == "sp" else TP_VARIANTS)
+                 if c not in ("comm_only", "compute_unfused", "compute_fused_epilogue")]
+        names = ["best_compute", *names]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            vals = [row["ms"].get(name, math.nan) / row["ms"]["best_compute"] for row in mine]
+            bars = ax.bar([j + i * width for j in range(len(mine))], vals, width, label=name)
+            for bar, row in zip(bars, mine):
+                if name in row["ms"]:
+                    ax.annotate(f"{row['ms'][name]:.2f}", (bar.get_x() + width / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=6, rotation=90)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(mine))])
+        ax.set_xticklabels([f"{r['tokens']}x{r['hidden']}x{r['ffn']}" for r in mine], fontsize=8)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("time / best compute (log; labels ms)")
+        ax.set_title(f"{'sequence-parallel' if mode == 'sp' else 'plain TP'} MLP forward, bf16, {machine}", loc="left")
+        ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def profile(fns, out_dir, mode, shape):
+    """Trace tp_fusion, the kernels and the sequential baseline; rank 0 prints where the time goes per
+    rank (appending to ``report.txt``) and draws the timelines."""
+    from tp_fusion import profiling
+
+    n, r = dist.world_size(), dist.rank()
+    tag = f"{mode}_{'x'.join(map(str, shape))}"
+    lines = []
+    for name in ("tp_fusion", "tp_fusion_kernels", REFERENCE[mode]):
+        if name not in fns:
+            continue
+        trace = os.path.join(out_dir, f"{tag}_{name}_rank{{}}.json")
+        profiling.profile_iterations(fns[name], trace.format(r), before_each=dist.barrier)
+        dist.barrier()
+        if r == 0:
+            traces = [trace.format(q) for q in range(n)]
+            reports = [profiling.rank_report(t, q) for q, t in enumerate(traces)]
+            lines += [f"\n{name}, {mode} {','.join(map(str, shape))}:", profiling.format_report(reports)]
+            try:
+                profiling.plot_timeline(traces, os.path.join(out_dir, f"timeline_{tag}_{name}.png"),
+                                        title=f"{name}: {mode} MLP {shape}, one iteration on {n} GPUs")
+            except ImportError as e:
+                lines.append(f"(no timeline: {e})")
+    if r == 0:
+        text = "\n".join(lines)
+        print(text)
+        with open(os.path.join(out_dir, "report.txt"), "a") as f:
+            f.write(text + "\n")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    init_from_env()
+    if not torch.cuda.is_available():
+        print("benchmarks/tp_mlp.py: this machine has no CUDA GPU, so there is nothing to measure; "
+              "no results were written. Run it under torchrun on a machine with GPUs.")
+        return 0
+    from tp_fusion.launch import init_from_env
+
+    device = init_from_env()
     n = dist.world_size()
     rows = []
-    for tokens, hidden, ffn in args.shapes:
-        rows.append(run_shape(tokens, hidden, ffn, args))
-        torch.cuda.empty_cache()
+    for mode, shapes in (("sp", args.sp), ("tp", args.tp)):
+        profiled = args.profile_shapes if args.profile_shapes is not None else shapes[:1]
+        for shape in shapes:
+            row, fns = run_shape(mode, *shape, args, device)
+            rows.append(row)
+            if args.profile and shape in profiled:
+                profile(fns, args.profile, mode, shape)
+            del fns
+            torch.cuda.empty_cache()
     if dist.rank() == 0:
         print_table(rows, n)
+        checks = goals(rows)
+        print("\ngoals:\n" + "\n".join(checks))
+        slug = machine_slug(n)
         result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
-                  "nccl": ".".join(map(str, torch.cuda.nccl.version())), "iters": args.iters,
-                  "warmup": args.warmup, "rounds": args.rounds, "shapes": rows}
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
+                  "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
+                  "rounds": args.rounds, "tuning": dataclasses.asdict(overlap.DEFAULT_TUNING),
+                  "designs": {k: dataclasses.asdict(v) for k, v in {**SP_DESIGNS, **TP_DESIGNS}.items()}
+                  if args.designs else {}, "goals": checks, "shapes": rows}
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"h200x{n}.json"), "w") as f:
+        with open(os.path.join(args.out, f"{slug}.json"), "w") as f:
             json.dump(result, f, indent=1)
-        draw(rows, result["machine"], args.figure or os.path.join(REPO, "docs", f"tp_mlp_h200x{n}.png"))
+        try:
+            draw(rows, result["machine"], os.path.join(args.out, f"tp_mlp_{slug}.png"))
+        except ImportError:
+            print("no chart: matplotlib is not installed")
     dist.barrier()
     dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

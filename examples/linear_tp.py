@@ -18,10 +18,28 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from examples.cli import DTYPE_NAMES, parser  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--mode", choices=("column", "row", "both"), default="both",
+                   help="column- or row-parallel linear, or both")
+    p.add_argument("--tokens", type=int, default=16, help="rows of the input")
+    p.add_argument("--in-features", type=int, default=32, help="input features")
+    p.add_argument("--out-features", type=int, default=48, help="output features")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
+    p.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from examples.common import DTYPES, execute_and_check  # noqa: E402
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType  # noqa: E402
@@ -82,21 +100,5 @@ def main_on_rank(rank: int, world: int, args, device=None) -> None:
         print(f"OK: {', '.join(modes)}-parallel linear match the aten reference on every rank")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("column", "row", "both"), default="both")
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--in-features", type=int, default=32)
-    p.add_argument("--out-features", type=int, default=48)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
-    p.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    run_program(main_on_rank, args, args.nproc)
-
-
 if __name__ == "__main__":
-    main()
+    run_program(main_on_rank, ARGS, ARGS.nproc)

@@ -20,10 +20,29 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from examples.cli import DTYPE_NAMES, parser  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--mode", choices=("tp", "sp", "both"), default="both",
+                   help="tp: replicated input and output (allreduce); sp: sharded on tokens; or both")
+    p.add_argument("--tokens", type=int, default=64, help="tokens (rows of the input)")
+    p.add_argument("--hidden", type=int, default=32, help="hidden size (the MLP's inner size is 4x)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
+    p.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    p.add_argument("--explain", action="store_true", help="also print the plan summary (bytes, FLOPs)")
+    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from examples.common import DTYPES, execute_and_check  # noqa: E402
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType  # noqa: E402
@@ -75,7 +94,6 @@ def reference_mlp(x, w1, b1, w2, b2) -> torch.Tensor:
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
 
 
-
 def run_mode(rank: int, world: int, args, mode: str, device) -> float:
     torch_dtype, dtype = DTYPES[args.dtype]
     fd = define_mlp(args.tokens, args.hidden, world, mode, dtype)
@@ -119,22 +137,5 @@ def main_on_rank(rank: int, world: int, args, device=None) -> None:
         print(f"OK: {', '.join(modes)} match the aten reference on every rank")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("tp", "sp", "both"), default="both")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
-    p.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
-    p.add_argument("--explain", action="store_true", help="also print the plan summary (bytes, FLOPs)")
-    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    run_program(main_on_rank, args, args.nproc)
-
-
 if __name__ == "__main__":
-    main()
+    run_program(main_on_rank, ARGS, ARGS.nproc)

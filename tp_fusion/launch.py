@@ -6,23 +6,27 @@ program runs on a laptop, in CI and on a GPU node.
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
+import sys
+import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch
 import torch.multiprocessing as mp
 
-from tp_fusion.runtime import dist
-
 
 def under_torchrun() -> bool:
+    """True when torchrun (or another launcher) set RANK, WORLD_SIZE and LOCAL_RANK."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
 def init_from_env(timeout_s: float = 300.0) -> torch.device:
     """Join the process group torchrun describes; CUDA+NCCL when there are GPUs, else CPU+gloo."""
+    from tp_fusion.runtime import dist
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -35,23 +39,83 @@ def init_from_env(timeout_s: float = 300.0) -> torch.device:
     return device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _join_store(rank: int, world: int, workdir: str, timeout_s: float):
+    """Rank 0 hosts a TCPStore on a port the OS picks and leaves the port in ``workdir``; the others
+    wait for it and connect (no port is reserved and released, so none can be taken meanwhile)."""
+    import torch.distributed as tdist
+
+    timeout, path = datetime.timedelta(seconds=timeout_s), os.path.join(workdir, "port")
+    if rank == 0:
+        store = tdist.TCPStore("127.0.0.1", 0, world, True, timeout, wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.rename(path + ".tmp", path)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no store port within {timeout_s} s")
+        time.sleep(0.005)
+    with open(path) as f:
+        port = int(f.read())
+    return tdist.TCPStore("127.0.0.1", port, world, False, timeout)
 
 
-def _rank_main(rank, world, port, fn, args, errors, timeout_s):
+def _rank_main(rank, world, workdir, fn, args, timeout_s):
+    """A spawned rank: join the gloo group, run ``fn``, leave a traceback in ``workdir`` on failure.
+
+    The group is joined with torch.distributed itself: ``tp_fusion.runtime.dist`` costs about a second
+    to import (it warms torch's dispatcher up before any group exists), and ``fn``'s module, unpickled
+    before this runs, has already imported it if ``fn`` uses tp_fusion.
+    """
+    import torch.distributed as tdist
+
     torch.set_num_threads(1)
-    dist.warm_up_before_init()
-    dist.init_process_group("gloo", rank, world, f"tcp://127.0.0.1:{port}", timeout_s)
     try:
+        store = _join_store(rank, world, workdir, timeout_s)
+        tdist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+        tdist.barrier()  # every rank holds its gloo connections before any can return and close them
         fn(rank, world, *args)
     except BaseException:
-        errors.put((rank, traceback.format_exc()))
+        with open(os.path.join(workdir, f"error.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        # tp_fusion's destroy (it releases CUDA graphs first) where the rank imported it, else torch's.
+        tp_dist = sys.modules.get("tp_fusion.runtime.dist")
+        if tp_dist is not None:
+            tp_dist.destroy_process_group()
+        elif tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.join()
+
+
+def _wait(procs, deadline: float, grace_s: float) -> list[int]:
+    """Wait for ``procs`` to end; kill those still running at ``deadline`` or ``grace_s`` seconds
+    after one failed. Returns the indices of the killed ones."""
+    failed_at = None
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        if not alive:
+            return []
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        end = deadline if failed_at is None else min(deadline, failed_at + grace_s)
+        if now >= end:
+            _kill(alive)
+            return [procs.index(p) for p in alive]
+        wait([p.sentinel for p in alive], timeout=end - now)
+        for p in alive:
+            if not p.is_alive():
+                p.join()
 
 
 class RanksFailed(RuntimeError):
@@ -62,47 +126,40 @@ class RanksFailed(RuntimeError):
         self.exitcodes, self.failures = exitcodes, failures
 
 
-def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float = 30.0) -> None:
+def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float = 30.0,
+                 deadline_s: float | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``nproc`` spawned CPU ranks joined by gloo.
 
     ``fn`` must be picklable (a module-level function). Bounded in time: ``timeout_s`` is the
     process group's timeout (each collective, and joining it), the whole run may take at most
-    ``timeout_s + 60`` seconds, and once a rank has failed the others get ``grace_s`` seconds to
-    finish before they are killed. If any rank fails, raises ``RanksFailed`` (a RuntimeError)
-    carrying the exit codes and the failing ranks' tracebacks.
+    ``deadline_s`` seconds (default ``timeout_s + 60``), and once a rank has failed the others get
+    ``grace_s`` seconds to finish before they are killed. If any rank fails, raises ``RanksFailed``
+    (a RuntimeError) carrying the exit codes and the failing ranks' tracebacks.
+
+    Example::
+
+        def hello(rank, world):
+            print(f"rank {rank} of {world}")
+
+        run_on_ranks(hello, 2)
     """
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, nproc, port, fn, args, errors, timeout_s), daemon=False)
-        for r in range(nproc)
-    ]
-    for p in procs:
-        p.start()
-    failures: dict[int, str] = {}
-    deadline, failed_at, killed = time.monotonic() + timeout_s + 60, None, []
-    while True:
-        while not errors.empty():
-            r, tb = errors.get()
-            failures[r] = tb
-        alive = [p for p in procs if p.is_alive()]
-        if not alive:
-            break
-        now = time.monotonic()
-        if failed_at is None and (failures or any(p.exitcode not in (None, 0) for p in procs)):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now - failed_at > grace_s):
-            for p in alive:
-                killed.append(procs.index(p))
-                p.kill()
-            for p in alive:
-                p.join()
-            break
-        alive[0].join(0.05)
-    while not errors.empty():
-        r, tb = errors.get()
-        failures[r] = tb
+    with tempfile.TemporaryDirectory(prefix="tp_fusion_ranks_") as workdir:
+        ctx = mp.start_processes(_rank_main, (nproc, workdir, fn, args, timeout_s), nprocs=nproc, join=False)
+        procs = ctx.processes
+        try:
+            killed = _wait(procs, time.monotonic() + (timeout_s + 60 if deadline_s is None else deadline_s), grace_s)
+        except BaseException:  # interrupted (Ctrl-C, a test timeout): leave no rank behind
+            _kill([p for p in procs if p.exitcode is None])
+            raise
+        failures = {}
+        for r in range(nproc):
+            path = os.path.join(workdir, f"error.{r}")
+            if os.path.exists(path):
+                with open(path) as f:
+                    failures[r] = f.read()
+        for path in ctx.error_files:  # torch's own copies of the tracebacks above
+            if os.path.exists(path):
+                os.unlink(path)
     codes = [p.exitcode for p in procs]
     if failures or any(c != 0 for c in codes):
         detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
@@ -115,6 +172,8 @@ def run_program(main_on_rank, args, nproc: int) -> None:
     started (CUDA + NCCL when there are GPUs), otherwise on ``nproc`` spawned CPU ranks with gloo.
     The examples' ``main``; ``main_on_rank`` must be a module-level function (it is pickled)."""
     if under_torchrun():
+        from tp_fusion.runtime import dist
+
         device = init_from_env()
         try:
             main_on_rank(dist.rank(), dist.world_size(), args, device)
@@ -122,4 +181,3 @@ def run_program(main_on_rank, args, nproc: int) -> None:
             dist.destroy_process_group()
     else:
         run_on_ranks(main_on_rank, nproc, args)
-

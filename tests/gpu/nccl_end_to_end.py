@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "multidevice")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "multidevice")]  # tests/conftest.py helpers
 
 from test_end_to_end import CASES_1D, CASES_2D, run_cases  # noqa: E402
 

@@ -45,7 +45,10 @@ def test_profile_shows_cuda_streams(tmp_path):
         assert any(e.get("cat") == "kernel" for e in events)
         bars = profiling.iteration_bars(out / f"trace_rank{r}.json", r)
         assert any(b.comm for b in bars) and any(not b.comm for b in bars)
-        assert all(" stream " in b.row for b in bars)
+        assert {b.row.split(" ", 2)[2] for b in bars} >= {"compute (main stream)"}
+        assert all(b.row.split(" ", 2)[2].startswith(profiling.LANES) for b in bars)
+        report = profiling.rank_report(out / f"trace_rank{r}.json", r)
+        assert report.compute > 0 and report.comm > 0 and 0 <= report.overlap_efficiency <= 1
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -1,9 +1,10 @@
-"""The CUDA (symmetric-memory) overlap kernels against the sequential NCCL plan, on 2 GPUs.
+"""The CUDA (symmetric-memory) overlap kernels against the sequential NCCL mode, on 2 GPUs.
 
 Run on a machine with at least 2 GPUs:  python -m pytest tests/gpu/test_overlap_gpu.py
 (the test spawns its own 2 NCCL ranks; it skips without CUDA or with fewer than 2 GPUs).
 Integer-valued bf16 data keeps every GEMM exact in fp32 and every partial exact in bf16, so the
-fused and sequential results must be equal bit for bit, except through the fused GELU epilogue.
+fused and sequential results must be equal bit for bit, except through the GELU epilogue. Every
+``Tuning`` the benchmark tries is checked, on fresh data each time (a race shows as a mismatch).
 """
 
 from __future__ import annotations
@@ -24,34 +25,51 @@ def _ints(gen, *shape, device) -> torch.Tensor:
     return torch.randint(-1, 2, shape, generator=gen, device=device).to(torch.bfloat16)
 
 
+def _tunings():
+    from tp_fusion.runtime.overlap import Tuning
+
+    return [Tuning(), Tuning(ag_streams=1, rs_reduce="inplace", rs_subchunks=2), Tuning(rs_remote_store=True),
+            Tuning(ag_streams=1, rs_streams=1, ar_subchunks=1),
+            Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
+            Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4)]
+
+
 def _checks(rank: int, n: int) -> None:
     from tp_fusion.runtime import dist, overlap
 
     device = torch.device("cuda", rank)
     gen = torch.Generator(device).manual_seed(0)
-    variant = overlap.Tuning(ag_streams=2, rs_remote_store=True, rs_min_subchunk_rows=8)
-    for tuning in (overlap.Tuning(), variant):
-        overlap.TUNING = tuning
-        for _ in range(3):  # fresh data each time: a race shows up as a mismatch
-            x_full, w, b = _ints(gen, 4, 64 * n, 128, device=device), _ints(gen, 96, 128, device=device), \
+    for tuning in _tunings():
+        for _ in range(3):
+            # 128 rows per rank: the async-input GEMM needs chunks of whole 128-row tiles.
+            x_full, w, b = _ints(gen, 2, 128 * n, 128, device=device), _ints(gen, 96, 128, device=device), \
                 _ints(gen, 96, device=device)
             for dim in (0, 1):
                 x_local = x_full.chunk(n, dim=dim)[rank].contiguous()
-                got = overlap.allgather_linear(x_local, w, b, gather_dim=dim, pg=None)
-                assert torch.equal(got, F.linear(x_full, w, b)), f"allgather_linear dim={dim} {tuning}"
-                got = overlap.allgather_linear(x_local, w, b, gather_dim=dim, pg=None,
-                                               epilogue=overlap.gelu_tanh)
+                for bias in (None, b):
+                    got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=None, mode="fused",
+                                                   tuning=tuning)
+                    assert torch.equal(got, F.linear(x_full, w, bias)), f"allgather_linear dim={dim} {tuning}"
+                got = overlap.allgather_linear(x_local, w, b, gather_dim=dim, pg=None, epilogue=overlap.gelu_tanh,
+                                               mode="fused", tuning=tuning)
                 torch.testing.assert_close(got, overlap.gelu_tanh(F.linear(x_full, w, b)))
-            # Partials over K=64 values in {-1, 0, 1}: |sum over ranks| <= 128, exact in bf16.
-            xs = [_ints(gen, 8 * n, 32, 64, device=device) for _ in range(n)]
+            # Partials over K=64 values in {-1, 0, 1}: |sum over ranks| <= 128 (+1 bias), exact in bf16.
+            xs = [_ints(gen, 16 * n, 32, 64, device=device) for _ in range(n)]
             ws = [_ints(gen, 48, 64, device=device) for _ in range(n)]
+            b2 = _ints(gen, 48, device=device)
             total = sum(F.linear(x, wr) for x, wr in zip(xs, ws, strict=True))
-            for dim in (0, 1):
-                got = overlap.linear_reduce_scatter(xs[rank], ws[rank], scatter_dim=dim, pg=None)
-                want = total.chunk(n, dim=dim)[rank]
-                assert torch.equal(got, want), f"linear_reduce_scatter dim={dim} {tuning}"
-            assert torch.equal(overlap.linear_allreduce(xs[rank], ws[rank], pg=None), total)
+            for mode in overlap.MODES:
+                for dim in (0, 1):
+                    got = overlap.linear_reduce_scatter(xs[rank], ws[rank], scatter_dim=dim, pg=None, mode=mode,
+                                                        tuning=tuning)
+                    assert torch.equal(got, total.chunk(n, dim=dim)[rank]), f"reduce_scatter dim={dim} {mode} {tuning}"
+                got = overlap.linear_reduce_scatter(xs[rank], ws[rank], b2, scatter_dim=0, pg=None, mode=mode,
+                                                    tuning=tuning)
+                assert torch.equal(got, (total + b2).chunk(n)[rank]), f"reduce_scatter bias {mode} {tuning}"
+                got = overlap.linear_allreduce(xs[rank], ws[rank], b2, pg=None, mode=mode, tuning=tuning)
+                assert torch.equal(got, total + b2), f"allreduce {mode} {tuning}"
     assert dist.backend() == "nccl"
+    assert overlap.decide("allgather_linear", (256, 128), (96, 128), torch.bfloat16, None) in overlap.MODES
 
 
 def _worker(rank: int, n: int, port: int, errors) -> None:

@@ -11,7 +11,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import tp_fusion
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, ShardingError
 from tp_fusion.errors import UnevenShardError, UnsupportedPlacementError
-from tp_fusion.launch import run_on_ranks
 
 T, H = 8, 4
 
@@ -124,12 +123,14 @@ def _check_2d(rank: int, world: int) -> None:
         tp_fusion.execute_with_dtensors(_mlp_fusion(), twice)
 
 
-def test_dtensor_1d_mesh():
-    run_on_ranks(_check_1d, 2)
+@pytest.mark.ranks(2)
+def test_dtensor_1d_mesh(multidevice_test):
+    _check_1d(multidevice_test.rank, multidevice_test.size)
 
 
-def test_dtensor_2d_mesh():
-    run_on_ranks(_check_2d, 4)
+@pytest.mark.ranks(4)
+def test_dtensor_2d_mesh(multidevice_test):
+    _check_2d(multidevice_test.rank, multidevice_test.size)
 
 
 def test_dtype_mismatch_names_the_input():

@@ -3,14 +3,12 @@
 Every rank builds the same seeded full inputs, takes its shard with ``shard_tensor``, executes,
 and compares its output with the matching shard of the torch result. Each case also checks the
 collectives the plan runs, that the inputs are left untouched and that every rank prints the
-same plan. Spawning ranks is slow, so one spawn per world size runs every case; rank 0 writes
-each case's outcome (None or the failing ranks' tracebacks) to a file, one test per case reads it.
+same plan. Spawning ranks is slow: the tests take the ``multidevice_test`` fixture, so one set of
+ranks per world size runs them all. ``run_cases`` runs them without pytest (tests/gpu/nccl_end_to_end.py).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rand, shard
 
 from tp_fusion import (
     DataType,
@@ -46,14 +45,7 @@ class Case:
 
 
 def _rand(seed: int, shape, dtype: DataType = F64) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype.torch)
-
-
-def shard(tv: TensorView, mesh: DeviceMesh, dims: dict[int, ParallelType] | None = None) -> None:
-    tv.set_device_mesh(mesh)
-    for d, ptype in sorted((dims or {}).items(), reverse=True):
-        tv.outer_split(d, mesh.shape[ptype.mesh_axis(mesh.ndim)])
-        tv.axis(d).parallelize(ptype)
+    return rand(seed, *shape, dtype=dtype.torch)
 
 
 def _unary_case(mesh, shape, src, dst, body, reference, collectives, dtype=F64, seed=0) -> Case:
@@ -476,52 +468,28 @@ def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=T
     return results
 
 
-def _worker(rank: int, world: int, names_1d: list[str], names_2d: list[str], out_path: str) -> None:
-    results = run_cases(rank, world, names_1d, names_2d)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
+# --- the tests: on the batched gloo ranks of each world size (the multidevice_test fixture) -------
 
 
-@functools.cache
-def _results(world: int, tmp_dir: str) -> tuple[dict, str | None]:
-    """(case -> None or the failing ranks' tracebacks, the spawn's own error or None)."""
-    path = f"{tmp_dir}/results_{world}.json"
-    spawn_error = None
-    try:
-        run_on_ranks(_worker, world, list(CASES_1D), list(CASES_2D) if world == 4 else [], path, timeout_s=90)
-    except RuntimeError as e:  # reported by test_ranks_exit_cleanly; the cases that ran are still judged
-        spawn_error = str(e)
-    try:
-        with open(path) as f:
-            return json.load(f), spawn_error
-    except FileNotFoundError:
-        return {}, spawn_error
+@pytest.mark.parametrize("name", [*CASES_1D, *SPECIAL])
+def test_case(multidevice_test, name):
+    mesh = DeviceMesh(range(multidevice_test.size))
+    if name in SPECIAL:
+        SPECIAL[name](mesh)
+    else:
+        _check(CASES_1D[name](mesh))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("e2e"))
-    return lambda world: _results(world, tmp)
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("name", list(CASES_2D))
+def test_case_2x2(multidevice_test, name):
+    _check(CASES_2D[name](DeviceMesh(torch.arange(4).reshape(2, 2))))
 
 
-WORLDS = (1, 2, 4)
-PARAMS = [(w, n) for w in WORLDS for n in (*CASES_1D, *SPECIAL)] + [(4, f"2x2/{n}") for n in CASES_2D]
-PARAMS += [(w, n) for w in WORLDS if w >= 2 for n in CASES_MESHES]
-
-
-@pytest.mark.parametrize("world,name", PARAMS, ids=[f"{w}ranks-{n}" for w, n in PARAMS])
-def test_case(results, world, name):
-    outcome, spawn_error = results(world)
-    assert name in outcome, f"case {name} did not run on {world} ranks: {spawn_error}"
-    assert outcome[name] is None, outcome[name]
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_ranks_exit_cleanly(results, world):
-    outcome, spawn_error = results(world)
-    assert spawn_error is None, spawn_error
-    assert len(outcome) == len([p for p in PARAMS if p[0] == world])
+@pytest.mark.ranks(2, 4)
+@pytest.mark.parametrize("name", list(CASES_MESHES))
+def test_case_between_meshes(multidevice_test, name):
+    _check(CASES_MESHES[name](multidevice_test.size))
 
 
 def test_run_on_ranks_reports_failures():

@@ -1,5 +1,5 @@
 """Bad schedules, meshes and inputs raise a clear TPFusionError on EVERY rank, before any
-communication, and never leave a rank waiting. Each rank function runs many cases in one spawn;
+communication, and never leave a rank waiting. Each rank function runs many cases;
 after each case the ranks run a small collective, so a rank left behind would show as a hang
 (bounded by the process group's timeout) or as a wrong result.
 """
@@ -22,10 +22,7 @@ from tp_fusion import (
     TPFusionError,
     shard_tensor,
 )
-from tp_fusion.launch import run_on_ranks
 from tp_fusion.runtime import dist
-
-TIMEOUT_S = 60.0
 
 
 def _raises(cls, match, fn, *, base=ValueError):
@@ -178,12 +175,14 @@ def _execute_errors(rank: int, world: int) -> None:
     torch.testing.assert_close(out, torch.relu(full))
 
 
-def test_schedule_errors_on_every_rank():
-    run_on_ranks(_schedule_errors, 2, timeout_s=TIMEOUT_S)
+@pytest.mark.ranks(2)
+def test_schedule_errors_on_every_rank(multidevice_test):
+    _schedule_errors(multidevice_test.rank, multidevice_test.size)
 
 
-def test_execute_errors_on_every_rank():
-    run_on_ranks(_execute_errors, 2, timeout_s=TIMEOUT_S)
+@pytest.mark.ranks(2)
+def test_execute_errors_on_every_rank(multidevice_test):
+    _execute_errors(multidevice_test.rank, multidevice_test.size)
 
 
 def _cross_mesh(rank: int, world: int) -> None:
@@ -216,8 +215,9 @@ def _cross_mesh(rank: int, world: int) -> None:
         _in_step()
 
 
-def test_operands_on_different_meshes():
-    run_on_ranks(_cross_mesh, 4, timeout_s=TIMEOUT_S)
+@pytest.mark.ranks(4)
+def test_operands_on_different_meshes(multidevice_test):
+    _cross_mesh(multidevice_test.rank, multidevice_test.size)
 
 
 @pytest.mark.skipif(dist.is_initialized(), reason="needs no process group")

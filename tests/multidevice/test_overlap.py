@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rand as _rand
 
-from tp_fusion.launch import run_on_ranks
 from tp_fusion.runtime import dist, overlap
-
-
-def _rand(seed: int, *shape) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
 def _check_group(pg, ranks) -> None:
@@ -65,9 +61,9 @@ def _all_checks(rank: int, world: int) -> None:
         overlap.linear_allreduce(torch.zeros(world + 1, 3), torch.zeros(4, 3), pg=None, mode="fused")
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_overlap_kernels_match_torch(world):
-    run_on_ranks(_all_checks, world)
+@pytest.mark.ranks(2, 4)
+def test_overlap_kernels_match_torch(multidevice_test):
+    _all_checks(multidevice_test.rank, multidevice_test.size)
 
 
 def test_single_process_needs_no_group():

@@ -96,14 +96,17 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) ->
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
-    """``out`` = this rank's dim-0 chunk of the element-wise reduction of the group's ``inp``s."""
+    """``out`` = this rank's dim-0 chunk of the element-wise reduction of the group's ``inp``s.
+
+    Native on NCCL and, from torch 2.11, on gloo. Both run on flat views: gloo checks that dim 0 of
+    ``inp`` is the group size times dim 0 of ``out``, which other shapes of the same sizes fail."""
     red = _reduce_op(op)
-    if backend() == "gloo":  # gloo has no reduce_scatter: reduce everything, keep our chunk.
-        full = inp.clone()
-        _dist.all_reduce(full, op=red, group=pg)
-        out.copy_(full.reshape(_dist.get_world_size(pg), -1)[_dist.get_rank(pg)].view_as(out))
+    if out.is_contiguous():
+        _reduce_scatter_base(out.view(-1), inp.reshape(-1), op=red, group=pg)
         return
-    _reduce_scatter_base(out, inp, op=red, group=pg)
+    flat = out.new_empty(out.numel())
+    _reduce_scatter_base(flat, inp.reshape(-1), op=red, group=pg)
+    out.copy_(flat.view(out.shape))
 
 
 def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:

@@ -47,17 +47,21 @@ class Tuning:
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
     rs_reduce: str = "sum"  # GEMM+RS: "sum": the local GEMM (bias in its epilogue) waits for nothing,
-    #                         then one pass adds the received partials; "addmm": the received partial
-    #                         is C of the local GEMM (2 ranks; the bias rides in the peer's partial)
+    #                         then one pass adds the received partials; "inplace": the local GEMM
+    #                         accumulates onto the received partial, copied out on the copy engine
+    #                         (2 ranks; the bias rides in the peer's partial; wants rs_subchunks >= 2)
     rs_subchunks: int = 1  # GEMM+RS: pieces per destination (a push of piece k overlaps GEMM k+1)
     rs_remote_store: bool = False  # GEMM+RS: the partial GEMM writes into the peer's slot (no copy engine)
+    rs_streams: int = 2  # GEMM+RS and GEMM+AR ("sum"): 2 runs the GEMM of this rank's own rows on a
+    #                      second stream, issued after the peers' partials, so that it fills their tail wave
     ar_subchunks: int = 2  # GEMM+AR: row pieces per reducing rank (sums of piece k travel during k+1)
 
     def __post_init__(self):
-        if self.ag_streams not in (1, 2) or self.ag_gemm not in ("chunks", "async_input") \
-                or self.rs_reduce not in ("sum", "addmm") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
-            raise ValueError(f"invalid {self}: ag_streams is 1 or 2, ag_gemm 'chunks' or 'async_input', "
-                             "rs_reduce 'sum' or 'addmm', sub-chunk counts >= 1")
+        if self.ag_streams not in (1, 2) or self.rs_streams not in (1, 2) \
+                or self.ag_gemm not in ("chunks", "async_input") \
+                or self.rs_reduce not in ("sum", "inplace") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
+            raise ValueError(f"invalid {self}: ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or "
+                             "'async_input', rs_reduce 'sum' or 'inplace', sub-chunk counts >= 1")
 
 
 DEFAULT_TUNING = Tuning()
@@ -75,7 +79,7 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
     """
     dim = _non_last_dim(gather_dim, x_local, "gather_dim")
     n = _group_size(pg)
-    x_rows = x_local.movedim(dim, 0)
+    x_rows = x_local if dim == 0 else x_local.movedim(dim, 0)
     lead = x_rows.shape[:-1]
     x2 = x_rows.reshape(-1, x_rows.shape[-1]).contiguous()
     tuning = tuning or DEFAULT_TUNING
@@ -92,7 +96,8 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
                 out = _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning)
             else:
                 out = _ring_allgather_linear(x2, weight, bias, epilogue, pg)
-    return out.view(n * lead[0], *lead[1:], -1).movedim(0, dim).contiguous()
+    out = out.view(n * lead[0], *lead[1:], -1)
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: str | None = None,
@@ -104,7 +109,7 @@ def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: s
     if x.shape[dim] % n:
         raise ValueError(f"linear_reduce_scatter: dim {dim} of x (size {x.shape[dim]}) does not divide "
                          f"into {n} ranks; pad it to a multiple of {n}")
-    x_rows = x.movedim(dim, 0)
+    x_rows = x if dim == 0 else x.movedim(dim, 0)
     lead = (x_rows.shape[0] // n, *x_rows.shape[1:-1])
     x3 = x_rows.reshape(n, -1, x_rows.shape[-1]).contiguous()  # [destination rank, rows, in]
     tuning = tuning or DEFAULT_TUNING
@@ -114,7 +119,8 @@ def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: s
         mode = _resolve("linear_reduce_scatter", mode, x3.view(-1, x3.shape[-1]), weight, bias, None, pg, tuning)
         with _label(f"tp_fusion::linear_reduce_scatter[{mode}]"):
             out = _linear_reduce_scatter_rows(x3, weight, bias, pg, mode, tuning)
-    return out.view(*lead, -1).movedim(0, dim).contiguous()
+    out = out.view(*lead, -1)
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def linear_allreduce(x, weight, bias=None, *, pg, mode: str | None = None,
@@ -184,7 +190,7 @@ def _group_size(pg) -> int:
 
 def _label(name: str):
     """A ``record_function`` span for profiles (nothing when no profiler runs)."""
-    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() \
         else contextlib.nullcontext()
 
 
@@ -196,9 +202,9 @@ def _resolve(kind, mode, x2, weight, bias, epilogue, pg, tuning) -> str:
                       epilogue=epilogue, tuning=tuning)
     if mode not in MODES:
         raise ValueError(f"{kind}: mode={mode!r}; expected one of {MODES} (or None to measure)")
-    if mode == "fused" and x2.is_cuda and symm.stream_flags() is None:
-        raise RuntimeError(f"{kind}(mode='fused') on CUDA needs cuda-python (cuda.bindings) for the stream "
-                           "flags; install it or use mode='sequential'")
+    if mode == "fused" and x2.is_cuda and symm.driver() is None:
+        raise RuntimeError(f"{kind}(mode='fused') on CUDA needs the CUDA driver library (libcuda.so.1) for "
+                           "its stream flags; use mode='sequential'")
     return mode
 
 
@@ -292,33 +298,39 @@ def _ring_linear_reduce_scatter(x3, weight, bias, pg) -> torch.Tensor:
 # CUDA: pushes into peers' symmetric-memory slots, flagged with stream memory operations
 # --------------------------------------------------------------------------------------------------
 
+def _on(stream: torch.cuda.Stream, main: torch.cuda.Stream):
+    """``torch.cuda.stream(stream)``, skipped when it is the current stream already (host time)."""
+    return contextlib.nullcontext() if stream is main else torch.cuda.stream(stream)
+
+
 def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tensor:
-    """Rank r pushes its rows to r-1, r-2, ... on the comm stream while it GEMMs its own rows, then
-    GEMMs the rows of r+1, r+2, ... in that order, each as soon as its ready flag is set."""
+    """Rank r GEMMs its own rows while the comm stream pushes them to r-1, r-2, ...; then it GEMMs the
+    rows of r+1, r+2, ... in that order, each as soon as its ready flag is set (every other one on a
+    second stream, so that one GEMM's tail wave overlaps the next)."""
     if tuning.ag_gemm == "async_input":
         return _async_input_allgather_linear(x2, weight, bias, epilogue, pg)
     device = x2.device
     box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
-    n, r, epoch = box.n, box.rank, box.start_call()
+    box.start_call()
+    n, r = box.n, box.rank
     main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    out = x2.new_empty((n, x2.shape[0], weight.shape[0]))
-    comm.wait_stream(main)
-    for step in range(1, n):
-        box.push(comm, (r - step) % n, 0, x2, epoch)
     side = symm.side_stream(device) if tuning.ag_streams == 2 else main
+    out = x2.new_empty((n, x2.shape[0], weight.shape[0]))
+    symm.stream_wait(comm, main)  # x2 is written, and this rank's reads of the last call are issued
     if side is not main:
-        side.wait_stream(main)
-    _linear(x2, weight, bias, epilogue, out=out[r])
+        symm.stream_wait(side, main)
+    _linear(x2, weight, bias, epilogue, out=out[r])  # issued before the pushes: the GPU starts at once
+    for step in range(1, n):
+        box.push(comm, (r - step) % n, 0, x2)
     for step in range(1, n):
         src = (r + step) % n
         stream = side if step % 2 else main
-        box.wait_ready(stream, src, 0, epoch)
-        with torch.cuda.stream(stream):
-            _linear(box.slots[src, 0], weight, bias, epilogue, out=out[src])
-        box.release(stream, src, 0, epoch)
-    main.wait_stream(comm)
+        box.wait_ready(stream, src, 0)
+        with _on(stream, main):
+            _linear(box.slot(src, 0), weight, bias, epilogue, out=out[src])
+    symm.stream_wait(main, comm)
     if side is not main:
-        main.wait_stream(side)
+        symm.stream_wait(main, side)
     return out.view(-1, weight.shape[0])
 
 
@@ -326,29 +338,30 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
     """One GEMM over the gathered rows that waits per tile on each chunk's signal (torch's CUTLASS
     ``_async_input_mm``, starting at this rank's chunk), so there are no chunk boundaries. Peers push
     their rows straight into this rank's gathered buffer; the comm stream turns each peer's ready flag
-    into the kernel's 0/1 signal. Bias and epilogue follow as separate passes."""
+    into the kernel's 0/1 signal. Bias and epilogue follow as separate passes. (The peers' copies run on
+    copy engines: the spinning GEMM holds the SMs.)"""
+    if x2.dtype != torch.bfloat16 or x2.shape[0] % 128 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"Tuning(ag_gemm='async_input') needs bf16 operands and a multiple of 128 rows per "
+                         f"rank (got {x2.dtype} x of {tuple(x2.shape)}); use ag_gemm='chunks'")
     device = x2.device
     symm._symm_mem()  # registers torch.ops.symm_mem
     box = symm.mailbox("allgather_linear.async_input", 1, x2.shape, x2.dtype, pg, device)
-    n, r, epoch = box.n, box.rank, box.start_call()
-    flags = symm.stream_flags()
+    box.start_call()
+    n, r, driver = box.n, box.rank, symm.driver()
     main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    signals = torch.zeros(n, dtype=torch.uint32, device=device)
-    comm.wait_stream(main)
-    with torch.cuda.stream(comm):
-        box.slots[r, 0].copy_(x2)
-    flags.write(comm, signals.data_ptr() + 4 * r, 1)
+    signals = torch.zeros(n, dtype=torch.int32, device=device)
+    symm.stream_wait(comm, main)
+    box.slot(r, 0).copy_(x2)  # on the compute stream, ahead of the GEMM that spins on its signal
+    driver.write(main, signals.data_ptr() + 4 * r, 1)
     for step in range(1, n):
-        box.push(comm, (r - step) % n, 0, x2, epoch)
+        box.push(comm, (r - step) % n, 0, x2)
     for step in range(1, n):
         src = (r + step) % n
-        box.wait_ready(comm, src, 0, epoch)
-        flags.write(comm, signals.data_ptr() + 4 * src, 1)
-    gathered = box.slots.view(n * x2.shape[0], x2.shape[1])
-    out = torch.ops.symm_mem._async_input_mm(gathered, weight.t(), signals, r)
-    for step in range(1, n):
-        box.release(main, (r + step) % n, 0, epoch)
-    main.wait_stream(comm)
+        box.wait_ready(comm, src, 0)
+        driver.write(comm, signals.data_ptr() + 4 * src, 1)
+    gathered = box.slots_of_part(0).view(n * x2.shape[0], x2.shape[1])
+    out = torch.ops.symm_mem._async_input_mm(gathered, weight.t(), signals.view(torch.uint32), r)
+    symm.stream_wait(main, comm)
     if bias is not None:
         out.add_(bias)
     if epilogue is gelu_tanh:
@@ -359,48 +372,54 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
 
 
 def _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning) -> torch.Tensor:
-    """Rank r GEMMs the partial for r+1, r+2, ... and pushes each into that rank's slot (optionally in
-    sub-chunks, or stored by the GEMM straight into the slot); then GEMMs its own rows and adds the
-    partials pushed to it (``Tuning.rs_reduce``)."""
+    """Rank r GEMMs the partial for r+1, r+2, ... and pushes each into that rank's slot (or stores it
+    there from the GEMM); then it reduces its own rows (``Tuning.rs_reduce``): "sum" GEMMs them (bias in
+    the epilogue, on a second stream with ``rs_streams=2``) without waiting, then adds the received
+    partials in one pass; "inplace" (2 ranks) accumulates its GEMM onto the received partial (which
+    carries the bias) and copies the result out on the copy engine, piece by piece."""
     device = x3.device
     n_dst, rows, _ = x3.shape
     out_cols = weight.shape[0]
     c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
     sub = rows // c
     box = symm.mailbox("linear_reduce_scatter", c, (sub, out_cols), x3.dtype, pg, device)
-    n, r, epoch = box.n, box.rank, box.start_call()
+    box.start_call()
+    n, r = box.n, box.rank
     main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    wt = weight.t()
     xs = x3.view(n, c, sub, -1)
-    in_epilogue = tuning.rs_reduce == "addmm" and n == 2
+    inplace = tuning.rs_reduce == "inplace" and n == 2
+    side = symm.side_stream(device) if tuning.rs_streams == 2 and not inplace else main
+    if side is not main:
+        symm.stream_wait(side, main)  # the inputs are ready; the own-rows GEMM needs nothing else
     staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
     for step in range(1, n):
         dst = (r + step) % n
-        # "addmm": the partial pushed last to each rank carries the bias (added once, in this GEMM's epilogue)
-        b = bias if in_epilogue and step == n - 1 else None
+        b = bias if inplace else None  # the bias is added once: by the partial that the reducer accumulates onto
         for k in range(c):
             if staging is None:
-                box.wait_free(main, dst, k, epoch)
-                _linear(xs[dst, k], weight, b, None, out=box.peer_slots[dst][k])
-                box.mark_ready(main, dst, k, epoch)
+                _linear(xs[dst, k], weight, b, None, out=box.peer_slot(dst, k))
+                box.mark_ready(main, dst, k)
             else:
                 _linear(xs[dst, k], weight, b, None, out=staging[step - 1, k])
-                comm.wait_stream(main)
-                box.push(comm, dst, k, staging[step - 1, k], epoch)
+                symm.stream_wait(comm, main)
+                box.push(comm, dst, k, staging[step - 1, k])
     out = x3.new_empty((c, sub, out_cols))
     for k in range(c):
-        if in_epilogue:
-            src = (r + 1) % n
-            box.wait_ready(main, src, k, epoch)
-            torch.addmm(box.slots[src, k], xs[r, k], wt, out=out[k])
+        if inplace:
+            received = box.slot((r + 1) % n, k)
+            box.wait_ready(main, (r + 1) % n, k)
+            received.addmm_(xs[r, k], weight.t())
+            symm.stream_wait(comm, main)
+            symm.driver().copy(comm, out[k], received)
         else:
-            _linear(xs[r, k], weight, bias, None, out=box.slots[r, k])  # own slot: never pushed into
+            with _on(side, main):
+                _linear(xs[r, k], weight, bias, None, out=box.slot(r, k))  # own slot: never pushed into
+            if side is not main:
+                symm.stream_wait(main, side)
             for step in range(1, n):
-                box.wait_ready(main, (r - step) % n, k, epoch)
-            _sum_slots(box.slots[:, k], out[k])
-        for step in range(1, n):
-            box.release(main, (r - step) % n, k, epoch)
-    main.wait_stream(comm)
+                box.wait_ready(main, (r - step) % n, k)
+            _sum_slots(box.slots_of_part(k), out[k])
+    symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
 
 
@@ -414,9 +433,9 @@ def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
 
 def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
     """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
-    k, rank r pushes its partials of the peers' rows, GEMMs its own rows (plus the bias), sums what it
-    received, and pushes the sums to every peer while piece k+1 is computed; the peers' sums are
-    copied into the output as they arrive."""
+    k, rank r pushes its partials of the peers' rows, GEMMs its own rows (plus the bias; on a second
+    stream with ``rs_streams=2``), sums what it received, and pushes the sums to every peer while piece
+    k+1 is computed; the comm stream copies the peers' sums into the output as they arrive."""
     device = x2.device
     rows, out_cols = x2.shape[0], weight.shape[0]
     n = dist.group_size(pg)
@@ -424,39 +443,37 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
     sub = rows // (n * c)
     partials = symm.mailbox("linear_allreduce.partials", c, (sub, out_cols), x2.dtype, pg, device)
     sums = symm.mailbox("linear_allreduce.sums", c, (sub, out_cols), x2.dtype, pg, device)
-    r, epoch = partials.rank, partials.start_call()
+    partials.start_call()
     sums.start_call()
+    r, driver = partials.rank, symm.driver()
     main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
+    side = symm.side_stream(device) if tuning.rs_streams == 2 else main
     xs = x2.view(n, c, sub, -1)
     out = x2.new_empty((n, c, sub, out_cols))
     staging = x2.new_empty((n - 1, c, sub, out_cols))
-
-    def gather(k):
-        for step in range(1, n):
-            src = (r - step) % n
-            sums.wait_ready(main, src, k, epoch)
-            out[src, k].copy_(sums.slots[src, k])
-            sums.release(main, src, k, epoch)
-
     for k in range(c):
+        if side is not main:
+            symm.stream_wait(side, main)
         for step in range(1, n):
             dst = (r + step) % n
             _linear(xs[dst, k], weight, None, None, out=staging[step - 1, k])
-            comm.wait_stream(main)
-            partials.push(comm, dst, k, staging[step - 1, k], epoch)
-        _linear(xs[r, k], weight, bias, None, out=partials.slots[r, k])  # own slot: never pushed into
+            symm.stream_wait(comm, main)
+            partials.push(comm, dst, k, staging[step - 1, k])
+        with _on(side, main):
+            _linear(xs[r, k], weight, bias, None, out=partials.slot(r, k))  # own slot: never pushed into
+        if side is not main:
+            symm.stream_wait(main, side)
         for step in range(1, n):
-            partials.wait_ready(main, (r - step) % n, k, epoch)
-        _sum_slots(partials.slots[:, k], out[r, k])
+            partials.wait_ready(main, (r - step) % n, k)
+        _sum_slots(partials.slots_of_part(k), out[r, k])
+        symm.stream_wait(comm, main)
         for step in range(1, n):
-            partials.release(main, (r - step) % n, k, epoch)
-        comm.wait_stream(main)
+            sums.push(comm, (r + step) % n, k, out[r, k])
         for step in range(1, n):
-            sums.push(comm, (r + step) % n, k, out[r, k], epoch)
-        if k:
-            gather(k - 1)
-    gather(c - 1)
-    main.wait_stream(comm)
+            src = (r - step) % n
+            sums.wait_ready(comm, src, k)
+            driver.copy(comm, out[src, k], sums.slot(src, k))
+    symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
 
 
@@ -468,7 +485,7 @@ _decisions: dict[tuple, str] = {}
 
 
 def _decide_cuda(kind, x_shape, w_shape, dtype, pg, bias, epilogue, tuning) -> str:
-    if symm.stream_flags() is None:
+    if symm.driver() is None:
         return "sequential"
     n = dist.group_size(pg)
     if kind != "allgather_linear" and x_shape[0] % n:
@@ -488,8 +505,8 @@ def _decide_cuda(kind, x_shape, w_shape, dtype, pg, bias, epilogue, tuning) -> s
         def run(mode):
             linear_allreduce(x, w, b, pg=pg, mode=mode, tuning=tuning)
     rounds = {mode: [] for mode in MODES}
-    for _ in range(3):  # interleaved rounds: clock drift hits both modes alike
+    for _ in range(5):  # interleaved rounds: clock drift hits both modes alike; the best round of each
         for mode in MODES:
-            rounds[mode].append(timing.time_ms(lambda m=mode: run(m), 5, 2))
-    fused_ms, sequential_ms = timing.slowest([sorted(rounds[m])[1] for m in MODES], pg, device)
+            rounds[mode].append(timing.time_ms(lambda m=mode: run(m), 8, 2))
+    fused_ms, sequential_ms = timing.slowest([min(rounds[m]) for m in MODES], pg, device)
     return "fused" if fused_ms <= sequential_ms else "sequential"

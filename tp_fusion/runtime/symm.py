@@ -1,16 +1,19 @@
 """The CUDA transport of the fused kernels (``overlap.py``): symmetric memory, stream-ordered flags,
-the streams that issue copy-engine pushes, and mailboxes of receive slots.
+copy-engine pushes, and double-buffered mailboxes of receive slots.
 
 Symmetric memory (``torch.distributed._symmetric_memory``): every rank of a group allocates a
 same-shaped buffer, a rendezvous maps the peers' buffers into this process, and a copy into a peer's
 buffer runs on the copy engines over NVLink, taking no SMs from the GEMMs. Flags are 32-bit words in
 symmetric memory that stream memory operations (``cuStreamWriteValue32``/``cuStreamWaitValue32``)
 write and wait on: the GPU's front end handles them, so no spinning kernel competes with the GEMMs
-and the host never synchronizes. The module is imported lazily; nothing here runs on the CPU.
+and the host never synchronizes. The driver is called through ctypes, so nothing beyond torch is
+needed (3-6 us of host time per call on 2x H200, like cuda-python: ``benchmarks/flag_overhead.py``).
+Nothing here runs on the CPU; ``torch.distributed._symmetric_memory`` is imported on first use.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -39,42 +42,52 @@ def peer_tensor(handle, peer: int, t: torch.Tensor) -> torch.Tensor:
     return handle.get_buffer(peer, tuple(t.shape), t.dtype, t.storage_offset())
 
 
-class StreamFlags:
-    """Waits and writes of 32-bit flags enqueued on a stream (``cuStream{Wait,Write}Value32``). A write
-    is preceded by a memory fence, so whatever the stream wrote before it (a GEMM's output, a copy) is
+class Driver:
+    """The few CUDA driver calls the pipelines enqueue, through ctypes on ``libcuda``. A flag write is
+    preceded by a memory fence, so whatever its stream wrote before it (a GEMM's output, a copy) is
     visible to whoever sees the flag."""
 
+    _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+
     def __init__(self):
-        try:
-            from cuda.bindings import driver
-        except ImportError:  # cuda-python < 12.6 names the module cuda.cuda
-            from cuda import cuda as driver
-        self._driver = driver
-        self._geq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, u32, ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
+        self._wait = self._bind(lib, "cuStreamWaitValue32", (ptr, u64, u32, ctypes.c_uint))
+        self._write = self._bind(lib, "cuStreamWriteValue32", (ptr, u64, u32, ctypes.c_uint))
+        self._copy = self._bind(lib, "cuMemcpyDtoDAsync", (u64, u64, ctypes.c_size_t, ptr))
 
     @staticmethod
-    def _check(result, what):
-        err = result[0]
-        if int(err) != 0:
-            raise RuntimeError(f"{what} failed: {err}")
+    def _bind(lib, name, argtypes):
+        fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return fn
+
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"{what} failed with CUresult {err}")
 
     def wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         """Work enqueued after this on ``stream`` waits until the int32 at ``addr`` >= ``value``."""
-        self._check(self._driver.cuStreamWaitValue32(stream.cuda_stream, addr, value & 0xFFFFFFFF, self._geq),
-                    "cuStreamWaitValue32")
+        self._check(self._wait(stream.cuda_stream, addr, value & 0xFFFFFFFF, self._WAIT_GEQ), "cuStreamWaitValue32")
 
     def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         """Once the work before it on ``stream`` is done, set the int32 at ``addr`` (maybe a peer's)."""
-        self._check(self._driver.cuStreamWriteValue32(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0),
-                    "cuStreamWriteValue32")
+        self._check(self._write(stream.cuda_stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy contiguous ``src`` into contiguous ``dst`` (maybe a peer's) on ``stream`` (copy engine).
+        The caller keeps ``src`` alive until ``stream`` is done with it."""
+        assert dst.is_contiguous() and src.is_contiguous() and dst.nbytes == src.nbytes
+        self._check(self._copy(dst.data_ptr(), src.data_ptr(), src.nbytes, stream.cuda_stream), "cuMemcpyDtoDAsync")
 
 
 @functools.cache
-def stream_flags() -> StreamFlags | None:
-    """The flag operations, or None where cuda-python is missing (the fused CUDA path is then unavailable)."""
+def driver() -> Driver | None:
+    """The driver calls, or None where libcuda cannot be loaded (the fused CUDA path is then unavailable)."""
     try:
-        return StreamFlags()
-    except ImportError:
+        return Driver()
+    except (OSError, AttributeError):
         return None
 
 
@@ -90,69 +103,82 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-READY, FREE = 0, 1
+@functools.cache
+def _event(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> torch.cuda.Event:
+    return torch.cuda.Event()
+
+
+def stream_wait(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> None:
+    """``waiter.wait_stream(signaler)`` with one reused event per pair (no event created per call)."""
+    event = _event(waiter, signaler)
+    event.record(signaler)
+    waiter.wait_event(event)
 
 
 class Mailbox:
-    """Receive slots in symmetric memory for one (kind, slot shape, dtype, group).
+    """Double-buffered receive slots in symmetric memory for one (kind, slot shape, dtype, group).
 
-    ``slots[src, part]`` holds what group rank ``src`` pushed here (a slot may be pushed in
-    ``parts`` pieces). ``flags[READY, src, part]`` is the epoch of src's last push into it;
-    ``flags[FREE, dst, part]`` is the epoch up to which rank ``dst`` is done with the piece that this
-    rank pushes into there. Peers write both through their mappings. Every call of a kernel bumps
-    ``epoch`` alike on every rank (they make the same calls in the same order), so flags only grow
-    and never need resetting.
+    ``slot(src, part)`` holds what group rank ``src`` pushed here in this call (a slot may be pushed
+    in ``parts`` pieces); calls alternate between two buffers. ``flags[src, part]`` is the epoch of
+    src's last push into it, written by src through its mapping. Every call bumps ``epoch`` alike on
+    every rank (they make the same calls in the same order), so flags only grow and never need
+    resetting.
+
+    No "slot free" flags are needed: each call is a full exchange (every rank pushes to and waits for
+    every peer), and a rank's pushes of call e are stream-ordered after its waits of call e-1. So when
+    rank p pushes into q's buffer of call e+1 (the one q read in call e-1), p has seen q's push of
+    call e, which q issued after it had finished call e-1.
     """
 
     def __init__(self, parts: int, part_shape, dtype, pg, device):
         n = dist.group_size(pg)
-        self.rank, self.n, self.epoch = dist.group_rank(pg), n, 0
-        self.slots = empty((n, parts, *part_shape), dtype, device)
-        self.parts = parts
-        flags = empty((2, n, parts), torch.int32, device)
+        self.rank, self.n, self.parts, self.epoch = dist.group_rank(pg), n, parts, 0
+        self.slots = empty((2, n, parts, *part_shape), dtype, device)
+        flags = empty((n, parts), torch.int32, device)
         flags.zero_()
         slots_handle = rendezvous(self.slots, pg)
         flags_handle = rendezvous(flags, pg)
-        # What this rank pushes to peer p lands in p's slots[rank]; what it flags, in p's flags.
-        self.peer_slots = [peer_tensor(slots_handle, p, self.slots)[self.rank] for p in range(n)]
+        # What this rank pushes to peer p lands in p's slots[., rank]; what it flags, in p's flags.
+        peer_slots = [peer_tensor(slots_handle, p, self.slots) for p in range(n)]
+        self._peer_slots = [[peer_slots[p][b, self.rank] for p in range(n)] for b in range(2)]
         self._flags = flags  # kept alive: the addresses below point into it and into its peers' copies
         self._flag_base = flags.data_ptr()
         self._peer_flag_base = [peer_tensor(flags_handle, p, flags).data_ptr() for p in range(n)]
         torch.cuda.synchronize(device)
         dist.barrier(pg)  # every rank's flags are zero before anyone writes them
 
-    def _offset(self, which: int, rank: int, part: int) -> int:
-        return 4 * ((which * self.n + rank) * self.parts + part)
-
     def start_call(self) -> int:
         self.epoch += 1
         return self.epoch
 
-    def wait_free(self, stream: torch.cuda.Stream, dst: int, part: int, epoch: int) -> None:
-        """Work enqueued after this on ``stream`` waits until ``dst`` is done with the piece ``part``
-        that this rank pushed there in the previous call."""
-        stream_flags().wait(stream, self._flag_base + self._offset(FREE, dst, part), epoch - 1)
+    def slot(self, src: int, part: int) -> torch.Tensor:
+        """This call's piece ``part`` pushed here by ``src`` (``src`` = this rank: a scratch slot)."""
+        return self.slots[self.epoch % 2, src, part]
 
-    def mark_ready(self, stream: torch.cuda.Stream, dst: int, part: int, epoch: int) -> None:
+    def slots_of_part(self, part: int) -> torch.Tensor:
+        """This call's piece ``part`` from every rank, stacked: [n, *part_shape]."""
+        return self.slots[self.epoch % 2, :, part]
+
+    def peer_slot(self, dst: int, part: int) -> torch.Tensor:
+        """The piece ``part`` of ``dst``'s slot for this rank, in this call's buffer (for a remote store)."""
+        return self._peer_slots[self.epoch % 2][dst][part]
+
+    def _flag_offset(self, src: int, part: int) -> int:
+        return 4 * (src * self.parts + part)
+
+    def push(self, stream: torch.cuda.Stream, dst: int, part: int, src: torch.Tensor) -> None:
+        """On ``stream``: copy ``src`` into ``dst``'s slot (a copy-engine write into the peer's memory),
+        then raise dst's ready flag for it."""
+        driver().copy(stream, self.peer_slot(dst, part), src)
+        self.mark_ready(stream, dst, part)
+
+    def mark_ready(self, stream: torch.cuda.Stream, dst: int, part: int) -> None:
         """Once the work before it on ``stream`` is done, raise ``dst``'s ready flag for our piece."""
-        stream_flags().write(stream, self._peer_flag_base[dst] + self._offset(READY, self.rank, part), epoch)
+        driver().write(stream, self._peer_flag_base[dst] + self._flag_offset(self.rank, part), self.epoch)
 
-    def push(self, stream: torch.cuda.Stream, dst: int, part: int, src: torch.Tensor, epoch: int) -> None:
-        """On ``stream``: once ``dst`` is done with the piece, copy ``src`` into it (a copy-engine
-        write into the peer's memory) and raise dst's ready flag for it."""
-        self.wait_free(stream, dst, part, epoch)
-        with torch.cuda.stream(stream):
-            self.peer_slots[dst][part].copy_(src)
-        self.mark_ready(stream, dst, part, epoch)
-
-    def wait_ready(self, stream: torch.cuda.Stream, src: int, part: int, epoch: int) -> None:
-        """Work enqueued after this on ``stream`` waits until ``src`` has pushed ``slots[src, part]``."""
-        stream_flags().wait(stream, self._flag_base + self._offset(READY, src, part), epoch)
-
-    def release(self, stream: torch.cuda.Stream, src: int, part: int, epoch: int) -> None:
-        """Once the work before it on ``stream`` is done, tell ``src`` that ``slots[src, part]`` may be
-        refilled."""
-        stream_flags().write(stream, self._peer_flag_base[src] + self._offset(FREE, self.rank, part), epoch)
+    def wait_ready(self, stream: torch.cuda.Stream, src: int, part: int) -> None:
+        """Work enqueued after this on ``stream`` waits until ``src`` has pushed ``slot(src, part)``."""
+        driver().wait(stream, self._flag_base + self._flag_offset(src, part), self.epoch)
 
 
 _mailboxes: dict[tuple, Mailbox] = {}

@@ -1,0 +1,16 @@
+"""What the examples' command lines share. Imports no torch, so that ``--help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+
+DTYPE_NAMES = ("f32", "bf16", "f64")  # the keys of examples.common.DTYPES
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default."""
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser whose help starts with ``doc``."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)

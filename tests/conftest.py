@@ -1,0 +1,43 @@
+"""Helpers the test files share (``from conftest import ...``).
+
+Tests that run on several ranks take the ``multidevice_test`` fixture (``tp_fusion.testing``): per
+world size, one set of spawned gloo ranks runs all of them; ``@pytest.mark.ranks(2, 4)`` picks the
+world sizes. Spawn ranks yourself (``run_on_ranks``) only where the spawn itself is under test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shard(tv, mesh, dims: dict | None = None) -> None:
+    """Put ``tv`` on ``mesh`` and shard logical dim d on ``dims[d]`` (outer split, then parallelize)."""
+    tv.set_device_mesh(mesh)
+    for d, ptype in sorted((dims or {}).items(), reverse=True):  # right to left: loop indices stay valid
+        tv.outer_split(d, mesh.shape[ptype.mesh_axis(mesh.ndim)])
+        tv.axis(d).parallelize(ptype)
+
+
+def rand(seed: int, *shape, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Seeded normal values, the same on every rank."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def user_env() -> dict[str, str]:
+    """The environment of a user's shell: not under torchrun, the checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def run_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root, as a user would run it; output captured as text."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=user_env(), capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,287 @@
+"""pytest plugin: the ``multidevice_test`` fixture, like nvFuser's, for tests that run on every rank.
+
+Write a test as in nvFuser's ``tests/python/multidevice``; the test body runs on every rank::
+
+    import torch
+    from tp_fusion import DataType, FusionDefinition, ParallelType
+    from tp_fusion.multidevice import DeviceMesh
+
+    def test_pointwise(multidevice_test):
+        d = multidevice_test.size
+        mesh = DeviceMesh(torch.arange(d))
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([-1, 4], dtype=DataType.Float)
+            y = fd.ops.relu(x)
+            fd.add_output(y)
+            for tv in (x, y):
+                tv.set_device_mesh(mesh)
+            x.axis(0).parallelize(ParallelType.mesh_x)
+        full = torch.randn(d, 4)  # the same on every rank: the fixture seeds torch with 0
+        (out,) = fd.execute([multidevice_test.shard_tensor(full, x)])
+        torch.testing.assert_close(out.cpu(), multidevice_test.shard_tensor(full.relu(), y).cpu())
+
+Run it either way; both run the same file:
+
+- ``python -m pytest tests/nvfuser``: each test runs on spawned CPU ranks joined by gloo, once per
+  world size of ``--multidevice-ranks`` (default ``1,2,4``), shown as ``test_pointwise[ranks2]``.
+  Per world size, one set of ranks runs every selected test (``pytest`` inside each rank) and the
+  ranks' outcomes are reported here: a test fails if it fails on any rank.
+- ``torchrun --nproc_per_node=N -m pytest tests/nvfuser``: each test runs once on torchrun's ranks,
+  CUDA and NCCL when there are GPUs, else CPU and gloo.
+
+The fixture gives ``rank``, ``size``, ``local_rank``, ``local_size``, ``device``,
+``shard_tensor(full, tv_or_sharding)`` (the local shard, on ``device``), ``shard_tensor_1d(full, dim,
+mesh)`` and ``barrier()``; it seeds torch with 0 before the test and ends with a barrier. The
+``setup_default_process_group`` fixture (nvFuser's, for tests that call torch.distributed directly)
+and the ``mpi`` marker are accepted too. Skip a world size a test cannot use with ``pytest.skip``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+
+from tp_fusion import multidevice
+
+RANK_FIXTURES = ("multidevice_test", "setup_default_process_group")
+_PARAM = "_multidevice_ranks"
+_spawned_world = 0  # in ranks started by this plugin: their world size
+
+
+@dataclass
+class MultideviceTest:
+    """This rank's view of the process group, handed to a test by the ``multidevice_test`` fixture."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: object  # torch.device
+
+    def shard_tensor(self, full, tv_or_sharding):
+        """This rank's shard of ``full`` under a TensorView's (or a Sharding's) sharding, on ``device``."""
+        return multidevice.shard_tensor(full, tv_or_sharding, self.rank).to(self.device)
+
+    def shard_tensor_1d(self, full, dim: int, mesh):
+        """This rank's chunk of ``full`` split evenly along ``dim`` over a 1-D ``mesh``, on ``device``."""
+        if self.rank not in mesh:
+            return full.new_empty((0,)).to(self.device)
+        return full.chunk(mesh.size, dim)[mesh.devices.index(self.rank)].contiguous().to(self.device)
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        from tp_fusion.runtime import dist
+
+        if dist.world_size() > 1:
+            dist.barrier()
+
+
+def _rank_mode() -> bool:
+    """True in a rank: spawned by this plugin, or started by torchrun (the test of tp_fusion.launch,
+    spelled out here so that loading the plugin imports no torch)."""
+    return bool(_spawned_world) or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _world_size() -> int:
+    return _spawned_world or int(os.environ["WORLD_SIZE"])
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def setup_default_process_group():
+    """The default torch.distributed process group: joined once per session (under torchrun from its
+    environment; spawned ranks are already in one) and left at the end if this fixture joined it."""
+    if not _rank_mode():
+        yield None
+        return
+    import torch
+
+    from tp_fusion.launch import init_from_env
+    from tp_fusion.runtime import dist
+
+    joined = not dist.is_initialized()
+    device = init_from_env() if joined else torch.device("cpu")
+    yield device
+    if joined:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def multidevice_test(setup_default_process_group):
+    """A ``MultideviceTest`` for this rank; None in the pytest process that only collects the ranks' results."""
+    if not _rank_mode():
+        yield None
+        return
+    import torch
+
+    from tp_fusion.runtime import dist
+
+    rank, size = dist.rank(), dist.world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    fixture = MultideviceTest(rank, size, local_rank, local_size, setup_default_process_group)
+    torch.manual_seed(0)
+    yield fixture
+    fixture.barrier()
+
+
+# --- plugin hooks -------------------------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("tp_fusion")
+    group.addoption("--multidevice-ranks", default="1,2,4", metavar="N,N,...",
+                    help="world sizes at which tests using the multidevice_test fixture run on spawned gloo "
+                         "ranks (not under torchrun, which gives its own)")
+    parser.addini("multidevice_timeout", "seconds one set of spawned ranks may take for all its tests",
+                  default="600")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mpi: a test that runs on every rank (nvFuser's marker; no effect here)")
+    config.addinivalue_line("markers", "ranks(*sizes): run this multidevice test only at these world sizes")
+    if not _rank_mode():
+        config.pluginmanager.register(_Spawner(config), "tp_fusion_spawner")
+
+
+def _is_rank_test(fixturenames) -> bool:
+    return any(name in fixturenames for name in RANK_FIXTURES)
+
+
+def _marked_worlds(node) -> tuple[int, ...] | None:
+    marker = node.get_closest_marker("ranks")
+    return None if marker is None else tuple(marker.args)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_generate_tests(metafunc):
+    if _rank_mode() or not _is_rank_test(metafunc.fixturenames):
+        return
+    worlds = [int(w) for w in metafunc.config.getoption("multidevice_ranks").split(",") if w.strip()]
+    only = _marked_worlds(metafunc.definition)
+    worlds = [w for w in worlds if only is None or w in only]
+    metafunc.fixturenames.append(_PARAM)
+    metafunc.parametrize(_PARAM, worlds, ids=[f"ranks{w}" for w in worlds])
+
+
+def pytest_runtest_setup(item):
+    if _rank_mode() and _is_rank_test(getattr(item, "fixturenames", ())):
+        only, world = _marked_worlds(item), _world_size()
+        if only is not None and world not in only:
+            pytest.skip(f"runs on {' or '.join(map(str, only))} ranks, not {world}")
+
+
+def _world_of(item) -> int:
+    """The world size ``item`` runs at on spawned ranks; 0 for a test of this process."""
+    return getattr(item, "callspec", None) and item.callspec.params.get(_PARAM, 0) or 0
+
+
+def _rank_nodeid(item) -> str:
+    """The id the ranks know ``item`` by: its own, less the world-size parameter (added last)."""
+    suffix = f"ranks{item.callspec.params[_PARAM]}"
+    head, ids = item.nodeid[:-1].rsplit("[", 1)
+    return head if ids == suffix else f"{head}[{ids.removesuffix('-' + suffix)}]"
+
+
+class _Spawner:
+    """In the pytest process: runs the rank tests of one world size on spawned ranks, once, and
+    reports each test's outcome from them."""
+
+    def __init__(self, config):
+        self.config = config
+        self.outcomes: dict[int, tuple[dict, str | None]] = {}
+        self.last: dict[int, object] = {}  # world size -> the last of its tests
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items):
+        if not self.config.pluginmanager.hasplugin("timeout"):
+            return
+        for item in items:
+            if _world_of(item):
+                item.add_marker(pytest.mark.timeout(0))  # the ranks' own timeouts bound them
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_pyfunc_call(self, pyfuncitem):
+        world = _world_of(pyfuncitem)
+        if not world:
+            return None
+        if world not in self.outcomes:
+            batch = [i for i in pyfuncitem.session.items if _world_of(i) == world]
+            self.last[world] = batch[-1]
+            self.outcomes[world] = self._run(world, batch)
+        results, error = self.outcomes[world]
+        ranks = results.get(_rank_nodeid(pyfuncitem))
+        if ranks is None or len(ranks) < world:
+            pytest.fail(f"this test did not finish on all {world} ranks: {error or 'no report'}", pytrace=False)
+        failed = {r: text for r, (outcome, text) in sorted(ranks.items()) if outcome == "failed"}
+        if failed:
+            pytest.fail("\n".join(f"===== rank {r} =====\n{text}" for r, text in failed.items()), pytrace=False)
+        if error and pyfuncitem is self.last[world]:
+            pytest.fail(f"the ranks did not exit cleanly after their last test: {error}", pytrace=False)
+        if all(outcome == "skipped" for outcome, _ in ranks.values()):
+            pytest.skip(ranks[0][1] if 0 in ranks else next(iter(ranks.values()))[1])
+        return True
+
+    def _run(self, world: int, items) -> tuple[dict, str | None]:
+        """Run ``items`` (in their order) on ``world`` spawned ranks: ({nodeid: {rank: (outcome,
+        text)}}, the launch's error or None)."""
+        from tp_fusion.launch import RanksFailed, run_on_ranks
+
+        nodeids = list(dict.fromkeys(_rank_nodeid(i) for i in items))
+        root = self.config.rootpath
+        args = [str(root / n) for n in nodeids] + [
+            f"--rootdir={root}", "-p", "no:cacheprovider", "-q", "--no-header", "-o", "addopts=",
+            "-o", "timeout_method=thread", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        if self.config.inipath is not None:
+            args += ["-c", str(self.config.inipath)]
+        deadline = float(self.config.getini("multidevice_timeout"))
+        with tempfile.TemporaryDirectory(prefix="tp_fusion_pytest_") as out:
+            error = None
+            try:
+                run_on_ranks(_pytest_on_rank, world, args, out, timeout_s=min(120.0, deadline),
+                             deadline_s=deadline)
+            except RanksFailed as e:
+                error = str(e)
+            results: dict[str, dict[int, tuple[str, str]]] = {}
+            for r in range(world):
+                path = os.path.join(out, f"rank{r}.json")
+                if os.path.exists(path):
+                    with open(path) as f:
+                        for nodeid, outcome in json.load(f).items():
+                            results.setdefault(nodeid, {})[r] = tuple(outcome)
+        return results, error
+
+
+class _Reporter:
+    """In a spawned rank: record each test's outcome (failed in any phase, else skipped or passed)."""
+
+    def __init__(self):
+        self.outcomes: dict[str, list[str]] = {}
+
+    def pytest_runtest_logreport(self, report):
+        previous = self.outcomes.get(report.nodeid)
+        if previous is not None and previous[0] == "failed":
+            return
+        if report.failed:
+            self.outcomes[report.nodeid] = ["failed", f"({report.when}) {report.longreprtext}"]
+        elif report.skipped and previous is None:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.outcomes[report.nodeid] = ["skipped", reason]
+        elif report.when == "call" and report.passed:
+            self.outcomes[report.nodeid] = ["passed", ""]
+
+
+def _pytest_on_rank(rank: int, world: int, args: list[str], out: str) -> None:
+    """A spawned rank: run pytest on ``args`` inside the process group, write the outcomes to ``out``."""
+    global _spawned_world
+    _spawned_world = world
+    reporter = _Reporter()
+    pytest.main(args, plugins=[reporter])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(reporter.outcomes, f)
