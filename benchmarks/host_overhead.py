@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tp_mlp import make_inputs, mlp_local_fused, time_ms, tp_fusion_runner  # noqa: E402
 from tp_fusion.launch import init_from_env  # noqa: E402
-from tp_fusion.runtime import dist  # noqa: E402
+from tp_fusion.runtime import dist, faults  # noqa: E402
 
 
 def host_us(fn, calls: int) -> float:
@@ -60,7 +60,7 @@ def main() -> None:
         "NCCL sequential GPU ms/iter": time_ms(sequential, 50, 10),
         "plan host us/call": host_us(plan_fn, 200),
         "NCCL sequential host us/call": host_us(sequential, 200),
-        "agreement host us/call": host_us(lambda: dist.any_rank_flagged(False), 200),
+        "agreement host us/call": host_us(lambda: faults.agree(False, 0), 200),
         "F.linear host us/call": host_us(lambda: F.linear(inp["x_local"], inp["w1"]), 200),
     }
     worst = dist.gather_from_all(rows)

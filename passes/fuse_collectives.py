@@ -1,72 +1,98 @@
-"""Match a matmul with the collective that feeds or follows it into one fused segment.
+"""Match a GEMM with the collective that feeds or follows it into one fused segment.
 
-Patterns (the runtime overlaps their communication with the GEMM on CUDA):
-- allgather -> linear/matmul, gathering rows the GEMM consumes (a non-last dim of its left
-  operand); the pointwise ops that follow on the GEMM result alone join as an epilogue;
-- linear/matmul -> reduce_scatter over a non-last dim of the result;
-- linear/matmul -> allreduce.
+Patterns (the runtime overlaps their communication with the GEMM; see ``tp_fusion.runtime.overlap``):
+- allgather -> GEMM, gathering rows the GEMM consumes (a non-last dim of its left operand); the
+  ``EPILOGUE`` ops that follow on the GEMM result alone join it;
+- GEMM without bias -> reduce_scatter over a non-last dim of the result, and the add of a bias
+  ``[out]`` to the reduced rows that insert_reshardings placed after it (a row-parallel linear);
+- GEMM without bias -> allreduce.
 """
 
 from __future__ import annotations
 
 from tp_fusion.ir import Fusion, Op, Segment
-
-GEMMS = ("linear", "matmul")
-EPILOGUE_OPS = ("gelu", "relu", "silu", "tanh", "sigmoid", "neg", "cast")
+from tp_fusion.ops import OPS, Trait, traits
+from tp_fusion.sharding.reshard import Collective
 
 
 def _single_use(fusion: Fusion, name: int) -> bool:
     return len(fusion.consumers(name)) == 1 and name not in fusion.outputs
 
 
+def _collective(op: Op) -> Collective | None:
+    return Collective(op.kind) if traits(op.kind) & Trait.COLLECTIVE else None
+
+
+def _plain_gemm(fusion: Fusion, gemm: Op) -> bool:
+    """A GEMM whose right operand is one 2-D matrix (linear's weight, or a 2-D matmul operand)."""
+    return bool(traits(gemm.kind) & Trait.GEMM) and fusion.tensor(gemm.inputs[1]).ndim == 2
+
+
 def _gathers_rows(fusion: Fusion, ag: Op, gemm: Op) -> bool:
-    if gemm.kind not in GEMMS or gemm.inputs[0] != ag.outputs[0] or gemm.inputs[1] == ag.outputs[0]:
+    if not _plain_gemm(fusion, gemm) or gemm.inputs[0] != ag.outputs[0] or ag.outputs[0] in gemm.inputs[1:]:
         return False
-    x = fusion.tensor(ag.outputs[0])
-    return ag.attr("dim") < x.ndim - 1 and (gemm.kind == "linear" or fusion.tensor(gemm.inputs[1]).ndim == 2)
+    return ag.attr("dim") < fusion.tensor(ag.outputs[0]).ndim - 1
 
 
-def _epilogue(fusion: Fusion, ops: tuple[int, ...], start: int, result: int) -> list[int]:
+def _epilogue(fusion: Fusion, ops: tuple[int, ...], result: int) -> list[int]:
     taken = []
-    for i in ops[start:]:
+    for i in ops:
         op = fusion.ops[i]
-        if op.kind not in EPILOGUE_OPS or op.inputs != (result,) or not _single_use(fusion, result):
+        if not traits(op.kind) & Trait.EPILOGUE or op.inputs != (result,) or not _single_use(fusion, result):
             break
         taken.append(i)
         result = op.outputs[0]
     return taken
 
 
+def _bias_add(fusion: Fusion, op: Op, result: int) -> bool:
+    """``op`` adds a replicated bias ``[out]`` to ``result`` (and nothing else reads ``result``)."""
+    if OPS[op.kind] is not OPS["add"] or op.inputs[0] != result or not isinstance(op.inputs[1], int):
+        return False
+    bias, out = fusion.tensor(op.inputs[1]), fusion.tensor(result)
+    return (_single_use(fusion, result) and bias.ndim == 1 and bias.shape[0] == out.shape[-1]
+            and bias.dtype == out.dtype and bias.sharding is not None and bias.sharding.is_replicated)
+
+
 def fuse_collectives(fusion: Fusion) -> Fusion:
     """Requires: segment ran. Ensures: each matched pattern is one ``fused`` segment whose note
-    names it (e.g. ``allgather+linear+gelu``); the other segments are unchanged."""
+    names its ops (e.g. ``allgather+linear+gelu``); the other segments keep their ops in order."""
     segs = list(fusion.segments or ())
     out: list[Segment] = []
     i = 0
     while i < len(segs):
         seg, nxt = segs[i], segs[i + 1] if i + 1 < len(segs) else None
+        if seg is None:  # wholly taken into the fused segment before it
+            i += 1
+            continue
         if seg.kind == "communication" and nxt is not None and nxt.kind == "compute":
             ag, gemm = fusion.ops[seg.ops[0]], fusion.ops[nxt.ops[0]]
-            if ag.kind == "allgather" and _single_use(fusion, ag.outputs[0]) and _gathers_rows(fusion, ag, gemm):
-                epi = _epilogue(fusion, nxt.ops, 1, gemm.outputs[0])
-                fused = (seg.ops[0], nxt.ops[0], *epi)
-                names = ["allgather", gemm.kind, *(fusion.ops[k].kind for k in epi)]
-                out.append(Segment("fused", fused, "+".join(names)))
+            if (_collective(ag) is Collective.ALLGATHER and _single_use(fusion, ag.outputs[0])
+                    and _gathers_rows(fusion, ag, gemm)):
+                epi = _epilogue(fusion, nxt.ops[1:], gemm.outputs[0])
+                taken = (seg.ops[0], nxt.ops[0], *epi)
+                out.append(Segment("fused", taken, "+".join(fusion.ops[k].kind for k in taken)))
                 rest = nxt.ops[1 + len(epi):]
                 segs[i + 1] = Segment("compute", rest) if rest else None
                 i += 1 if rest else 2
                 continue
         if seg.kind == "compute" and nxt is not None and nxt.kind == "communication":
             gemm, comm = fusion.ops[seg.ops[-1]], fusion.ops[nxt.ops[0]]
-            t = fusion.tensor(gemm.outputs[0])
-            if (gemm.kind in GEMMS and comm.kind in ("reduce_scatter", "allreduce")
-                    and comm.inputs[0] == gemm.outputs[0] and _single_use(fusion, gemm.outputs[0])
-                    and (comm.kind == "allreduce" or comm.attr("dim") < t.ndim - 1)
-                    and (gemm.kind == "linear" or fusion.tensor(gemm.inputs[1]).ndim == 2)
-                    and (gemm.kind == "matmul" or not isinstance(gemm.inputs[2], int))):
+            kind = _collective(comm)
+            result = fusion.tensor(gemm.outputs[0])
+            if (_plain_gemm(fusion, gemm) and len(gemm.inputs) == 2 and comm.inputs[0] == gemm.outputs[0]
+                    and _single_use(fusion, gemm.outputs[0])
+                    and (kind is Collective.ALLREDUCE
+                         or (kind is Collective.REDUCE_SCATTER and comm.attr("dim") < result.ndim - 1))):
                 if len(seg.ops) > 1:
                     out.append(Segment("compute", seg.ops[:-1]))
-                out.append(Segment("fused", (seg.ops[-1], nxt.ops[0]), f"{gemm.kind}+{comm.kind}"))
+                taken = [seg.ops[-1], nxt.ops[0]]
+                after = segs[i + 2] if i + 2 < len(segs) else None
+                if (kind is Collective.REDUCE_SCATTER and after is not None and after.kind == "compute"
+                        and _bias_add(fusion, fusion.ops[after.ops[0]], comm.outputs[0])):
+                    taken.append(after.ops[0])
+                    segs[i + 2] = Segment("compute", after.ops[1:]) if len(after.ops) > 1 else None
+                out.append(Segment("fused", tuple(taken), "+".join(fusion.ops[k].kind for k in taken)))
                 i += 2
                 continue
         if seg is not None:

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from tp_fusion.passes.propagate_shardings import default_mesh
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Shard, Sharding
-from tp_fusion.sharding.strategy import choose
-from tp_fusion.ir import Const, Fusion, Op, Tensor
+from tp_fusion.ir import Fusion, Op, Tensor
+from tp_fusion.ops import Trait, is_biased_gemm, traits
+from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
+from tp_fusion.sharding.strategy import Strategy
 
 
 def insert_reshardings(fusion: Fusion) -> Fusion:
-    """Requires: every tensor has a sharding (propagate_shardings). Ensures: every op but ``set``
-    gets its inputs in the shardings its rule needs and produces exactly its outputs' shardings;
-    every change of sharding is a ``set`` of its own (one per tensor and target, reused).
+    """Requires: every tensor has a sharding and every op its ``strategy`` (propagate_shardings).
+    Ensures: every op but ``set`` gets its inputs in the shardings its strategy needs and produces
+    exactly its outputs' shardings; every change of sharding is a ``set`` of its own (one per tensor
+    and target, reused).
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
     (Partial), the resharding of that result, and an add of the bias: the bias is added once.
     """
-    mesh = default_mesh(fusion)
-    if mesh is None:
+    if not fusion.has_meshes:
         return fusion
     tensors = list(fusion.tensors)
     ops: list[Op] = []
@@ -37,19 +37,19 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         return cache[(name, target)]
 
     for op in fusion.ops:
-        if op.kind == "set":
+        if traits(op.kind) & Trait.RESHARD:  # a set between two shardings: lowering's job
             ops.append(op)
             continue
-        st = choose(op, fusion, fusion.tensor(op.outputs[0]).sharding, mesh)
+        st: Strategy = op.strategy
         args = tuple(reshard(a, s) if isinstance(a, int) else a for a, s in zip(op.inputs, st.inputs))
-        if op.kind == "linear" and isinstance(op.inputs[2], int) and st.outputs[0].has_partial:
-            out = op.outputs[0]
+        if is_biased_gemm(op) and st.outputs[0].has_partial:
+            out, target = op.outputs[0], tensors[op.outputs[0]].sharding
             partial = new_tensor(out, st.outputs[0])
-            ops.append(Op("linear", (args[0], args[1], Const(None)), (partial,)))
-            target = tensors[out].sharding
+            ops.append(Op("linear", args[:2], (partial,), strategy=Strategy(st.mesh, st.inputs[:2], st.outputs)))
             bias_target = Sharding(target.mesh, tuple(
                 Shard(0) if p == Shard(len(tensors[out].shape) - 1) else REPLICATE for p in target.placements))
-            ops.append(Op("add", (reshard(partial, target), reshard(op.inputs[2], bias_target)), (out,)))
+            add_args = (reshard(partial, target), reshard(op.inputs[2], bias_target))
+            ops.append(Op("add", add_args, (out,), strategy=Strategy(st.mesh, (target, bias_target), (target,))))
             continue
         outs, after = [], []
         for o, natural in zip(op.outputs, st.outputs):
@@ -61,6 +61,4 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
                 after.append(Op("set", (tmp,), (o,)))
         ops.append(op.replace(inputs=args, outputs=tuple(outs)))
         ops.extend(after)
-    for o in fusion.outputs:
-        assert not any(isinstance(p, Partial) for p in tensors[o].sharding.placements), f"T{o} left Partial"
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))

@@ -1,11 +1,12 @@
-"""Give every tensor of a fusion with meshes a sharding."""
+"""Give every tensor of a fusion with meshes a sharding, and every op the strategy it runs with."""
 
 from __future__ import annotations
 
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Sharding
-from tp_fusion.sharding.strategy import choose
-from tp_fusion.ir import Fusion, Op
+from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
+from tp_fusion.ops import is_biased_gemm
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Sharding
+from tp_fusion.sharding.strategy import Strategy, choose
 
 
 def default_mesh(fusion: Fusion) -> DeviceMesh | None:
@@ -17,15 +18,23 @@ def _materialized(s: Sharding) -> Sharding:
     return Sharding(s.mesh, tuple(REPLICATE if isinstance(p, Partial) else p for p in s.placements))
 
 
-def _hint(op: Op, fusion: Fusion) -> Sharding | None:
-    out = fusion.tensor(op.outputs[0])
-    return out.sharding if out.annotated else None
+class _Draft:
+    """The tensors of a fusion, updated in place while a pass walks its ops (what ``choose`` reads)."""
+
+    def __init__(self, fusion: Fusion):
+        self.tensors = list(fusion.tensors)
+
+    def tensor(self, name: int):
+        return self.tensors[name]
+
+    def set_sharding(self, name: int, sharding: Sharding) -> None:
+        self.tensors[name] = self.tensors[name].replace(sharding=sharding)
 
 
 def propagate_shardings(fusion: Fusion) -> Fusion:
-    """Requires: annotated tensors carry their sharding. Ensures: every tensor has a sharding;
-    annotated tensors are unchanged; unannotated inputs are replicated on the fusion's mesh; no
-    fusion output and no biased linear output is Partial (they are materialized).
+    """Requires: annotated tensors carry their sharding. Ensures: every tensor has a sharding and
+    every op a ``strategy``; annotated tensors are unchanged; unannotated inputs are replicated on the
+    fusion's mesh; no fusion output and no biased GEMM output is Partial (they are materialized).
 
     Forward: each op's unannotated outputs get what ``choose`` says the op produces. Backward:
     an unannotated replicated tensor computed only from replicated data (or from nothing, like
@@ -35,39 +44,51 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
-    f = fusion.with_tensors({i: fusion.tensor(i).replace(sharding=Sharding.replicated(mesh))
-                             for i in fusion.inputs if fusion.tensor(i).sharding is None})
-    outputs = set(f.outputs)
-    for op in f.ops:
-        st = choose(op, f, _hint(op, f), mesh)
-        updates = {}
+    draft = _Draft(fusion)
+    for i in fusion.inputs:
+        if draft.tensor(i).sharding is None:
+            draft.set_sharding(i, Sharding.replicated(mesh))
+    outputs = set(fusion.outputs)
+    ops = []
+    for op in fusion.ops:
+        st = choose(op, draft, _hint(draft, op.outputs[0]), mesh)
         for o, s in zip(op.outputs, st.outputs):
-            t = f.tensor(o)
-            if t.annotated:
+            if draft.tensor(o).annotated:
                 continue
-            biased_linear = op.kind == "linear" and isinstance(op.inputs[2], int)
-            if o in outputs or biased_linear:
+            if o in outputs or is_biased_gemm(op):
                 s = _materialized(s)
-            updates[o] = t.replace(sharding=s)
-        f = f.with_tensors(updates)
-    return _backward(f, mesh)
+            draft.set_sharding(o, s)
+        ops.append(op.replace(strategy=st))
+    _backward(fusion, draft, ops, mesh)
+    return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 
 
-def _backward(f: Fusion, mesh: DeviceMesh) -> Fusion:
-    pinned = set(f.inputs) | set(f.outputs)
-    for op in reversed(f.ops):
-        if not all(f.tensor(a).sharding.is_replicated for a in op.tensor_inputs):
+def _hint(draft: _Draft, name: int) -> Sharding | None:
+    t = draft.tensor(name)
+    return t.sharding if t.annotated else None
+
+
+def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> None:
+    """See ``propagate_shardings``; updates ``draft`` and the producers' strategies in ``ops``."""
+    pinned = set(fusion.inputs) | set(fusion.outputs)
+    index = {id(op): i for i, op in enumerate(fusion.ops)}
+    for i in reversed(range(len(ops))):
+        op = ops[i]
+        if not all(draft.tensor(a).sharding.is_replicated for a in op.tensor_inputs):
             continue
+        changed = False
         for o in op.outputs:
-            t = f.tensor(o)
+            t = draft.tensor(o)
             if t.annotated or o in pinned or not t.sharding.is_replicated:
                 continue
             needs = set()
-            for consumer in f.consumers(o):
-                st = choose(consumer, f, f.tensor(consumer.outputs[0]).sharding, mesh)
-                needs |= {st.inputs[i] for i, a in enumerate(consumer.inputs) if a == o}
+            for consumer in fusion.consumers(o):
+                st: Strategy = ops[index[id(consumer)]].strategy
+                needs |= {st.inputs[k] for k, a in enumerate(consumer.inputs) if a == o}
             if len(needs) == 1:
                 (need,) = needs
                 if not need.is_replicated and not need.has_partial:
-                    f = f.with_tensors({o: t.replace(sharding=need)})
-    return f
+                    draft.set_sharding(o, need)
+                    changed = True
+        if changed:
+            ops[i] = op.replace(strategy=choose(op, draft, draft.tensor(op.outputs[0]).sharding, mesh))

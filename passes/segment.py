@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tp_fusion.passes.lower_communications import COLLECTIVES
 from tp_fusion.ir import Fusion, Segment
+from tp_fusion.ops import Trait, traits
 
 
 def segment(fusion: Fusion) -> Fusion:
@@ -13,7 +13,7 @@ def segment(fusion: Fusion) -> Fusion:
     segments: list[Segment] = []
     run: list[int] = []
     for i, op in enumerate(fusion.ops):
-        if op.kind in COLLECTIVES:
+        if traits(op.kind) & Trait.COLLECTIVE:
             if run:
                 segments.append(Segment("compute", tuple(run)))
                 run = []

@@ -5,7 +5,7 @@ computes correctly on local shards. Most ops are described einsum-style (``Label
 tensor dim carries a label; a label shared by an output passes a Shard through, a summed label
 (a contraction, a sum) yields Partial, a ``whole`` label (a normalized dim, a max) must stay
 unsharded. Which inputs may be Partial is listed per op (only where the op is linear in them).
-The registry ``RULES`` maps an op kind to a function building its candidates.
+Each op's entry in the op registry (``tp_fusion.ops``) names its rule, built here.
 """
 
 from __future__ import annotations
@@ -16,15 +16,21 @@ from dataclasses import dataclass
 from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Placement, Shard
 from tp_fusion.ir import Fusion, Op
 
+Rule = Callable[[Op, Fusion, int], list["Candidate"]]
+
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
+    """One way an op runs on a mesh axis: the placement it needs of each operand and gives each output."""
+
     inputs: tuple[Placement | None, ...]  # None for a non-tensor operand
     outputs: tuple[Placement, ...]
 
 
 @dataclass(frozen=True)
 class LabelSpec:
+    """An einsum-style description of an op's dims (see the module docstring)."""
+
     inputs: tuple[tuple[int | None, ...] | None, ...]  # per operand, a label per dim (None: not shardable)
     outputs: tuple[tuple[int | None, ...], ...]
     summed: frozenset[int] = frozenset()  # contracted labels whose local results add up
@@ -80,51 +86,65 @@ def _tensor_positions(op: Op) -> frozenset[int]:
     return frozenset(i for i, a in enumerate(op.inputs) if isinstance(a, int))
 
 
-def _broadcast_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    """Pointwise ops: dims aligned from the right; an operand dim of extent 1 under a larger output
-    dim is broadcast and carries no label."""
-    ins, (out,) = _shapes(op, fusion)
-    labels_in = []
-    for shape in ins:
-        if shape is None:
-            labels_in.append(None)
-            continue
-        offset = len(out) - len(shape)
-        labels_in.append(tuple(None if e == 1 and out[offset + d] != 1 else offset + d
-                               for d, e in enumerate(shape)))
+def linear_in_all(op: Op) -> tuple[frozenset[int], ...]:
+    """add/sub: every tensor operand Partial together (not with a constant operand: it would be
+    added once per device)."""
     tensors = _tensor_positions(op)
-    consts = len(tensors) < len(op.inputs)
-    partial = {
-        "add": () if consts else (tensors,), "sub": () if consts else (tensors,),
-        "mul": tuple(frozenset({i}) for i in sorted(tensors)),
-        "div": (frozenset({0}),) if 0 in tensors else (),
-        "neg": (frozenset({0}),), "set": (frozenset({0}),),
-        "cast": (frozenset({0}),) if op.attr("dtype") and op.attr("dtype").is_floating else (),
-    }.get(op.kind, ())
-    return LabelSpec(tuple(labels_in), (tuple(range(len(out))),), partial_sets=partial)
+    return () if len(tensors) < len(op.inputs) else (tensors,)
 
 
-def _reduction_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    (shape, *_), outs = _shapes(op, fusion)
-    dims, keepdim = op.attr("dims"), op.attr("keepdim")
-    kept = tuple(None if d in dims else d for d in range(len(shape)))
-    out = kept if keepdim else tuple(d for d in kept if d is not None)
-    linear = op.kind in ("sum", "mean")
-    return LabelSpec((tuple(range(len(shape))),), (out,) * len(outs),
-                     summed=frozenset(dims) if linear else frozenset(),
-                     whole=frozenset() if linear else frozenset(dims),
-                     partial_sets=(frozenset({0}),) if linear else ())
+def linear_in_each(op: Op) -> tuple[frozenset[int], ...]:
+    """mul: any one tensor operand Partial, the others Replicate."""
+    return tuple(frozenset({i}) for i in sorted(_tensor_positions(op)))
+
+
+def linear_in_first(op: Op) -> tuple[frozenset[int], ...]:
+    """div, neg, set, ...: the first operand Partial (when it is a tensor)."""
+    return (frozenset({0}),) if 0 in _tensor_positions(op) else ()
+
+
+def pointwise(partial: Callable[[Op], tuple[frozenset[int], ...]] | None = None) -> Rule:
+    """Pointwise ops: dims aligned from the right; an operand dim of extent 1 under a larger output
+    dim is broadcast and carries no label. ``partial`` says which operands the op is linear in."""
+    def build(op: Op, fusion: Fusion) -> LabelSpec:
+        ins, (out,) = _shapes(op, fusion)
+        labels_in = []
+        for shape in ins:
+            if shape is None:
+                labels_in.append(None)
+                continue
+            offset = len(out) - len(shape)
+            labels_in.append(tuple(None if e == 1 and out[offset + d] != 1 else offset + d
+                                   for d, e in enumerate(shape)))
+        return LabelSpec(tuple(labels_in), (tuple(range(len(out))),),
+                         partial_sets=partial(op) if partial else ())
+    return from_spec(build)
+
+
+def reduction(linear: bool) -> Rule:
+    """Reductions over ``dims``: a sharded reduced dim gives Partial when the reduction is
+    ``linear`` (sum, mean), and must stay unsharded otherwise (amax, var_mean)."""
+    def build(op: Op, fusion: Fusion) -> LabelSpec:
+        (shape, *_), outs = _shapes(op, fusion)
+        dims, keepdim = op.attr("dims"), op.attr("keepdim")
+        kept = tuple(None if d in dims else d for d in range(len(shape)))
+        out = kept if keepdim else tuple(d for d in kept if d is not None)
+        return LabelSpec((tuple(range(len(shape))),), (out,) * len(outs),
+                         summed=frozenset(dims) if linear else frozenset(),
+                         whole=frozenset() if linear else frozenset(dims),
+                         partial_sets=(frozenset({0}),) if linear else ())
+    return from_spec(build)
 
 
 def _linear_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    """x[..., k] @ w[n, k]^T + b[n]: batch labels 0.., n = -1, k = -2 (summed)."""
-    (x, _w, b), _ = _shapes(op, fusion)
+    """x[..., k] @ w[n, k]^T (+ b[n]): batch labels 0.., n = -1, k = -2 (summed). With a bias the
+    output cannot be Partial (the bias would be added once per device)."""
+    (x, _w, *bias), _ = _shapes(op, fusion)
     batch = tuple(range(len(x) - 1))
     N, K = -1, -2
-    has_bias = b is not None
-    return LabelSpec(((*batch, K), (N, K), (N,) if has_bias else None), ((*batch, N),),
+    return LabelSpec(((*batch, K), (N, K), *((N,) for _ in bias)), ((*batch, N),),
                      summed=frozenset({K}),
-                     partial_sets=() if has_bias else (frozenset({0}), frozenset({1})))
+                     partial_sets=() if bias else (frozenset({0}), frozenset({1})))
 
 
 def _matmul_spec(op: Op, fusion: Fusion) -> LabelSpec:
@@ -172,21 +192,38 @@ def _broadcast_in_dim_spec(op: Op, fusion: Fusion) -> LabelSpec:
     return LabelSpec((lin,), (tuple(range(len(out))),), partial_sets=(frozenset({0}),))
 
 
-def _normalization_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    ins, _ = _shapes(op, fusion)
-    x = ins[0]
-    if op.kind == "softmax":
-        whole = (op.attr("dim"),)
-    else:
-        whole = tuple(range(len(x) - len(op.attr("normalized_shape")), len(x)))
-    labels = tuple(range(len(x)))
-    params = tuple(None if s is None else whole[len(whole) - len(s):] for s in ins[1:])
-    return LabelSpec((labels, *params), (labels,), whole=frozenset(whole))
+def normalization(whole_dims: Callable[[Op, int], tuple[int, ...]]) -> Rule:
+    """layer_norm, softmax: the normalized dims ``whole_dims(op, ndim)`` stay whole; parameters
+    (weight, bias) span the trailing normalized dims."""
+    def build(op: Op, fusion: Fusion) -> LabelSpec:
+        ins, _ = _shapes(op, fusion)
+        x = ins[0]
+        whole = whole_dims(op, len(x))
+        labels = tuple(range(len(x)))
+        params = tuple(None if s is None else whole[len(whole) - len(s):] for s in ins[1:])
+        return LabelSpec((labels, *params), (labels,), whole=frozenset(whole))
+    return from_spec(build)
 
 
-def _full_spec(op: Op, fusion: Fusion) -> LabelSpec:
+def _factory_spec(op: Op, fusion: Fusion) -> LabelSpec:
     _, (out,) = _shapes(op, fusion)
     return LabelSpec((), (tuple(range(len(out))),))
+
+
+def _slice_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """A dim that the slice narrows stays whole; the others pass a Shard through."""
+    (x,), (out,) = _shapes(op, fusion)
+    labels = tuple(range(len(x)))
+    narrowed = frozenset(d for d in labels if out[d] != x[d])
+    return LabelSpec((labels,), (labels,), whole=narrowed, partial_sets=(frozenset({0}),))
+
+
+def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """The concatenated dim stays whole; the others pass a Shard through; Partial operands sum."""
+    ins, (out,) = _shapes(op, fusion)
+    labels = tuple(range(len(out)))
+    return LabelSpec(tuple(labels for _ in ins), (labels,), whole=frozenset({op.attr("dim")}),
+                     partial_sets=(frozenset(range(len(ins))),))
 
 
 def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
@@ -216,41 +253,21 @@ def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     return cands
 
 
-def _from_spec(build: Callable[[Op, Fusion], LabelSpec]):
+def from_spec(build: Callable[[Op, Fusion], LabelSpec]) -> Rule:
+    """A rule from a LabelSpec builder."""
     def rule(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
         spec = build(op, fusion)
         return label_candidates(spec, _extents(spec, op, fusion), n)
     return rule
 
 
-RULES: dict[str, Callable[[Op, Fusion, int], list[Candidate]]] = {
-    **{k: _from_spec(_broadcast_spec) for k in (
-        "neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "silu", "sqrt", "rsqrt", "gelu", "cast", "set",
-        "add", "sub", "mul", "div", "pow", "maximum", "minimum", "where")},
-    **{k: _from_spec(_reduction_spec) for k in ("sum", "mean", "amax", "var_mean")},
-    "linear": _from_spec(_linear_spec),
-    "matmul": _from_spec(_matmul_spec),
-    "permute": _from_spec(_permute_spec),
-    "squeeze": _from_spec(_squeeze_spec),
-    "unsqueeze": _from_spec(_unsqueeze_spec),
-    "broadcast_in_dim": _from_spec(_broadcast_in_dim_spec),
-    "layer_norm": _from_spec(_normalization_spec),
-    "softmax": _from_spec(_normalization_spec),
-    "full": _from_spec(_full_spec),
-    "reshape": reshape_candidates,
-}
-
-
-def preference(op: Op, fusion: Fusion) -> list[int]:
-    """Operand positions in the order whose sharding an op follows: linear the weight, then the
-    bias, then the input (as nvFuser); matmul B then A; otherwise the most device-parallel first."""
-    tensors = [i for i, a in enumerate(op.inputs) if isinstance(a, int)]
-    if op.kind == "linear":
-        return [i for i in (1, 2, 0) if i in tensors]
-    if op.kind == "matmul":
-        return [1, 0]
-
-    def parallel_axes(i):
-        s = fusion.tensor(op.inputs[i]).sharding
-        return s.num_device_axes() if s else 0
-    return sorted(tensors, key=lambda i: -parallel_axes(i))
+linear = from_spec(_linear_spec)
+matmul = from_spec(_matmul_spec)
+permute = from_spec(_permute_spec)
+squeeze = from_spec(_squeeze_spec)
+unsqueeze = from_spec(_unsqueeze_spec)
+broadcast_in_dim = from_spec(_broadcast_in_dim_spec)
+factory = from_spec(_factory_spec)
+slice_ = from_spec(_slice_spec)
+cat = from_spec(_cat_spec)
+reshape = reshape_candidates

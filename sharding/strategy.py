@@ -1,30 +1,50 @@
 """Choosing how an op runs on a mesh: the placements it needs of its inputs and gives its outputs.
 
-Shared by the propagation pass (which assigns output shardings) and the resharding pass (which
-inserts ``set``s where an input's sharding differs from what the op needs), so both agree.
+The propagation pass calls ``choose`` once per op and records the result on the op
+(``Op.strategy``); the resharding pass and the checks read that record. A candidate is chosen
+only if the resharding table (``tp_fusion.sharding.reshard``) can bring every operand to what it
+needs, so propagation and lowering agree by construction.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tp_fusion.sharding.rules import RULES, Candidate, preference
-from tp_fusion.sharding.sharding import REPLICATE, Replicate, Shard, Sharding
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh
+from tp_fusion.ops import opdef
+from tp_fusion.sharding.reshard import is_free, step_collective
+from tp_fusion.sharding.rules import Candidate
+from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, Sharding
 
 
 @dataclass(frozen=True)
 class Strategy:
+    """How one op runs: on ``mesh``, with operands in ``inputs`` and results in ``outputs``."""
+
     mesh: DeviceMesh
     inputs: tuple[Sharding | None, ...]  # what each operand must be (None: not a tensor)
     outputs: tuple[Sharding, ...]  # what the op produces
 
 
-def _free(have, need) -> bool:
-    """A transition that needs no communication: none, or a local slice of a replicated value."""
-    return have == need or (isinstance(have, Replicate) and isinstance(need, Shard))
+def preference(op: Op, fusion: Fusion) -> list[int]:
+    """Operand positions in the order whose sharding an op follows: the op's ``follow`` (linear:
+    the weight, then the bias, then the input, as nvFuser; matmul: B then A), else the most
+    device-parallel operand first."""
+    tensors = [i for i, a in enumerate(op.inputs) if isinstance(a, int)]
+    follow = opdef(op.kind).follow
+    if follow is not None:
+        return [i for i in follow if i in tensors]
+
+    def parallel_axes(i):
+        s = fusion.tensor(op.inputs[i]).sharding
+        return s.num_device_axes() if s else 0
+    return sorted(tensors, key=lambda i: -parallel_axes(i))
+
+
+def _reachable(have: Placement, need: Placement) -> bool:
+    return have == need or step_collective(have, need) is not None
 
 
 def op_mesh(op: Op, fusion: Fusion, hint: Sharding | None, default: DeviceMesh) -> DeviceMesh:
@@ -44,7 +64,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     3. else replicate everything.
     Candidates that would shard one dim on two mesh axes are skipped.
     """
-    if op.kind not in RULES:
+    rule = opdef(op.kind).rule
+    if rule is None:
         raise LoweringError(f"{op.kind}: no sharding rule for this op")
     mesh = op_mesh(op, fusion, hint, default_mesh)
     have = []
@@ -56,18 +77,20 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
     for axis in reversed(range(mesh.ndim)):
-        cands = [c for c in RULES[op.kind](op, fusion, mesh.shape[axis]) if _compatible(c, need_in, need_out)]
+        cands = [c for c in rule(op, fusion, mesh.shape[axis]) if _compatible(c, need_in, need_out)
+                 and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
+                 and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
         pick = None
         if hint is not None:
             pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]
-                         and all(h is None or _free(h[axis], p) for h, p in zip(have, c.inputs))), None)
+                         and all(h is None or is_free(h[axis], p) for h, p in zip(have, c.inputs))), None)
         for i in order if pick is None else ():
             p = have[i][axis]
             if isinstance(p, Replicate):
                 continue
             matching = [c for c in cands if c.inputs[i] == p]
             if matching:
-                pick = min(matching, key=lambda c: sum(h is not None and not _free(h[axis], q)
+                pick = min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                        for h, q in zip(have, c.inputs)))
                 break
         pick = pick or cands[0]

@@ -30,6 +30,7 @@ unchanged. Nothing else of ``fd`` changes. Forward only: no autograd through the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +43,19 @@ from tp_fusion.runtime import dist
 from tp_fusion.types import ParallelType
 
 
+@functools.cache
+def _dtensor_api():
+    """torch's ``DTensor``, ``Shard``, ``Replicate``, ``Partial`` and ``DeviceMesh``, imported on first
+    use: the rest of tp_fusion never needs them."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    return SimpleNamespace(DTensor=DTensor, Shard=Shard, Replicate=Replicate, Partial=Partial,
+                           DeviceMesh=TorchDeviceMesh)
+
+
 def mesh_from_torch(device_mesh) -> DeviceMesh:
     """The tp_fusion DeviceMesh with the same rank layout as a torch DeviceMesh."""
     return DeviceMesh(device_mesh.mesh.detach().cpu())
@@ -49,7 +63,7 @@ def mesh_from_torch(device_mesh) -> DeviceMesh:
 
 def sharding_from_dtensor(dt, what: str = "DTensor") -> Sharding:
     """The tp_fusion Sharding of a DTensor; raises for placements tp_fusion cannot take."""
-    api = dist.dtensor_api()
+    api = _dtensor_api()
     mesh = mesh_from_torch(dt.device_mesh)
     placements = []
     for axis, p in enumerate(dt.placements):
@@ -122,7 +136,7 @@ def _check_same_meshes_on_all_ranks(meshes: list[DeviceMesh | None]) -> None:
 
 
 def _torch_placements(sharding: Sharding) -> list:
-    api = dist.dtensor_api()
+    api = _dtensor_api()
     out = []
     for p in sharding.placements:
         if isinstance(p, Shard):
@@ -152,7 +166,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     mesh is none of theirs) with the placements in ``fd.output_shardings()``, the global shape and
     contiguous global strides.
     """
-    api = dist.dtensor_api()
+    api = _dtensor_api()
     inputs = list(dtensors)
     names = list(fd.fusion.inputs)
     if len(inputs) != len(names):
@@ -196,7 +210,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
         tmesh = torch_meshes.get(sharding.mesh)
         if tmesh is None:
             ranks = torch.tensor(sharding.mesh.devices).reshape(sharding.mesh.shape)
-            tmesh = torch_meshes[sharding.mesh] = dist.torch_device_mesh(out.device.type, ranks)
+            tmesh = torch_meshes[sharding.mesh] = _dtensor_api().DeviceMesh(out.device.type, ranks)
         shape = plan.fusion.tensor(name).shape
         result.append(api.DTensor.from_local(out, tmesh, _torch_placements(sharding), run_check=False,
                                              shape=torch.Size(shape), stride=_contiguous_stride(shape)))

@@ -12,6 +12,10 @@ class DefinitionError(TPFusionError, ValueError):
     """An op recorded with operands whose shapes, dtypes or arguments do not fit."""
 
 
+class UnknownOpError(DefinitionError, AttributeError):
+    """``fd.ops.<name>`` for an op that does not exist; the message lists the ops there are."""
+
+
 class ShardingError(TPFusionError, ValueError):
     """A bad mesh or sharding schedule (non-dividing split, axis out of range, ...)."""
 

@@ -6,13 +6,15 @@ to the definition, a schedule call replaces one tensor's IR record with a new on
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
 from tp_fusion import ops as _ops
-from tp_fusion.errors import DefinitionError, LoweringError, ShardingError
+from tp_fusion.errors import DefinitionError, InputError, LoweringError, ShardingError, UnknownOpError
 from tp_fusion.ir import Const, Fusion, LoopAxis, Op, Tensor, freeze
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.types import DataType, ParallelType
@@ -176,6 +178,9 @@ class TensorView:
 Operand = TensorView | Const | int | float | bool
 
 
+_SERIALS = itertools.count()
+
+
 class FusionDefinition:
     """Records a fusion with global shapes; see API.md. Use as a context manager."""
 
@@ -185,8 +190,9 @@ class FusionDefinition:
         self._inputs: list[int] = []
         self._outputs: list[int] = []
         self.ops = _OpsNamespace(self)
-        self.plan = None
+        self.plan = None  # the program of the last execute (None before; see compile())
         self._executor = None
+        self._serial = next(_SERIALS)  # ranks define fusions in the same order: this names it for all
 
     def __enter__(self) -> FusionDefinition:
         return self
@@ -213,7 +219,7 @@ class FusionDefinition:
 
     def define_tensor(self, shape: Sequence[int], dtype: DataType = DataType.Float) -> TensorView:
         shape = tuple(shape)
-        if not all(isinstance(e, int) and (e >= 0 or e == -1) for e in shape):
+        if not all(isinstance(e, int) and not isinstance(e, bool) and (e >= 0 or e == -1) for e in shape):
             raise DefinitionError(f"define_tensor: shape {list(shape)} must hold extents >= 0 or -1 (symbolic)")
         if not isinstance(dtype, DataType):
             raise DefinitionError(f"define_tensor: dtype must be a DataType, got {dtype!r}")
@@ -234,41 +240,76 @@ class FusionDefinition:
         self._outputs.append(tv.name)
         self._changed()
 
-    def _record(self, kind: str, inputs: Sequence[Operand | None], **attrs) -> TensorView | tuple:
+    def _record(self, kind: str, inputs: Sequence[Operand], **attrs) -> TensorView | tuple:
+        """Append op ``kind`` on ``inputs`` (TensorViews or numbers); shapes and dtypes are inferred
+        (and checked) now. Returns the output TensorView(s)."""
+        op = _ops.opdef(kind)
         args: list = []
         for x in inputs:
             if isinstance(x, TensorView):
                 if x._fd is not self:
                     raise DefinitionError(f"{kind}: T{x.name} belongs to another FusionDefinition")
                 args.append(x.name)
-            elif x is None or isinstance(x, Const):
-                args.append(Const(x) if x is None else x)
+            elif isinstance(x, Const):
+                args.append(x)
             elif isinstance(x, (int, float, bool)):
                 args.append(Const(x))
             else:
                 raise DefinitionError(f"{kind}: unsupported operand {x!r}; pass a TensorView or a number")
         attrs = {k: freeze(v) for k, v in attrs.items()}
-        infer_args = [(self._tensors[a].shape, self._tensors[a].dtype) if isinstance(a, int) else a.value
-                      for a in args]
-
-        def describe():
-            return ", ".join(f"T{a} {self._tensors[a].type_str()}" if isinstance(a, int) else repr(a.value)
-                             for a in args) or "no operands"
-        outs = _ops.infer(kind, infer_args, attrs, describe)
-        tvs = [self._new_tensor(shape, dtype) for shape, dtype in outs]
+        try:
+            outs = op.infer([self._operand_type(a) for a in args], attrs)
+        except DefinitionError as e:
+            described = ", ".join(f"T{a} {self._tensors[a].type_str()}" if isinstance(a, int) else repr(a.value)
+                                  for a in args) or "no operands"
+            raise DefinitionError(f"{kind}: cannot apply to {described}: {e}") from None
+        tvs = [self._new_tensor(t.shape, t.dtype) for t in outs]
         self._ops.append(Op(kind, tuple(args), tuple(tv.name for tv in tvs), tuple(attrs.items())))
         return tvs[0] if len(tvs) == 1 else tuple(tvs)
+
+    def _operand_type(self, a):
+        if isinstance(a, Const):
+            return a.value
+        t = self._tensors[a]
+        return _ops.TensorType(t.shape, t.dtype)
 
     # --- execution ---------------------------------------------------------------------------
 
     def execute(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Run on this rank's LOCAL input shards; returns this rank's local output shards."""
+        """Run on this rank's LOCAL input shards; returns this rank's local output shards.
+
+        Every rank of the default process group calls it, for the same fusions in the same order.
+        Forward only: it runs under ``torch.no_grad``, accepts inputs that require grad and returns
+        outputs that do not (``tp_fusion.autograd`` trains). Inputs are never modified. The first
+        call for a new input signature compiles (and, on GPUs, times the fused segments); ``fd.plan``
+        is then the program it runs.
+        """
         from tp_fusion.executor import Executor
 
         if self._executor is None:
-            self._executor = Executor(self.fusion)
+            self._executor = Executor(self.fusion, self._serial)
         outputs, self.plan = self._executor.run(list(inputs))
         return outputs
+
+    def compile(self, input_shapes: Sequence[Sequence[int]], rank: int = 0, device: str | torch.device = "cpu"):
+        """The plan ``execute`` would run on ``rank`` for inputs of these GLOBAL shapes, without any
+        process group or communication: inspect a GPU job's plan on a laptop. Fused segments show
+        ``undecided`` (their mode is measured on GPUs at the first execute).
+
+        >>> plan = fd.compile([[4096, 1024], [4096, 1024], [4096], [1024, 4096]], rank=0)
+        >>> print(plan); print(plan.collectives())
+        """
+        from tp_fusion.compile import compile_program
+
+        shapes = [tuple(s) for s in input_shapes]
+        if len(shapes) != len(self._inputs):
+            raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(shapes)} shapes")
+        for name, shape in zip(self._inputs, shapes):
+            t = self._tensors[name]
+            if len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
+                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
+                                 f"{list(shape)}")
+        return compile_program(self.fusion, shapes, rank, torch.device(device))
 
     def output_shardings(self) -> list:
         """One Sharding per output, from the plan of the last ``execute``."""
@@ -277,136 +318,31 @@ class FusionDefinition:
         return self.plan.output_shardings()
 
 
-def _dims(x: TensorView, dims, op: str) -> tuple[int, ...]:
-    dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    n = x.ndim
-    for d in dims:
-        if not isinstance(d, int) or not -n <= d < n:
-            raise DefinitionError(f"{op}: dim {d} is out of range for T{x.name} {x._ir.type_str()}")
-    out = tuple(sorted({d % n for d in dims}))
-    if len(out) != len(dims):
-        raise DefinitionError(f"{op}: dims {list(dims)} repeat a dim of T{x.name}")
-    return out
-
-
-def _tv(x, op: str) -> TensorView:
-    if not isinstance(x, TensorView):
-        raise DefinitionError(f"{op}: expected a TensorView, got {x!r}")
-    return x
-
-
 class _OpsNamespace:
-    """``fd.ops``: every op of API.md. Shapes and dtypes are inferred (and checked) when recorded."""
+    """``fd.ops``: every op of the registry (``tp_fusion.ops``); ``dir(fd.ops)`` lists them and
+    ``help(fd.ops.<name>)`` documents one. Shapes and dtypes are inferred and checked when an op is
+    recorded; ops take global shapes."""
 
     def __init__(self, fd: FusionDefinition):
         self._fd = fd
 
-    def _r(self, kind, *inputs, **attrs):
-        return self._fd._record(kind, inputs, **attrs)
-
     def __getattr__(self, name):
-        if name in _ops.UNARY_OPS:
-            return lambda x: self._r(name, _tv(x, name))
-        if name in _ops.BINARY_OPS:
-            def binary(a, b):
-                if not isinstance(a, TensorView) and not isinstance(b, TensorView):
-                    raise DefinitionError(f"{name}: at least one operand must be a TensorView, got {a!r}, {b!r}")
-                return self._r(name, a, b)
-            return binary
-        raise AttributeError(f"fd.ops has no op {name!r}")
+        raise UnknownOpError(f"fd.ops has no op {name!r}; the ops are: {', '.join(_ops.user_ops())}")
 
-    def gelu(self, x, approximate: str = "none"):
-        if approximate not in ("none", "tanh"):
-            raise DefinitionError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-        return self._r("gelu", _tv(x, "gelu"), approximate=approximate)
+    def __dir__(self):
+        return _ops.user_ops()
 
-    def cast(self, x, dtype: DataType):
-        if not isinstance(dtype, DataType):
-            raise DefinitionError(f"cast: dtype must be a DataType, got {dtype!r}")
-        return self._r("cast", _tv(x, "cast"), dtype=dtype)
 
-    def where(self, cond, a, b):
-        return self._r("where", _tv(cond, "where"), a, b)
+def _method(name: str, front):
+    def method(self, *args, **kwargs):
+        return front(_ops.Recorder(self._fd, name), *args, **kwargs)
+    sig = _ops.front_signature(front)
+    method.__signature__ = sig.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+                                                   *sig.parameters.values()])
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = front.__doc__
+    return method
 
-    def sum(self, x, dims, keepdim: bool = False, dtype: DataType | None = None):
-        return self._r("sum", x, dims=_dims(_tv(x, "sum"), dims, "sum"), keepdim=keepdim, dtype=dtype)
 
-    def mean(self, x, dims, keepdim: bool = False, dtype: DataType | None = None):
-        return self._r("mean", x, dims=_dims(_tv(x, "mean"), dims, "mean"), keepdim=keepdim, dtype=dtype)
-
-    def amax(self, x, dims, keepdim: bool = False):
-        return self._r("amax", x, dims=_dims(_tv(x, "amax"), dims, "amax"), keepdim=keepdim)
-
-    def var_mean(self, x, dims, correction: int = 1, keepdim: bool = False):
-        return self._r("var_mean", x, dims=_dims(_tv(x, "var_mean"), dims, "var_mean"),
-                       correction=correction, keepdim=keepdim)
-
-    def linear(self, x, w, b=None):
-        x, w = _tv(x, "linear"), _tv(w, "linear")
-        if w.ndim != 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[1] >= 0 and x.shape[-1] != w.shape[1]):
-            raise DefinitionError(
-                f"linear: the in extent of T{x.name} {x._ir.type_str()} (last dim) must match dim 1 of the "
-                f"weight T{w.name} {w._ir.type_str()}, which must be 2-D [out, in]")
-        if b is not None and (_tv(b, "linear").ndim != 1
-                              or (b.shape[0] >= 0 and w.shape[0] >= 0 and b.shape[0] != w.shape[0])):
-            raise DefinitionError(f"linear: bias T{b.name} {b._ir.type_str()} must be 1-D [out] with out = "
-                                  f"{w.shape[0]} (dim 0 of the weight T{w.name} {w._ir.type_str()})")
-        return self._r("linear", x, w, b)
-
-    def matmul(self, a, b):
-        return self._r("matmul", _tv(a, "matmul"), _tv(b, "matmul"))
-
-    def reshape(self, x, shape):
-        return self._r("reshape", _tv(x, "reshape"), shape=tuple(shape))
-
-    def permute(self, x, dims):
-        x = _tv(x, "permute")
-        dims = tuple(dims)
-        if (not all(isinstance(d, int) and -x.ndim <= d < x.ndim for d in dims)
-                or sorted(d % x.ndim for d in dims) != list(range(x.ndim))):
-            raise DefinitionError(f"permute: dims {list(dims)} are not a permutation of T{x.name}'s "
-                                  f"{x.ndim} dims {x._ir.type_str()}")
-        return self._r("permute", x, dims=tuple(d % x.ndim for d in dims))
-
-    def broadcast_in_dim(self, x, shape, broadcast_dims):
-        x = _tv(x, "broadcast_in_dim")
-        shape, bdims = tuple(shape), tuple(broadcast_dims)
-        ok = len(bdims) == x.ndim and list(bdims) == sorted(set(bdims)) and all(0 <= d < len(shape) for d in bdims)
-        ok = ok and all(shape[d] in (-1, x.shape[i]) or x.shape[i] == 1 for i, d in enumerate(bdims))
-        if not ok:
-            raise DefinitionError(
-                f"broadcast_in_dim: T{x.name} {x._ir.type_str()} cannot broadcast to {list(shape)} with "
-                f"broadcast_dims {list(bdims)} (one increasing output dim per input dim, extents equal or 1)")
-        return self._r("broadcast_in_dim", x, shape=shape, broadcast_dims=bdims)
-
-    def squeeze(self, x, dims):
-        x = _tv(x, "squeeze")
-        dims = _dims(x, dims, "squeeze")
-        bad = [d for d in dims if x.shape[d] != 1]
-        if bad:
-            raise DefinitionError(f"squeeze: dims {bad} of T{x.name} {x._ir.type_str()} are not of extent 1")
-        return self._r("squeeze", x, dims=dims)
-
-    def unsqueeze(self, x, dim: int):
-        x = _tv(x, "unsqueeze")
-        if not -x.ndim - 1 <= dim <= x.ndim:
-            raise DefinitionError(f"unsqueeze: dim {dim} is out of range for T{x.name} {x._ir.type_str()}")
-        return self._r("unsqueeze", x, dim=dim % (x.ndim + 1))
-
-    def set(self, x):
-        return self._r("set", _tv(x, "set"))
-
-    def layer_norm(self, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
-        x = _tv(x, "layer_norm")
-        ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        return self._r("layer_norm", x, weight, bias, normalized_shape=ns, eps=eps)
-
-    def softmax(self, x, dim: int):
-        x = _tv(x, "softmax")
-        return self._r("softmax", x, dim=_dims(x, dim, "softmax")[0])
-
-    def full(self, shape, fill_value, dtype: DataType):
-        """A tensor of ``shape`` filled with ``fill_value`` (nvFuser's ``full``)."""
-        if any(e < 0 for e in shape):
-            raise DefinitionError(f"full: shape {list(shape)} must be concrete")
-        return self._r("full", shape=tuple(shape), fill_value=fill_value, dtype=dtype)
+for _name, _front in _ops.fronts().items():
+    setattr(_OpsNamespace, _name, _method(_name, _front))

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from tp_fusion.sharding.sharding import Sharding
+from tp_fusion.sharding.sharding import Sharding  # noqa: F401 (the type of Tensor.sharding)
 from tp_fusion.types import DataType, ParallelType
 
 
@@ -82,10 +82,15 @@ Arg = int | Const  # an op input: a tensor name or a constant
 
 @dataclass(frozen=True, slots=True)
 class Op:
+    """One recorded op. ``kind`` names its entry in the op registry (``tp_fusion.ops.OPS``).
+    ``strategy`` (a ``tp_fusion.sharding.strategy.Strategy``) is what propagation chose: the
+    shardings the op needs of its operands and gives its outputs; later passes read it."""
+
     kind: str
     inputs: tuple[Arg, ...]
     outputs: tuple[int, ...]
     attrs: tuple[tuple[str, Any], ...] = ()
+    strategy: Any = field(default=None, compare=False)
 
     def attr(self, key: str, default=None):
         for k, v in self.attrs:
@@ -139,9 +144,12 @@ class Fusion:
     outputs: tuple[int, ...]
     segments: tuple[Segment, ...] | None = None
     _producers: dict = field(default=None, compare=False, repr=False)
+    _consumers: dict = field(default=None, compare=False, repr=False)
 
     def replace(self, **kw) -> Fusion:
-        kw.setdefault("_producers", None)
+        if "ops" in kw:
+            kw.setdefault("_producers", None)
+            kw.setdefault("_consumers", None)
         return dataclasses.replace(self, **kw)
 
     def tensor(self, name: int) -> Tensor:
@@ -157,7 +165,14 @@ class Fusion:
         return self._producers.get(name)
 
     def consumers(self, name: int) -> list[Op]:
-        return [op for op in self.ops if name in op.tensor_inputs]
+        """The ops that read tensor ``name``, in order (an op reading it twice appears once)."""
+        if self._consumers is None:
+            users: dict[int, list[Op]] = {}
+            for op in self.ops:
+                for a in dict.fromkeys(op.tensor_inputs):
+                    users.setdefault(a, []).append(op)
+            object.__setattr__(self, "_consumers", users)
+        return self._consumers.get(name, [])
 
     def with_tensors(self, updates: dict[int, Tensor]) -> Fusion:
         return self.replace(tensors=tuple(updates.get(t.name, t) for t in self.tensors))

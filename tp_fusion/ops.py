@@ -1,30 +1,296 @@
-"""Op definitions: the aten implementation of every op, and shape/dtype inference from it.
+"""The op registry: every op is declared once, here.
 
-Inference runs the aten implementation on meta tensors, so shapes, broadcasting and type
-promotion follow torch exactly. Symbolic extents (-1) are stood in for by a large prime during
-inference and mapped back afterwards. At run time the same implementation runs on local shards;
-ops whose attributes hold global extents get them rewritten to local ones by ``localize``.
+An ``OpDef`` holds all that tp_fusion knows of one op: its aten implementation, its shape and dtype
+inference, its sharding rule (``tp_fusion.sharding.rules``), its traits, its FLOPs, how its
+attributes become local ones, and the front end that ``fd.ops.<name>`` calls (argument checks and
+docstring). ``fd.ops`` is generated from this table; the passes, the runtime and the summary ask
+an op's traits, never its name. Adding an op is one ``register`` call plus its tests.
+
+Shapes are inferred in Python, so symbolic extents (-1) stay symbolic. Dtypes follow torch: where
+torch's promotion decides, the implementation runs once on one-element meta tensors of the
+operands' dtypes and ranks (``_torch_dtype``); ops that need equal dtypes (GEMMs, normalizations)
+check it here, as torch would only at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tp_fusion.errors import DefinitionError
+from tp_fusion.sharding import rules
 from tp_fusion.types import DataType
 
-SYMBOLIC = 1_000_003  # stands in for a symbolic extent during inference
+
+class Trait(enum.Flag):
+    """What kind of op this is; passes and the runtime test these, never names."""
+
+    NONE = 0
+    POINTWISE = enum.auto()  # elementwise over broadcast operands
+    VIEW = enum.auto()  # the result may be a view of an operand (never reduced in place)
+    GEMM = enum.auto()  # a matrix product: linear (x, w[out, in], bias?) or matmul (a, b)
+    REDUCTION = enum.auto()
+    NORMALIZATION = enum.auto()
+    FACTORY = enum.auto()  # creates a tensor from attributes alone
+    COLLECTIVE = enum.auto()  # communicates between ranks (lowered from a resharding)
+    LOCAL_RESHARD = enum.auto()  # a resharding step that needs no communication
+    EPILOGUE = enum.auto()  # unary pointwise that a fused GEMM may apply to its output
+    RESHARD = enum.auto()  # ``set``: its output may be sharded otherwise than its input (lowering's job)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """What inference knows of a tensor operand: its global shape (-1: symbolic) and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: DataType
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype.short}[{', '.join('?' if e < 0 else str(e) for e in self.shape)}]"
+
+
+Operand = TensorType | int | float | bool  # what inference sees: a tensor's type, or a scalar value
+Infer = Callable[[list[Operand], dict], list[TensorType]]
+Flops = Callable[[list[tuple[int, ...]], list[tuple[int, ...]]], int]  # (local in shapes, local out shapes)
 
 
 @dataclass(frozen=True)
 class OpDef:
-    impl: Callable  # impl(*inputs, **attrs) -> tensor or tuple of tensors
+    name: str
+    impl: Callable | None  # impl(*operands, **local attrs) -> tensor or tuple; None: run by the runtime
+    infer: Infer
+    traits: Trait
+    rule: rules.Rule | None = None  # sharding rule; None for resharding ops (the table handles them)
+    flops: Flops = lambda ins, outs: 0
+    localize: Callable[[dict, Localize], dict] | None = None  # global attributes -> local ones
+    follow: tuple[int, ...] | None = None  # operands whose sharding the op follows first (None: most sharded)
     num_outputs: int = 1
+    front: Callable | None = None  # the fd.ops function (first argument: a Recorder); None: internal op
+    weight_out_in: bool = False  # GEMM: the right operand is [out, in] (linear), not [in, out] (matmul)
+
+    def has(self, trait: Trait) -> bool:
+        return bool(self.traits & trait)
+
+
+def traits(kind: str) -> Trait:
+    return OPS[kind].traits
+
+
+def is_biased_gemm(op) -> bool:
+    """A GEMM with a bias operand (linear's third)."""
+    return OPS[op.kind].has(Trait.GEMM) and len(op.inputs) == 3
+
+
+@dataclass(frozen=True)
+class Localize:
+    """Shapes an op's ``localize`` may need: global and local operand shapes (None for scalars),
+    the local output shape, and the device it runs on."""
+
+    in_global: list[tuple[int, ...] | None]
+    in_local: list[tuple[int, ...] | None]
+    out_local: tuple[int, ...]
+    device: torch.device
+
+
+OPS: dict[str, OpDef] = {}
+# Front ends that record another op (nvFuser spellings): ``fd.ops`` offers them beside the OPS fronts.
+# Their names may be taken by internal ops (``broadcast`` is also the move between meshes).
+SPELLINGS: dict[str, Callable] = {}
+
+
+def register(name: str, **kw) -> OpDef:
+    OPS[name] = op = OpDef(name, **kw)
+    return op
+
+
+def opdef(kind: str) -> OpDef:
+    try:
+        return OPS[kind]
+    except KeyError:
+        raise DefinitionError(f"unknown op {kind!r}; the ops are: {', '.join(user_ops())}") from None
+
+
+def fronts() -> dict[str, Callable]:
+    """What ``fd.ops`` offers: name -> front end (its first argument is a Recorder)."""
+    out = {name: op.front for name, op in OPS.items() if op.front is not None}
+    return out | SPELLINGS
+
+
+def user_ops() -> list[str]:
+    """The ops ``fd.ops`` offers, sorted."""
+    return sorted(fronts())
+
+
+# --- inference helpers ----------------------------------------------------------------------------
+
+
+def _fail(op: str, msg: str):
+    """A front end's error: ``op: msg``."""
+    raise DefinitionError(f"{op}: {msg}")
+
+
+def _bad(msg: str):
+    """An inference error; the recorder prefixes the op and its operands."""
+    raise DefinitionError(msg)
+
+
+def _tensors(args: list[Operand]) -> list[TensorType]:
+    return [a for a in args if isinstance(a, TensorType)]
+
+
+def broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """Torch's broadcasting (aligned from the right), with -1 for a symbolic extent: a symbol
+    against a concrete extent n > 1 gives n (checked again at execute), two symbols give a symbol."""
+    n = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(n):
+        ext = [s[len(s) - n + i] for s in shapes if len(s) - n + i >= 0]
+        concrete = {e for e in ext if e not in (1, -1)}
+        if len(concrete) > 1:
+            _bad(f"shapes {[list(s) for s in shapes]} do not broadcast: dim {i - n} has extents "
+                      f"{sorted(concrete)}")
+        out.append(concrete.pop() if concrete else (-1 if -1 in ext else 1))
+    return tuple(out)
+
+
+def _meta_operand(a: Operand):
+    if isinstance(a, TensorType):
+        return torch.empty((1,) * a.ndim, dtype=a.dtype.torch, device="meta")
+    return a
+
+
+def _torch_dtype(impl: Callable, args: list[Operand], attrs: dict) -> list[DataType]:
+    """The output dtypes torch gives ``impl`` for operands of these dtypes and ranks: one run on
+    one-element meta tensors (torch's own promotion, and its dtype errors), cached by what decides
+    it (a scalar's type, not its value; a tensor's dtype and rank)."""
+    key = tuple((a.dtype, a.ndim) if isinstance(a, TensorType) else type(a) for a in args)
+    return list(_dtype_of(impl, key, tuple(args), tuple(attrs.items())))
+
+
+_DTYPE_CACHE: dict[tuple, tuple[DataType, ...]] = {}
+
+
+def _dtype_of(impl, key, args, attrs) -> tuple[DataType, ...]:
+    cache_key = (impl, key, attrs)
+    if cache_key not in _DTYPE_CACHE:
+        try:
+            out = impl(*[_meta_operand(a) for a in args], **dict(attrs))
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            _bad(f"torch rejects operands {', '.join(map(str, args))}: {str(e).splitlines()[0]}")
+        outs = out if isinstance(out, tuple) else (out,)
+        try:
+            _DTYPE_CACHE[cache_key] = tuple(DataType.from_torch(o.dtype) for o in outs)
+        except ValueError as e:
+            _bad(str(e))
+    return _DTYPE_CACHE[cache_key]
+
+
+def _same_dtype(args: list[Operand]) -> DataType:
+    """GEMMs and normalizations take operands of one dtype (torch raises at run time otherwise)."""
+    dtypes = {a.dtype for a in _tensors(args)}
+    if len(dtypes) > 1:
+        _bad(f"operands {', '.join(map(str, _tensors(args)))} have different dtypes; torch needs one "
+                  "dtype here: cast them first")
+    return dtypes.pop()
+
+
+def _pointwise_infer(impl: Callable) -> Infer:
+    def infer(args, attrs):
+        shape = broadcast_shapes([a.shape for a in _tensors(args)])
+        return [TensorType(shape, dt) for dt in _torch_dtype(impl, args, attrs)]
+    return infer
+
+
+def _reduced_shape(shape, dims, keepdim) -> tuple[int, ...]:
+    return tuple(1 if d in dims else e for d, e in enumerate(shape) if keepdim or d not in dims)
+
+
+def _reduction_infer(impl: Callable) -> Infer:
+    def infer(args, attrs):
+        (x,) = args
+        shape = _reduced_shape(x.shape, attrs["dims"], attrs.get("keepdim", False))
+        return [TensorType(shape, dt) for dt in _torch_dtype(impl, args, attrs)]
+    return infer
+
+
+def _same_as_input(args, attrs):
+    return [args[0]]
+
+
+# --- FLOPs (on local shapes) ----------------------------------------------------------------------
+
+
+def _flops_output(ins, outs) -> int:
+    return math.prod(outs[0])
+
+
+def _flops_input(ins, outs) -> int:
+    return math.prod(ins[0])
+
+
+def _flops_gemm(ins, outs) -> int:
+    return 2 * math.prod(outs[0]) * ins[0][-1]
+
+
+# --- front-end helpers ----------------------------------------------------------------------------
+
+
+class Recorder:
+    """What an op's front end gets: ``rec(*operands, **attrs)`` records this op, ``rec.other(kind, ...)``
+    another one; ``rec.tv(x)`` checks that ``x`` is a TensorView of this fusion."""
+
+    def __init__(self, fd, kind: str):
+        self._fd, self.kind = fd, kind
+
+    def __call__(self, *operands, **attrs):
+        return self._fd._record(self.kind, operands, **attrs)
+
+    def other(self, kind: str, *operands, **attrs):
+        return self._fd._record(kind, operands, **attrs)
+
+    def tv(self, x, what: str = "operand"):
+        from tp_fusion.fusion_definition import TensorView
+
+        if not isinstance(x, TensorView):
+            _fail(self.kind, f"expected a TensorView for {what}, got {x!r}")
+        return x
+
+    def dims(self, x, dims, what: str = "dims") -> tuple[int, ...]:
+        """``dims`` (an int or a sequence) normalized to sorted, non-negative, distinct dims of ``x``."""
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        n = x.ndim
+        for d in dims:
+            if not isinstance(d, int) or isinstance(d, bool) or not -n <= d < n:
+                _fail(self.kind, f"dim {d!r} is out of range for T{x.name} {x._ir.type_str()}")
+        out = tuple(sorted({d % n for d in dims}))
+        if len(out) != len(dims):
+            _fail(self.kind, f"{what} {list(dims)} repeat a dim of T{x.name}")
+        return out
+
+    def dtype(self, dtype, what: str = "dtype") -> DataType:
+        if not isinstance(dtype, DataType):
+            _fail(self.kind, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}")
+        return dtype
+
+
+def _int_list(op: str, values, what: str) -> tuple[int, ...]:
+    if isinstance(values, int) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        _fail(op, f"{what} must be a list of ints, got {values!r}")
+    return tuple(values)
+
+
+# --- pointwise ------------------------------------------------------------------------------------
 
 
 def _binary(fn):
@@ -37,12 +303,110 @@ def _binary(fn):
     return impl
 
 
+def _unary_front(name: str):
+    def front(rec, x):
+        return rec(rec.tv(x, "x"))
+    front.__doc__ = f"``torch.{name}(x)``, elementwise."
+    return front
+
+
+def _binary_front(name: str):
+    def front(rec, a, b):
+        from tp_fusion.fusion_definition import TensorView
+
+        if not isinstance(a, TensorView) and not isinstance(b, TensorView):
+            _fail(name, f"at least one operand must be a TensorView, got {a!r}, {b!r}")
+        return rec(a, b)
+    front.__doc__ = f"``torch.{name}(a, b)``, elementwise with torch's broadcasting; a or b may be a number."
+    return front
+
+
+_UNARY = {name: getattr(torch, name) for name in ("neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "sqrt",
+                                                  "rsqrt")} | {"silu": F.silu}
+_EPILOGUE = ("neg", "tanh", "sigmoid", "relu", "silu")  # cheap enough to run on a fused GEMM's output
+for _name, _fn in _UNARY.items():
+    register(_name, impl=_fn, infer=_pointwise_infer(_fn),
+             traits=Trait.POINTWISE | (Trait.EPILOGUE if _name in _EPILOGUE else Trait.NONE),
+             rule=rules.pointwise(rules.linear_in_first if _name == "neg" else None),
+             flops=_flops_output, front=_unary_front(_name))
+
+_BINARY_PARTIAL = {"add": rules.linear_in_all, "sub": rules.linear_in_all, "mul": rules.linear_in_each,
+                   "div": rules.linear_in_first}
+for _name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum"):
+    _impl = _binary(getattr(torch, _name))
+    register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE,
+             rule=rules.pointwise(_BINARY_PARTIAL.get(_name)), flops=_flops_output, front=_binary_front(_name))
+
+
+def _pow_front(rec, a, b):
+    """``torch.pow(a, b)``, elementwise; a or b may be a number. Integer tensors to negative integer
+    powers are rejected, as torch rejects them."""
+    from tp_fusion.fusion_definition import TensorView
+
+    if isinstance(a, TensorView) and not a.dtype.is_floating and isinstance(b, int) and b < 0:
+        _fail("pow", f"T{a.name} {a._ir.type_str()} is an integer tensor and {b} a negative integer power; "
+                     "torch does not allow integers to negative integer powers: cast it to a float dtype first")
+    return _binary_front("pow")(rec, a, b)
+
+
+OPS["pow"] = dataclasses.replace(OPS["pow"], front=_pow_front)
+
+
 def _gelu(x, approximate="none"):
     return F.gelu(x, approximate=approximate)
 
 
+def _gelu_front(rec, x, approximate: str = "none"):
+    """``F.gelu(x, approximate=...)``; ``approximate`` is ``"none"`` or ``"tanh"``."""
+    if approximate not in ("none", "tanh"):
+        _fail("gelu", f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return rec(rec.tv(x, "x"), approximate=approximate)
+
+
+register("gelu", impl=_gelu, infer=_pointwise_infer(_gelu), traits=Trait.POINTWISE | Trait.EPILOGUE,
+         rule=rules.pointwise(), flops=_flops_output, front=_gelu_front)
+
+
 def _cast(x, dtype):
     return x.to(dtype.torch)
+
+
+def _cast_front(rec, x, dtype):
+    """``x`` converted to ``dtype`` (a DataType)."""
+    return rec(rec.tv(x, "x"), dtype=rec.dtype(dtype))
+
+
+def _cast_partial(op) -> tuple[frozenset[int], ...]:
+    return (frozenset({0}),) if op.attr("dtype").is_floating else ()  # a sum survives a float cast
+
+
+register("cast", impl=_cast, infer=lambda args, attrs: [TensorType(args[0].shape, attrs["dtype"])],
+         traits=Trait.POINTWISE | Trait.EPILOGUE, rule=rules.pointwise(_cast_partial), flops=_flops_output,
+         front=_cast_front)
+
+
+def _where(c, a, b):
+    return torch.where(c, a, b)
+
+
+def _where_front(rec, cond, a, b):
+    """``torch.where(cond, a, b)``: ``a`` where ``cond`` holds, else ``b``; a or b may be a number."""
+    return rec(rec.tv(cond, "cond"), a, b)
+
+
+register("where", impl=_where, infer=_pointwise_infer(_where), traits=Trait.POINTWISE,
+         rule=rules.pointwise(), flops=_flops_output, front=_where_front)
+
+
+def _set_front(rec, x):
+    """An explicit copy of ``x``: the place to ask for a resharding (give the result another sharding)."""
+    return rec(rec.tv(x, "x"))
+
+
+register("set", impl=torch.clone, infer=_same_as_input, traits=Trait.POINTWISE | Trait.RESHARD,
+         rule=rules.pointwise(rules.linear_in_first), front=_set_front)
+
+# --- reductions -----------------------------------------------------------------------------------
 
 
 def _sum(x, dims, keepdim=False, dtype=None):
@@ -50,8 +414,8 @@ def _sum(x, dims, keepdim=False, dtype=None):
 
 
 def _mean(x, dims, keepdim=False, dtype=None, count=None):
-    """``count`` is the GLOBAL number of reduced elements, so a mean over a sharded dim can be
-    computed as a partial sum of local sums divided by the global count."""
+    """``count`` is the GLOBAL number of reduced elements, so a mean over a sharded dim is a partial
+    sum of local sums divided by the global count."""
     local = math.prod(x.shape[d] for d in dims)
     if count is None or count == local:
         return torch.mean(x, dim=dims, keepdim=keepdim, dtype=dtype.torch if dtype else None)
@@ -66,106 +430,378 @@ def _var_mean(x, dims, correction=1, keepdim=False):
     return torch.var_mean(x, dim=dims, correction=correction, keepdim=keepdim)
 
 
-def _linear(x, w, b=None):
-    return F.linear(x, w, b)
+def _sum_front(rec, x, dims, keepdim: bool = False, dtype: DataType | None = None):
+    """``torch.sum(x, dims, keepdim, dtype)``; a sum over a sharded dim leaves a partial result."""
+    x = rec.tv(x, "x")
+    return rec(x, dims=rec.dims(x, dims), keepdim=bool(keepdim), dtype=None if dtype is None else rec.dtype(dtype))
 
 
-def _reshape(x, shape):
-    return x.reshape(shape)
+def _mean_front(rec, x, dims, keepdim: bool = False, dtype: DataType | None = None):
+    """``torch.mean(x, dims, keepdim, dtype)``."""
+    return _sum_front(rec, x, dims, keepdim, dtype)
 
 
-def _permute(x, dims):
-    return x.permute(dims)
+def _amax_front(rec, x, dims, keepdim: bool = False):
+    """``torch.amax(x, dims, keepdim)``."""
+    x = rec.tv(x, "x")
+    return rec(x, dims=rec.dims(x, dims), keepdim=bool(keepdim))
+
+
+def _var_mean_front(rec, x, dims, correction: int = 1, keepdim: bool = False):
+    """``torch.var_mean(x, dims, correction=..., keepdim=...)`` -> (var, mean)."""
+    x = rec.tv(x, "x")
+    return rec(x, dims=rec.dims(x, dims), correction=correction, keepdim=bool(keepdim))
+
+
+def _mean_localize(attrs: dict, s: Localize) -> dict:
+    return {**attrs, "count": math.prod(s.in_global[0][d] for d in attrs["dims"])}
+
+
+for _name, _impl, _front, _linear in (("sum", _sum, _sum_front, True), ("mean", _mean, _mean_front, True),
+                                      ("amax", _amax, _amax_front, False),
+                                      ("var_mean", _var_mean, _var_mean_front, False)):
+    register(_name, impl=_impl, infer=_reduction_infer(_impl), traits=Trait.REDUCTION,
+             rule=rules.reduction(linear=_linear), flops=_flops_input, front=_front,
+             localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1)
+
+# --- matrix products ------------------------------------------------------------------------------
+
+
+def _match(a: int, b: int, what: str) -> None:
+    if a >= 0 and b >= 0 and a != b:
+        _bad(what)
+
+
+def _linear_infer(args, attrs):
+    x, w, *bias = args
+    what = (f"the in extent of {x} (last dim) must match dim 1 of the weight {w}, which must be 2-D [out, in]")
+    if w.ndim != 2 or x.ndim < 1:
+        _bad(what)
+    _match(x.shape[-1], w.shape[1], what)
+    if bias:
+        (b,) = bias
+        if b.ndim != 1:
+            _bad(f"bias {b} must be 1-D [out] with out = dim 0 of the weight {w}")
+        _match(b.shape[0], w.shape[0], f"bias {b} must be 1-D [out] with out = dim 0 of the weight {w}")
+    out = w.shape[0] if w.shape[0] >= 0 or not bias else bias[0].shape[0]
+    return [TensorType((*x.shape[:-1], out), _same_dtype(args))]
+
+
+def _linear_front(rec, x, w, b=None):
+    """``F.linear(x, w, b)``: ``x[..., in] @ w[out, in]^T + b[out]``."""
+    x, w = rec.tv(x, "x"), rec.tv(w, "w")
+    if w.ndim != 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[1] >= 0 and x.shape[-1] != w.shape[1]):
+        _fail("linear", f"the in extent of T{x.name} {x._ir.type_str()} (last dim) must match dim 1 of the weight "
+                        f"T{w.name} {w._ir.type_str()}, which must be 2-D [out, in]")
+    if b is not None:
+        b = rec.tv(b, "b")
+        if b.ndim != 1 or (b.shape[0] >= 0 and w.shape[0] >= 0 and b.shape[0] != w.shape[0]):
+            _fail("linear", f"bias T{b.name} {b._ir.type_str()} must be 1-D [out] with out = {w.shape[0]} (dim 0 "
+                            f"of the weight T{w.name} {w._ir.type_str()})")
+    return rec(x, w, *([b] if b is not None else []))
+
+
+register("linear", impl=F.linear, infer=_linear_infer, traits=Trait.GEMM, rule=rules.linear,
+         flops=_flops_gemm, follow=(1, 2, 0), front=_linear_front, weight_out_in=True)
+
+
+def _matmul_infer(args, attrs):
+    a, b = args
+    what = f"cannot multiply {a} by {b}"
+    if a.ndim == 0 or b.ndim == 0:
+        _bad(f"{what}: both operands need at least one dim")
+    _match(a.shape[-1], b.shape[0] if b.ndim == 1 else b.shape[-2], f"{what}: contracted extents differ")
+    batch = broadcast_shapes([a.shape[:-2], b.shape[:-2]])
+    out = (*batch, *a.shape[-2:-1], *(b.shape[-1:] if b.ndim > 1 else ()))
+    return [TensorType(out, _same_dtype(args))]
+
+
+def _matmul_front(rec, a, b):
+    """``torch.matmul(a, b)``, with torch's batch broadcasting and 1-D rules."""
+    return rec(rec.tv(a, "a"), rec.tv(b, "b"))
+
+
+register("matmul", impl=torch.matmul, infer=_matmul_infer, traits=Trait.GEMM, rule=rules.matmul,
+         flops=_flops_gemm, follow=(1, 0), front=_matmul_front)
+
+# --- shape ops ------------------------------------------------------------------------------------
+
+
+def _reshape_infer(args, attrs):
+    (x,), shape = args, attrs["shape"]
+    if -1 in x.shape:  # symbolic input: extents are checked when bound
+        return [TensorType(shape, x.dtype)]
+    n, known = math.prod(x.shape), math.prod(e for e in shape if e != -1)
+    if shape.count(-1) > 1 or (-1 in shape and (known == 0 or n % known)) or (-1 not in shape and known != n):
+        _bad(f"cannot reshape {x} ({n} elements) to {list(shape)}")
+    return [TensorType(tuple(n // known if e == -1 else e for e in shape), x.dtype)]
+
+
+def _reshape_front(rec, x, new_shape=None, *, shape=None):
+    """``x.reshape(new_shape)`` with global extents (``shape=`` is accepted too)."""
+    new_shape = new_shape if new_shape is not None else shape
+    if new_shape is None:
+        _fail("reshape", "give the new shape")
+    return rec(rec.tv(x, "x"), shape=_int_list("reshape", new_shape, "new_shape"))
+
+
+def _shape_localize(attrs: dict, s: Localize) -> dict:
+    return {**attrs, "shape": s.out_local}
+
+
+register("reshape", impl=lambda x, shape: x.reshape(shape), infer=_reshape_infer, traits=Trait.VIEW,
+         rule=rules.reshape, localize=_shape_localize, front=_reshape_front)
+
+
+def _permute_front(rec, x, dims):
+    """``x.permute(dims)``."""
+    x = rec.tv(x, "x")
+    dims = tuple(dims)
+    if not all(isinstance(d, int) and -x.ndim <= d < x.ndim for d in dims) or sorted(d % x.ndim for d in dims) != list(range(x.ndim)):
+        _fail("permute", f"dims {list(dims)} are not a permutation of T{x.name}'s {x.ndim} dims {x._ir.type_str()}")
+    return rec(x, dims=tuple(d % x.ndim for d in dims))
+
+
+register("permute", impl=lambda x, dims: x.permute(dims),
+         infer=lambda args, attrs: [TensorType(tuple(args[0].shape[d] for d in attrs["dims"]), args[0].dtype)],
+         traits=Trait.VIEW, rule=rules.permute, front=_permute_front)
 
 
 def _broadcast_in_dim(x, shape, broadcast_dims):
     view = [1] * len(shape)
     for i, d in enumerate(broadcast_dims):
         view[d] = x.shape[i]
-    target = [view[d] if e == -1 else e for d, e in enumerate(shape)]
-    return x.reshape(view).expand(target)
+    return x.reshape(view).expand([view[d] if e == -1 else e for d, e in enumerate(shape)])
 
 
-def _squeeze(x, dims):
-    return x.squeeze(dims) if dims else x
+def _broadcast_in_dim_infer(args, attrs):
+    (x,), shape, bdims = args, attrs["shape"], attrs["broadcast_dims"]
+    out = list(shape)
+    for i, d in enumerate(bdims):
+        if out[d] == -1:
+            out[d] = x.shape[i]
+    return [TensorType(tuple(out), x.dtype)]
 
 
-def _set(x):
-    return x.clone()
+def _broadcast_in_dim_front(rec, x, shape, broadcast_dims):
+    """``x`` broadcast to ``shape``: input dim i becomes output dim ``broadcast_dims[i]`` (negative
+    dims wrap); every other output dim is new. -1 in ``shape`` keeps the input's extent."""
+    x = rec.tv(x, "x")
+    shape, bdims = _int_list("broadcast_in_dim", shape, "shape"), _int_list("broadcast_in_dim", broadcast_dims,
+                                                                            "broadcast_dims")
+    bdims = tuple(d % len(shape) if -len(shape) <= d < 0 else d for d in bdims)
+    ok = len(bdims) == x.ndim and list(bdims) == sorted(set(bdims)) and all(0 <= d < len(shape) for d in bdims)
+    ok = ok and all(shape[d] in (-1, x.shape[i]) or x.shape[i] in (1, -1) for i, d in enumerate(bdims))
+    if not ok:
+        _fail("broadcast_in_dim", f"T{x.name} {x._ir.type_str()} cannot broadcast to {list(shape)} with "
+                                  f"broadcast_dims {list(bdims)} (one increasing output dim per input dim, extents "
+                                  "equal or 1)")
+    return rec(x, shape=shape, broadcast_dims=bdims)
 
 
-def _layer_norm(x, weight=None, bias=None, normalized_shape=(), eps=1e-5):
-    return F.layer_norm(x, normalized_shape, weight, bias, eps)
+register("broadcast_in_dim", impl=_broadcast_in_dim, infer=_broadcast_in_dim_infer, traits=Trait.VIEW,
+         rule=rules.broadcast_in_dim, localize=_shape_localize, front=_broadcast_in_dim_front)
+
+
+def _broadcast_front(rec, x, is_broadcast_dim):
+    """nvFuser's ``broadcast``: the output has ``len(is_broadcast_dim)`` dims; those marked True are
+    new dims of extent 1, the others are ``x``'s dims in order."""
+    x = rec.tv(x, "x")
+    flags = [bool(f) for f in is_broadcast_dim]
+    if flags.count(False) != x.ndim:
+        _fail("broadcast", f"is_broadcast_dim {list(is_broadcast_dim)} must mark exactly {x.ndim} dims False "
+                           f"(T{x.name} {x._ir.type_str()} has {x.ndim})")
+    kept = [d for d, f in enumerate(flags) if not f]
+    shape = [1] * len(flags)
+    for i, d in enumerate(kept):
+        shape[d] = x.shape[i]
+    return rec.other("broadcast_in_dim", x, shape=tuple(shape), broadcast_dims=tuple(kept))
+
+
+SPELLINGS["broadcast"] = _broadcast_front
+
+
+def _squeeze_front(rec, x, dims):
+    """``x`` without the given dims, which must have extent 1."""
+    x = rec.tv(x, "x")
+    dims = rec.dims(x, dims)
+    bad = [d for d in dims if x.shape[d] != 1]
+    if bad:
+        _fail("squeeze", f"dims {bad} of T{x.name} {x._ir.type_str()} are not of extent 1")
+    return rec(x, dims=dims)
+
+
+register("squeeze", impl=lambda x, dims: x.squeeze(dims) if dims else x,
+         infer=lambda args, attrs: [TensorType(tuple(e for d, e in enumerate(args[0].shape) if d not in attrs["dims"]),
+                                               args[0].dtype)],
+         traits=Trait.VIEW, rule=rules.squeeze, front=_squeeze_front)
+
+
+def _unsqueeze_front(rec, x, dim: int):
+    """``x.unsqueeze(dim)``: a new dim of extent 1 at ``dim`` (negative counts from the end)."""
+    x = rec.tv(x, "x")
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.ndim - 1 <= dim <= x.ndim:
+        _fail("unsqueeze", f"dim {dim!r} is out of range for T{x.name} {x._ir.type_str()} (an int in "
+                           f"[{-x.ndim - 1}, {x.ndim}])")
+    return rec(x, dim=dim % (x.ndim + 1))
+
+
+def _unsqueeze_infer(args, attrs):
+    shape = list(args[0].shape)
+    shape.insert(attrs["dim"], 1)
+    return [TensorType(tuple(shape), args[0].dtype)]
+
+
+register("unsqueeze", impl=lambda x, dim: x.unsqueeze(dim), infer=_unsqueeze_infer, traits=Trait.VIEW,
+         rule=rules.unsqueeze, front=_unsqueeze_front)
+
+
+def _slice(x, starts, ends, strides):
+    return x[tuple(slice(s, e, k) for s, e, k in zip(starts, ends, strides))]
+
+
+def _slice_infer(args, attrs):
+    (x,) = args
+    return [TensorType(tuple(e if e < 0 else len(range(s, min(end, e), k)) for e, s, end, k in
+                             zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"])), x.dtype)]
+
+
+def _slice_front(rec, x, start_indices, end_indices, strides=None):
+    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim."""
+    x = rec.tv(x, "x")
+    starts = _int_list("slice", start_indices, "start_indices")
+    ends = _int_list("slice", end_indices, "end_indices")
+    strides = (1,) * x.ndim if strides is None else _int_list("slice", strides, "strides")
+    if not len(starts) == len(ends) == len(strides) == x.ndim:
+        _fail("slice", f"start_indices, end_indices and strides need one entry per dim of T{x.name} "
+                       f"{x._ir.type_str()}")
+    for d, (s, e, k, n) in enumerate(zip(starts, ends, strides, x.shape)):
+        if k < 1 or s < 0 or e < s or (n >= 0 and e > n) or (n < 0 and (s, e) != (0, n) and e != -1):
+            _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
+                           "extent and a stride >= 1")
+    return rec(x, starts=starts, ends=ends, strides=strides)
+
+
+def _slice_localize(attrs: dict, s: Localize) -> dict:
+    """A sharded dim is never narrowed (the rule keeps narrowed dims whole): it runs in full."""
+    (glob, local) = s.in_global[0], s.in_local[0]
+    ends = tuple(local[d] if local[d] != glob[d] else e for d, e in enumerate(attrs["ends"]))
+    return {**attrs, "ends": ends}
+
+
+register("slice", impl=_slice, infer=_slice_infer, traits=Trait.VIEW, rule=rules.slice_,
+         localize=_slice_localize, front=_slice_front)
+
+
+def _cat_infer(args, attrs):
+    dim = attrs["dim"]
+    first = args[0]
+    for t in args[1:]:
+        if t.ndim != first.ndim or any(a >= 0 and b >= 0 and a != b for d, (a, b) in
+                                       enumerate(zip(t.shape, first.shape)) if d != dim):
+            _bad(f"{', '.join(map(str, args))} differ in a dim other than {dim}")
+    ext = [t.shape[dim] for t in args]
+    shape = list(first.shape)
+    shape[dim] = -1 if -1 in ext else sum(ext)
+    return [TensorType(tuple(shape), _torch_dtype(_cat_impl, args, {"dim": dim})[0])]
+
+
+def _cat_impl(*tensors, dim):
+    return torch.cat(tensors, dim)
+
+
+def _cat_front(rec, tensors, dim: int):
+    """``torch.cat(tensors, dim)``."""
+    tensors = [rec.tv(t, "each tensor") for t in tensors]
+    if not tensors:
+        _fail("cat", "give at least one tensor")
+    return rec(*tensors, dim=rec.dims(tensors[0], dim, "dim")[0])
+
+
+register("cat", impl=_cat_impl, infer=_cat_infer, traits=Trait.NONE, rule=rules.cat, front=_cat_front)
+
+# --- normalization --------------------------------------------------------------------------------
+
+
+def _layer_norm(x, *params, normalized_shape=(), eps=1e-5, affine=()):
+    given = dict(zip(affine, params))
+    return F.layer_norm(x, normalized_shape, given.get("weight"), given.get("bias"), eps)
+
+
+def _layer_norm_infer(args, attrs):
+    x, *params = args
+    ns = attrs["normalized_shape"]
+    if tuple(x.shape[len(x.shape) - len(ns):]) != ns and -1 not in x.shape:
+        _bad(f"normalized_shape {list(ns)} must be the trailing extents of {x}")
+    for p in params:
+        if p.shape != ns:
+            _bad(f"weight and bias must have the normalized shape {list(ns)}, got {p}")
+    return [TensorType(x.shape, _same_dtype(args))]
+
+
+def _layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
+    """``F.layer_norm(x, normalized_shape, weight, bias, eps)``."""
+    x = rec.tv(x, "x")
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else _int_list("layer_norm", normalized_shape,
+                                                                                 "normalized_shape")
+    given = {k: rec.tv(v, k) for k, v in (("weight", weight), ("bias", bias)) if v is not None}
+    return rec(x, *given.values(), normalized_shape=ns, eps=float(eps), affine=tuple(given))
+
+
+register("layer_norm", impl=_layer_norm, infer=_layer_norm_infer, traits=Trait.NORMALIZATION,
+         rule=rules.normalization(lambda op, n: tuple(range(n - len(op.attr("normalized_shape")), n))),
+         flops=_flops_input, front=_layer_norm_front)
+
+
+def _softmax(x, dim):
+    return torch.softmax(x, dim)
+
+
+def _softmax_front(rec, x, dim: int):
+    """``torch.softmax(x, dim)``."""
+    x = rec.tv(x, "x")
+    return rec(x, dim=rec.dims(x, dim, "dim")[0])
+
+
+register("softmax", impl=_softmax,
+         infer=lambda args, attrs: [TensorType(args[0].shape, _torch_dtype(_softmax, args, attrs)[0])],
+         traits=Trait.NORMALIZATION, rule=rules.normalization(lambda op, n: (op.attr("dim"),)),
+         flops=_flops_input, front=_softmax_front)
+
+# --- factories ------------------------------------------------------------------------------------
 
 
 def _full(shape, fill_value, dtype, device="cpu"):
     return torch.full(shape, fill_value, dtype=dtype.torch, device=device)
 
 
-OPS: dict[str, OpDef] = {
-    **{name: OpDef(getattr(torch, name)) for name in
-       ("neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "rsqrt")},
-    "silu": OpDef(F.silu),
-    "gelu": OpDef(_gelu),
-    "cast": OpDef(_cast),
-    **{name: OpDef(_binary(getattr(torch, name))) for name in
-       ("add", "sub", "mul", "div", "pow", "maximum", "minimum")},
-    "where": OpDef(lambda c, a, b: torch.where(c, a, b)),
-    "sum": OpDef(_sum),
-    "mean": OpDef(_mean),
-    "amax": OpDef(_amax),
-    "var_mean": OpDef(_var_mean, num_outputs=2),
-    "linear": OpDef(_linear),
-    "matmul": OpDef(torch.matmul),
-    "reshape": OpDef(_reshape),
-    "permute": OpDef(_permute),
-    "broadcast_in_dim": OpDef(_broadcast_in_dim),
-    "squeeze": OpDef(_squeeze),
-    "unsqueeze": OpDef(lambda x, dim: x.unsqueeze(dim)),
-    "set": OpDef(_set),
-    "layer_norm": OpDef(_layer_norm),
-    "softmax": OpDef(lambda x, dim: torch.softmax(x, dim)),
-    "full": OpDef(_full),
-}
-
-UNARY_OPS = ("neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "silu", "sqrt", "rsqrt")
-BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum")
-REDUCTION_OPS = ("sum", "mean", "amax", "var_mean")
+def _full_front(rec, shape, fill_value, dtype: DataType):
+    """A tensor of ``shape`` (concrete extents) filled with ``fill_value`` (nvFuser's ``full``)."""
+    shape = _int_list("full", shape, "shape")
+    if any(e < 0 for e in shape):
+        _fail("full", f"shape {list(shape)} must be concrete")
+    if not isinstance(fill_value, (int, float, bool)):
+        _fail("full", f"fill_value must be a Python number, got {fill_value!r}")
+    return rec(shape=shape, fill_value=fill_value, dtype=rec.dtype(dtype))
 
 
-def run(kind: str, args: list, attrs: dict):
-    return OPS[kind].impl(*args, **attrs)
+def _full_localize(attrs: dict, s: Localize) -> dict:
+    return {**attrs, "shape": s.out_local, "device": s.device}
 
 
-def _meta(shape: tuple[int, ...], dtype: DataType) -> torch.Tensor:
-    return torch.empty([SYMBOLIC if e < 0 else e for e in shape], dtype=dtype.torch, device="meta")
+register("full", impl=_full, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
+         traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front)
+
+# --- resharding steps (inserted by lowering; run by tp_fusion.runtime.collectives) ----------------
+
+for _name, _traits in (("allgather", Trait.COLLECTIVE), ("reduce_scatter", Trait.COLLECTIVE),
+                       ("allreduce", Trait.COLLECTIVE), ("all_to_all", Trait.COLLECTIVE),
+                       ("send_recv", Trait.COLLECTIVE), ("broadcast", Trait.COLLECTIVE), ("local_slice", Trait.LOCAL_RESHARD | Trait.VIEW),
+                       ("to_partial", Trait.LOCAL_RESHARD | Trait.VIEW)):
+    register(_name, impl=None, infer=_same_as_input, traits=_traits)
 
 
-def _unmeta(shape) -> tuple[int, ...]:
-    return tuple(-1 if e > 0 and e % SYMBOLIC == 0 else int(e) for e in shape)
-
-
-def infer(kind: str, args: list, attrs: dict, describe: Callable[[], str]):
-    """Shapes and dtypes of ``kind``'s outputs for args given as (shape, DataType) pairs or
-    scalars. Raises DefinitionError naming the op and its operands when torch rejects them."""
-    meta_args = [_meta(*a) if isinstance(a, tuple) else a for a in args]
-    meta_attrs = {k: (tuple(SYMBOLIC if e < 0 else e for e in v) if k == "shape" and kind == "full" else v)
-                  for k, v in attrs.items()}
-    try:
-        out = run(kind, meta_args, meta_attrs)
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        raise DefinitionError(f"{kind}: cannot apply to {describe()}: {e}") from None
-    outs = out if isinstance(out, tuple) else (out,)
-    return [(_unmeta(o.shape), DataType.from_torch(o.dtype)) for o in outs]
-
-
-def localize(kind: str, attrs: dict, in_global: list, out_global: tuple[int, ...],
-             out_local: tuple[int, ...], device) -> dict:
-    """Attributes for running ``kind`` on local shards: global extents become local ones."""
-    if kind in ("reshape", "broadcast_in_dim"):
-        return {**attrs, "shape": out_local}
-    if kind == "full":
-        return {**attrs, "shape": out_local, "device": device}
-    if kind == "mean":
-        return {**attrs, "count": math.prod(in_global[0][d] for d in attrs["dims"])}
-    return attrs
+def front_signature(front: Callable) -> inspect.Signature:
+    """The signature ``fd.ops.<name>`` shows: the front end's, without its Recorder."""
+    sig = inspect.signature(front)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])

@@ -33,12 +33,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tp_fusion.passes.lower_communications import COLLECTIVES
+from tp_fusion.ops import Trait, opdef, traits
+from tp_fusion.sharding.reshard import Collective
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.types import ParallelType
 
-SHAPE_OPS = ("reshape", "permute", "broadcast_in_dim", "squeeze", "unsqueeze", "set", "slice", "full")
-INPUT_SIZED_OPS = ("sum", "mean", "amax", "var_mean", "softmax", "layer_norm")
 
 
 @dataclass(frozen=True)
@@ -147,52 +146,45 @@ def _bytes(fusion: Fusion, name: int) -> int:
 def comm_cost(fusion: Fusion, op: Op) -> CommCost:
     """This model's bytes per rank for one communication op of a lowered fusion."""
     src, out = op.inputs[0], op.outputs[0]
-    if op.kind in ("send_recv", "broadcast"):
+    if Collective(op.kind) in (Collective.SEND_RECV, Collective.BROADCAST):
         a, b = op.attr("src_mesh"), op.attr("dst_mesh")
         payload = _bytes(fusion, out)
-        moves = op.kind == "broadcast" or a.devices != b.devices
+        moves = op.kind == Collective.BROADCAST.value or a.devices != b.devices
         group = f"{a.short()}->{b.short()}"
-        n = len(set(a.devices) | set(b.devices)) if op.kind == "broadcast" else 2
+        n = len(set(a.devices) | set(b.devices)) if op.kind == Collective.BROADCAST.value else 2
         return CommCost(op.kind, group, n, payload, payload if moves else 0, payload if moves else 0)
     mesh = fusion.tensor(src).sharding.mesh
     axis = op.attr("mesh_axis")
     n = mesh.shape[axis]
     group = f"{ParallelType.for_mesh_axis(axis, mesh.ndim).value}, n={n}"
-    payload = _bytes(fusion, out if op.kind == "allgather" else src)
+    payload = _bytes(fusion, out if op.kind == Collective.ALLGATHER.value else src)
     share = payload * (n - 1) // n
-    if op.kind == "allreduce":
+    if op.kind == Collective.ALLREDUCE.value:
         share *= 2
     return CommCost(op.kind, group, n, payload, share, share)
 
 
 def op_flops(fusion: Fusion, op: Op) -> int:
-    """FLOPs of one compute op on this rank's local shards (see the module docstring)."""
-    if op.kind in COLLECTIVES or op.kind in SHAPE_OPS:
-        return 0
-    out = _local_shape(fusion, op.outputs[0])
-    if op.kind in ("linear", "matmul"):
-        a = _local_shape(fusion, op.inputs[0])
-        return 2 * math.prod(out) * a[-1]
-    if op.kind in INPUT_SIZED_OPS:
-        return math.prod(_local_shape(fusion, op.inputs[0]))
-    return math.prod(out)
+    """FLOPs of one op on this rank's local shards (the op registry's ``flops``)."""
+    ins = [_local_shape(fusion, a) for a in op.tensor_inputs]
+    return opdef(op.kind).flops(ins, [_local_shape(fusion, o) for o in op.outputs])
 
 
 def summarize(plan, rank: int = 0) -> PlanSummary:
-    """The summary of a compiled ``Plan`` (``fd.plan.summary()``), or of a lowered and segmented
+    """The summary of a compiled ``Program`` (``fd.plan.summary()``), or of a lowered and segmented
     ``Fusion`` (``passes.run_pipeline``'s result; no process group needed, fused choices undecided)."""
     if isinstance(plan, Fusion):
         fusion = plan
         segments = [(seg, [fusion.ops[i] for i in seg.ops], None) for seg in fusion.segments or ()]
     else:
         fusion, rank = plan.fusion, plan.rank
-        segments = [(cs.segment, [c.op for c in cs.ops], cs.choice) for cs in plan.segments]
+        segments = [(seg, [s.op for s in seg.steps], seg.fused.mode if seg.fused else None) for seg in plan.segments]
     rows = []
     for i, (seg, ops, choice) in enumerate(segments):
         fused = seg.kind == "fused"
         rows.append(SegmentSummary(
             index=i, kind=seg.kind, ops="+".join(op.kind for op in ops), fused=fused,
             choice=choice if fused else None,
-            comms=tuple(comm_cost(fusion, op) for op in ops if op.kind in COLLECTIVES),
+            comms=tuple(comm_cost(fusion, op) for op in ops if traits(op.kind) & Trait.COLLECTIVE),
             flops=sum(op_flops(fusion, op) for op in ops)))
     return PlanSummary(rank, tuple(rows))

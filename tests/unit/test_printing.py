@@ -86,7 +86,7 @@ MESH_2D = """\
 Fusion(inputs=[T0, T1], outputs=[T2])
   T0 = input : bf16[?, 8] @mesh(2x2: 0 1 2 3)[mesh_y{2}, ?, 8]
   T1 = input : bf16[16, 8] @mesh(2x2: 0 1 2 3)[mesh_x{2}, 8, 2, 4]
-  T2 = linear(T0, T1, None) : bf16[?, 16] @mesh(2x2: 0 1 2 3)[?, 16]"""
+  T2 = linear(T0, T1) : bf16[?, 16] @mesh(2x2: 0 1 2 3)[?, 16]"""
 
 
 def test_small_fusion_golden():
@@ -142,7 +142,7 @@ Fusion(inputs=[T0, T1, T2, T3], outputs=[T6])
   T3 = input : bf16[8, 32] @mesh(0 1)[8, mesh_x{2}, 16]
   T4 = linear(T0, T1, T2) : bf16[?, 32]
   T5 = gelu(T4, approximate='tanh') : bf16[?, 32]
-  T6 = linear(T5, T3, None) : bf16[?, 8] @mesh(0 1)[?, 8]"""
+  T6 = linear(T5, T3) : bf16[?, 8] @mesh(0 1)[?, 8]"""
 
 
 def _mesh_2d_fusion() -> FusionDefinition:

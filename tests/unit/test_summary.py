@@ -40,15 +40,15 @@ def test_tp_mlp_allreduce():
 @pytest.mark.parametrize("d", [2, 4])
 def test_sp_mlp_allgather_reduce_scatter(d):
     s = _summary("sp", d)
-    assert [seg.ops for seg in s.segments] == ["allgather+linear+gelu", "linear+reduce_scatter", "add"]
+    # the row-parallel bias is added to the reduced rows inside the fused segment
+    assert [seg.ops for seg in s.segments] == ["allgather+linear+gelu", "linear+reduce_scatter+add"]
     ag, rs = s.segments[0].comms[0], s.segments[1].comms[0]
     full = T * H * 4  # the gathered x and the unreduced partial output: [64, 32] f32
     assert (ag.kind, ag.payload, ag.sent, ag.received) == ("allgather", full, full * (d - 1) // d,
                                                            full * (d - 1) // d)
     assert (rs.kind, rs.payload, rs.sent) == ("reduce_scatter", full, full * (d - 1) // d)
     assert s.segments[0].flops == 2 * T * (F // d) * H + T * (F // d)
-    assert s.segments[1].flops == 2 * T * H * (F // d)
-    assert s.segments[2].flops == (T // d) * H
+    assert s.segments[1].flops == 2 * T * H * (F // d) + (T // d) * H
     text = str(s)
     assert f"allgather (mesh_x, n={d})" in text and "fused (undecided)" in text
     assert text.splitlines()[-1].split()[0] == "total"

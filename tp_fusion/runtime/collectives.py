@@ -1,4 +1,4 @@
-"""Run one resharding op (a collective, a local slice, a move between meshes) on this rank.
+"""Run one resharding step (a collective, a local slice, a move between meshes) on this rank.
 
 Collectives need the gathered/scattered dim outermost and contiguous; where it is not, the
 data is restacked here (a local copy), as nvFuser's reorder pass does.
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from tp_fusion.ir import Op
 from tp_fusion.mesh import DeviceMesh
+from tp_fusion.program import Communicate, Program
 from tp_fusion.runtime import dist
+from tp_fusion.sharding.reshard import Collective
 
 
 def _stack_chunks(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -72,52 +73,38 @@ def send_recv(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
     return out
 
 
-def broadcast_ranks(src: DeviceMesh, dst: DeviceMesh) -> tuple[int, ...]:
-    return tuple(sorted({src.devices[0], *dst.devices}))
-
-
-def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: int, shape, dtype, device):
+def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: int, pg, shape, dtype, device):
     """The replicated value on mesh ``src`` is broadcast from its first device to mesh ``dst``."""
     root = src.devices[0]
     buf = x.contiguous().clone() if rank == root else torch.empty(shape, dtype=dtype, device=device)
-    dist.broadcast(buf, root, dist.group(broadcast_ranks(src, dst)))
+    dist.broadcast(buf, root, pg)
     return buf if rank in dst.devices else None
 
 
-def reshard_fn(op: Op, rank: int, mesh: DeviceMesh, out_local_shape, dtype, device, donate: bool):
-    """``fn(x) -> local result (None where this rank holds none)`` running the lowered resharding
-    ``op`` for this rank; groups, indices and shapes are looked up once, here. ``mesh`` is the
-    input's mesh; ``donate``: ``x`` may be reduced in place."""
-    kind = op.kind
-    if kind == "send_recv":
+def step_fn(s: Communicate, program: Program):
+    """``fn(x) -> local result (None where this rank holds none)`` running one resharding step on
+    this rank; groups, indices and shapes are looked up once, here. ``s.donate``: ``x`` may be
+    reduced in place."""
+    op, c, rank = s.op, s.collective, program.rank
+    shape, dtype, device = s.out_shape, s.dtype.torch, program.device
+    if c is Collective.SEND_RECV:
         src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
-        return lambda x: send_recv(x, src, dst, rank, out_local_shape, dtype, device)
-    if kind == "broadcast":
-        src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
-        return lambda x: broadcast(x, src, dst, rank, out_local_shape, dtype, device)
-    ranks = mesh.axis_group(op.attr("mesh_axis"), rank)
-    n, index, dim = len(ranks), ranks.index(rank), op.attr("dim")
-    if kind == "slice":
+        return lambda x: send_recv(x, src, dst, rank, shape, dtype, device)
+    if c is Collective.BROADCAST:
+        src, dst, pg = op.attr("src_mesh"), op.attr("dst_mesh"), dist.group(s.group)
+        return lambda x: broadcast(x, src, dst, rank, pg, shape, dtype, device)
+    n, index, dim = len(s.group), s.group.index(rank), op.attr("dim")
+    if c is Collective.LOCAL_SLICE:
         return lambda x: x.chunk(n, dim)[index]
-    if kind == "to_partial":  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
+    if c is Collective.TO_PARTIAL:  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
         return (lambda x: x) if index == 0 else torch.zeros_like
-    pg = dist.group(ranks)
-    if kind == "allgather":
+    pg = dist.group(s.group)
+    if c is Collective.ALLGATHER:
         return lambda x: allgather(x, dim, pg, n)
-    if kind == "reduce_scatter":
+    if c is Collective.REDUCE_SCATTER:
         return lambda x: reduce_scatter(x, dim, pg, n)
-    if kind == "allreduce":
+    if c is Collective.ALLREDUCE:
+        donate = s.donate
         return lambda x: allreduce(x, pg, donate)
-    if kind == "all_to_all":
-        src_dim = op.attr("src_dim")
-        return lambda x: all_to_all(x, src_dim, dim, pg, n)
-    raise AssertionError(f"not a resharding op: {op}")
-
-
-def groups_of(op: Op, mesh: DeviceMesh) -> list[tuple[int, ...]]:
-    """Every process group ``op`` uses on any rank (created up front, alike on every rank)."""
-    if op.kind == "broadcast":
-        return [broadcast_ranks(op.attr("src_mesh"), op.attr("dst_mesh"))]
-    if op.kind in ("send_recv", "slice", "to_partial"):
-        return []
-    return mesh.all_axis_groups(op.attr("mesh_axis"))
+    src_dim = op.attr("src_dim")
+    return lambda x: all_to_all(x, src_dim, dim, pg, n)

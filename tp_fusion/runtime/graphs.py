@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from tp_fusion.runtime import dist, timing
+from tp_fusion.runtime import dist
 
 TIMED_ITERS = 10
 _live: weakref.WeakSet = weakref.WeakSet()
@@ -37,6 +37,8 @@ class GraphedRun:
         torch.cuda.synchronize()
         with torch.cuda.graph(self.graph):
             self.outputs = run(self.inputs)
+        if not _live:
+            dist.before_destroy(release_all)
         _live.add(self)
 
     @property
@@ -61,21 +63,19 @@ def release_all() -> None:
         graphed.release()
 
 
-dist.before_destroy(release_all)
-
-
 def enabled() -> bool:
     return os.environ.get("TP_FUSION_CUDA_GRAPHS", "1") != "0"
 
 
-def capture_if_faster(run: Callable[[list], list], inputs: list[torch.Tensor]) -> GraphedRun | None:
+def capture_if_faster(run: Callable[[list], list], inputs: list[torch.Tensor], time_ms, slowest) -> GraphedRun | None:
     """Capture ``run`` and keep the graph if replaying it is faster than running eagerly on every
-    rank (collective: every rank of the world must call it, with the same plan)."""
+    rank (collective: every rank of the world must call it, with the same plan). ``time_ms`` and
+    ``slowest`` are tuning's timer and cross-rank max."""
     try:
         graphed = GraphedRun(run, inputs)
-        times = [timing.time_ms(lambda: run(inputs), TIMED_ITERS, 1),
-                 timing.time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, 1), 0.0]
+        times = [time_ms(lambda: run(inputs), TIMED_ITERS, 1),
+                 time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, 1), 0.0]
     except RuntimeError:  # this rank could not capture: every rank stays eager
         graphed, times = None, [0.0, 0.0, 1.0]
-    eager_ms, graph_ms, failed = timing.slowest(times, None, inputs[0].device)
+    eager_ms, graph_ms, failed = slowest(times, None, inputs[0].device)
     return graphed if not failed and graph_ms < eager_ms else None

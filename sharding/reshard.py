@@ -1,0 +1,159 @@
+"""The resharding table: how a tensor goes from one sharding to another, as typed steps.
+
+Per mesh axis (DTensor's redistribute table, nvFuser's ``CommunicationType``):
+
+============================  =======================================================
+Shard(i) -> Replicate         ``ALLGATHER``
+Partial  -> Replicate         ``ALLREDUCE``
+Partial  -> Shard(i)          ``REDUCE_SCATTER``
+Shard(i) -> Shard(j)          ``ALL_TO_ALL``
+Replicate -> Shard(i)         ``LOCAL_SLICE`` (no communication)
+Replicate -> Partial          ``TO_PARTIAL`` (the value on mesh index 0, zeros elsewhere; local)
+============================  =======================================================
+
+A change on several mesh axes becomes a sequence: free local steps first (less data to move
+afterwards), then the rest; a step that would shard one dim on two mesh axes waits, and if every
+remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no step at all: every
+placement on it holds the whole value. A change of mesh moves the data with ``SEND_RECV`` (meshes of
+one shape, placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device,
+replicated), with same-mesh steps before and after.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tp_fusion.errors import LoweringError
+from tp_fusion.mesh import DeviceMesh
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
+
+
+class Collective(enum.Enum):
+    """What one resharding step runs; ``value`` is the op kind it lowers to."""
+
+    ALLGATHER = "allgather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLREDUCE = "allreduce"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"
+    LOCAL_SLICE = "local_slice"
+    TO_PARTIAL = "to_partial"
+
+    @property
+    def communicates(self) -> bool:
+        return self not in (Collective.LOCAL_SLICE, Collective.TO_PARTIAL)
+
+
+@dataclass(frozen=True, slots=True)
+class ReshardStep:
+    """One step of a resharding. Same-mesh steps act on ``mesh_axis``; ``src``/``dst`` are that
+    axis's placements before and after. Moves between meshes (``SEND_RECV``, ``BROADCAST``) have
+    ``mesh_axis`` None and carry both meshes. ``after`` is the whole sharding once the step ran."""
+
+    collective: Collective
+    mesh_axis: int | None
+    src: Placement | None
+    dst: Placement | None
+    after: Sharding
+    src_mesh: DeviceMesh | None = None
+    dst_mesh: DeviceMesh | None = None
+
+    def attrs(self) -> dict:
+        """The attributes of the op this step lowers to."""
+        if self.mesh_axis is None:
+            return {"src_mesh": self.src_mesh, "dst_mesh": self.dst_mesh}
+        out = {"mesh_axis": self.mesh_axis}
+        match self.src, self.dst:
+            case Shard(), Shard():
+                out |= {"src_dim": self.src.dim, "dim": self.dst.dim}
+            case Shard(), _:
+                out["dim"] = self.src.dim
+            case _, Shard():
+                out["dim"] = self.dst.dim
+        return out
+
+
+_TABLE = {
+    (Shard, Replicate): Collective.ALLGATHER,
+    (Partial, Replicate): Collective.ALLREDUCE,
+    (Partial, Shard): Collective.REDUCE_SCATTER,
+    (Shard, Shard): Collective.ALL_TO_ALL,
+    (Replicate, Shard): Collective.LOCAL_SLICE,
+    (Replicate, Partial): Collective.TO_PARTIAL,
+}
+
+
+def step_collective(src: Placement, dst: Placement) -> Collective | None:
+    """The one-axis step from ``src`` to ``dst`` (None: there is none, e.g. Shard -> Partial)."""
+    return _TABLE.get((type(src), type(dst)))
+
+
+def is_free(src: Placement, dst: Placement) -> bool:
+    """A transition that needs no communication: none, or a local slice of a replicated value."""
+    return src == dst or (isinstance(src, Replicate) and isinstance(dst, Shard))
+
+
+def _trivial_axes(s: Sharding) -> Sharding:
+    """``s`` with every placement on a mesh axis of size 1 replaced by Replicate (they are equal)."""
+    if all(n > 1 for n in s.mesh.shape):
+        return s
+    return Sharding(s.mesh, tuple(REPLICATE if n == 1 else p for n, p in zip(s.mesh.shape, s.placements)))
+
+
+def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:
+    """The steps from ``src`` to ``dst`` on one mesh (see the module docstring)."""
+    src, dst = _trivial_axes(src), _trivial_axes(dst)
+    cur, steps = list(src.placements), []
+    while cur != list(dst.placements):
+        progressed = False
+        for slices_only in (True, False):
+            for axis in reversed(range(len(cur))):
+                a, b = cur[axis], dst.placements[axis]
+                if a == b or (slices_only and not isinstance(a, Replicate)):
+                    continue
+                if isinstance(b, Shard) and any(cur[o] == b for o in range(len(cur)) if o != axis):
+                    continue  # would shard b.dim twice: wait for the other axis to let go of it
+                collective = step_collective(a, b)
+                if collective is None:
+                    raise LoweringError(f"{what}: cannot reshard {src} -> {dst}: no lowering for {a} -> {b} "
+                                        f"on mesh axis {axis}")
+                cur[axis] = b
+                steps.append(ReshardStep(collective, axis, a, b, Sharding(src.mesh, tuple(cur))))
+                progressed = True
+        if not progressed:  # every step waits on another: gather one axis first
+            axis = next(a for a in reversed(range(len(cur))) if cur[a] != dst.placements[a])
+            a, cur[axis] = cur[axis], REPLICATE
+            steps.append(ReshardStep(step_collective(a, REPLICATE), axis, a, REPLICATE, Sharding(src.mesh, tuple(cur))))
+    return steps
+
+
+def reshard_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:
+    """Every step from ``src`` to ``dst``, on one mesh or between meshes. Raises LoweringError
+    where the table has no way."""
+    if src.mesh == dst.mesh:
+        return same_mesh_steps(src, dst, what)
+    if src.mesh.shape == dst.mesh.shape:
+        kept = tuple(REPLICATE if isinstance(p, Partial) else p for p in src.placements)
+        moved = Sharding(dst.mesh, kept)
+        move = ReshardStep(Collective.SEND_RECV, None, None, None, moved, src.mesh, dst.mesh)
+        return same_mesh_steps(src, Sharding(src.mesh, kept), what) + [move] + same_mesh_steps(moved, dst, what)
+    replicated_dst = Sharding.replicated(dst.mesh)
+    move = ReshardStep(Collective.BROADCAST, None, None, None, replicated_dst, src.mesh, dst.mesh)
+    return (same_mesh_steps(src, Sharding.replicated(src.mesh), what) + [move]
+            + same_mesh_steps(replicated_dst, dst, what))
+
+
+def can_reshard(src: Sharding, dst: Sharding) -> bool:
+    """Whether the table has a way from ``src`` to ``dst``."""
+    try:
+        reshard_steps(src, dst, "")
+    except LoweringError:
+        return False
+    return True
+
+
+def equivalent(a: Sharding, b: Sharding) -> bool:
+    """Whether two shardings hold the same data on every rank (they differ at most on size-1 axes)."""
+    return a.mesh == b.mesh and _trivial_axes(a) == _trivial_axes(b)

@@ -1,0 +1,125 @@
+"""Compiling a fusion for given input sizes: pure, no process group, no communication.
+
+``compile_program`` checks the sizes against the fusion, binds symbolic extents, runs the pass
+pipeline and builds this rank's ``Program`` (``tp_fusion.program``). ``global_input_shapes`` reads
+the global shapes off a rank's local input shards, with every check that can be made before any
+communication. The executor calls both on every rank; ``FusionDefinition.compile`` calls
+``compile_program`` directly, so a GPU job's plan can be inspected on a laptop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+from tp_fusion.errors import DefinitionError, InputError, ShardingError
+from tp_fusion.ir import Fusion
+from tp_fusion.ops import TensorType, opdef
+from tp_fusion.passes import run_pipeline
+from tp_fusion.program import Program, build_program
+
+
+def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tuple[int, ...]]:
+    """Global shapes of the inputs, from this rank's local shards; raises InputError on any mismatch
+    of count, type, dtype, rank (number of dims), device or local extent."""
+    names = ", ".join(f"T{i}" for i in fusion.inputs)
+    if len(inputs) != len(fusion.inputs):
+        raise InputError(f"execute: the fusion takes {len(fusion.inputs)} inputs ({names}), got {len(inputs)}")
+    shapes, devices = [], set()
+    for name, x in zip(fusion.inputs, inputs):
+        t = fusion.tensor(name)
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"execute: input T{name} must be a torch.Tensor, got {type(x).__name__}")
+        if t.sharding is not None and rank not in t.sharding.mesh:
+            shapes.append(t.shape)  # this rank holds no shard of it; its input is ignored
+            continue
+        if x.dtype != t.dtype.torch:
+            raise InputError(f"execute: input T{name} has dtype {x.dtype}, the fusion defines it as "
+                             f"{t.dtype.torch}; cast it or change define_tensor's dtype")
+        devices.add(x.device)
+        if x.dim() != t.ndim:
+            raise InputError(f"execute: input T{name} has {x.dim()} dims {list(x.shape)}, the fusion defines "
+                             f"{t.ndim} dims {list(t.shape)}")
+        local_expected = t.sharding.local_shape(t.shape) if t.sharding else t.shape
+        for d, (got, want) in enumerate(zip(x.shape, local_expected)):
+            if want >= 0 and got != want:
+                factor = t.sharding.dim_factor(d) if t.sharding else 1
+                split = f", split {factor} ways," if factor > 1 else ""
+                raise InputError(
+                    f"execute: input T{name} dim {d} has local extent {got}; its global extent {t.shape[d]}"
+                    f"{split} gives {want}. Pass this rank's shard (shard_tensor) of a {list(t.shape)} tensor; "
+                    f"expected local shape {list(local_expected)}")
+        shapes.append(t.sharding.global_shape(tuple(x.shape)) if t.sharding else tuple(x.shape))
+    if len(devices) > 1:
+        raise InputError(f"execute: inputs are on several devices {sorted(map(str, devices))}; use one")
+    return shapes
+
+
+def check_mesh_sizes(fusion: Fusion, world: int) -> None:
+    """Every mesh names ranks of a world of ``world`` ranks."""
+    for t in fusion.tensors:
+        mesh = t.sharding.mesh if t.sharding is not None else None
+        if mesh is not None and max(mesh.devices) >= world:
+            raise ShardingError(
+                f"T{t.name}: {mesh!r} ({mesh.size} devices) names rank {max(mesh.devices)}, but the process "
+                f"group has {world} rank(s) (ranks 0..{world - 1}); build the mesh from "
+                "range(dist.get_world_size()) or start more ranks")
+
+
+def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusion:
+    """The fusion with every symbolic extent bound: shapes re-inferred from the inputs' sizes.
+    A fusion without symbolic extents whose inputs have the defined shapes is returned as it is."""
+    if all(tuple(s) == fusion.tensor(n).shape for n, s in zip(fusion.inputs, input_shapes)) and \
+            not any(-1 in t.shape for t in fusion.tensors):
+        return fusion
+    tensors = list(fusion.tensors)
+    for name, shape in zip(fusion.inputs, input_shapes):
+        tensors[name] = tensors[name].replace(shape=tuple(shape), loop=None)
+    for op in fusion.ops:
+        args = [TensorType(tensors[a].shape, tensors[a].dtype) if isinstance(a, int) else a.value for a in op.inputs]
+        try:
+            outs = opdef(op.kind).infer(args, dict(op.attrs))
+        except DefinitionError as e:
+            described = ", ".join(f"T{a} {t}" for a, t in zip(op.inputs, args) if isinstance(a, int))
+            raise InputError(f"execute: the inputs' sizes do not fit the fusion: {op.kind}: cannot apply to "
+                             f"{described}: {e}") from None
+        for o, out in zip(op.outputs, outs):
+            tensors[o] = tensors[o].replace(shape=out.shape, loop=None)
+    return fusion.replace(tensors=tuple(tensors))
+
+
+def _check_symbolic_splits(fusion: Fusion, concrete: Fusion) -> None:
+    """A split of a symbolic extent could not be checked when it was scheduled: check it now."""
+    for t in fusion.tensors:
+        if t.loop is None:
+            continue
+        for d, n in enumerate(concrete.tensor(t.name).shape):
+            if t.shape[d] >= 0 or n < 0:
+                continue
+            factors = [a.extent for a in t.loop if a.dim == d and a.extent >= 0]
+            k = math.prod(factors)
+            if n % k != 0:
+                by = f"{' x '.join(map(str, factors))} = {k}"
+                raise ShardingError(
+                    f"T{t.name} {t.type_str()}: dim {d} is symbolic and bound to {n} at execute, but its "
+                    f"schedule splits it by {by}, which does not divide {n}; pass a size that is a multiple "
+                    f"of {k} or change the split")
+
+
+def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], rank: int,
+                    device: torch.device) -> Program:
+    """This rank's program for inputs of these GLOBAL shapes. Raises the library's errors for
+    anything that does not fit; never communicates."""
+    concrete = concretize(fusion, input_shapes)
+    _check_symbolic_splits(fusion, concrete)
+    for t in concrete.tensors:
+        if t.sharding is not None:
+            t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")
+    lowered = run_pipeline(concrete, check=os.environ.get("TP_FUSION_VERIFY", "") not in ("", "0"))
+    for t in lowered.tensors:
+        if t.sharding is not None:
+            t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")
+    return build_program(lowered, rank, device)

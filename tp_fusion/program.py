@@ -1,0 +1,239 @@
+"""A rank's program: the lowered, segmented fusion as plain data, ready for the runner.
+
+``build_program`` turns a lowered fusion into typed instructions (``Compute``, ``Communicate``,
+``FusedGemm``) grouped in segments, with everything a rank needs resolved: local attributes,
+which ops this rank takes part in, the process groups (as rank tuples), and which buffers a
+collective may reduce in place. Choices that are measured (fused or sequential, CUDA graph or
+eager) are fields that ``tp_fusion.runtime.tuning`` fills in; ``str(program)`` shows them.
+Nothing here runs anything: ``tp_fusion.runtime.runner`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from tp_fusion.ir import Fusion, Op
+from tp_fusion.ops import Localize, Trait, opdef, traits
+from tp_fusion.sharding.reshard import Collective
+from tp_fusion.types import DataType
+
+FUSED, SEQUENTIAL = "fused", "sequential"
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run ``op``'s aten implementation on local shards with ``attrs`` (local extents)."""
+
+    op: Op
+    attrs: tuple[tuple[str, object], ...]
+    runs_here: bool
+
+
+@dataclass(frozen=True)
+class Communicate:
+    """One resharding step (a collective, or a local slice) of ``op`` on this rank."""
+
+    op: Op
+    collective: Collective
+    group: tuple[int, ...] | None  # this rank's group along the step's mesh axis (None: none needed)
+    out_shape: tuple[int, ...]  # this rank's local output shape
+    dtype: DataType
+    donate: bool  # the input is dead after this step: it may be reduced in place
+    runs_here: bool
+
+
+@dataclass(frozen=True)
+class FusedGemm:
+    """A GEMM and its collective run as one overlapped kernel (``tp_fusion.runtime.overlap``):
+    ``allgather`` of ``x`` then the GEMM (and ``epilogue``), or the GEMM then ``reduce_scatter``
+    (plus ``bias``) or ``allreduce``. ``mode`` is measured by tuning: ``fused`` or ``sequential``."""
+
+    collective: Collective
+    x: int
+    weight: int
+    transpose_weight: bool  # matmul's right operand is [in, out]; linear's weight is [out, in]
+    bias: int | None
+    epilogue: tuple[tuple[str, tuple[tuple[str, object], ...]], ...]  # (kind, local attrs) in order
+    out: int
+    dim: int | None  # the gathered or scattered dim
+    group: tuple[int, ...]
+    runs_here: bool
+    mode: str | None = None
+
+
+Instruction = Compute | Communicate
+
+
+@dataclass(frozen=True)
+class ProgramSegment:
+    kind: str  # compute, communication or fused
+    note: str
+    steps: tuple[Instruction, ...]  # one per op (a fused segment runs ``fused`` instead where it can)
+    fused: FusedGemm | None = None
+
+    @property
+    def collectives(self) -> list[str]:
+        return [s.op.kind for s in self.steps if isinstance(s, Communicate) and s.collective.communicates]
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one rank runs for one input signature; ``fd.plan`` after ``execute`` or ``compile``."""
+
+    fusion: Fusion
+    rank: int
+    device: torch.device
+    segments: tuple[ProgramSegment, ...]
+    outputs: tuple[tuple[int, bool], ...]  # (tensor, whether this rank holds a part of it)
+    cuda_graph: bool = False  # replay as a CUDA graph (measured faster than launching eagerly)
+    measured: tuple[str, ...] = ()  # what tuning measured, one line each, for printing
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """Every process group the program uses on any rank, in order (created alike on every rank)."""
+        out: dict[tuple[int, ...], None] = {}
+        for seg in self.segments:
+            for s in seg.steps:
+                if isinstance(s, Communicate):
+                    for g in _all_groups(self.fusion, s.op):
+                        out.setdefault(g)
+        return list(out)
+
+    def collectives(self) -> list[str]:
+        """The collectives the plan runs, in order (fused segments name theirs)."""
+        return [name for seg in self.segments for name in seg.collectives]
+
+    def output_shardings(self) -> list:
+        return [self.fusion.tensor(o).sharding for o in self.fusion.outputs]
+
+    def summary(self):
+        """Per segment: bytes sent/received per rank, FLOPs, fused or not (see ``tp_fusion.summary``)."""
+        from tp_fusion.summary import summarize
+
+        return summarize(self)
+
+    def with_choices(self, modes: dict[int, str], cuda_graph: bool, measured: tuple[str, ...]) -> Program:
+        """The program with tuning's choices recorded: ``modes`` by fused segment index."""
+        segs = tuple(dataclasses.replace(seg, fused=dataclasses.replace(seg.fused, mode=modes[i]))
+                     if i in modes else seg for i, seg in enumerate(self.segments))
+        return dataclasses.replace(self, segments=segs, cuda_graph=cuda_graph, measured=measured)
+
+    def __str__(self) -> str:
+        f = self.fusion
+        lines = [f"Plan: {len(self.segments)} segment(s); inputs [{', '.join(f'T{i}' for i in f.inputs)}], "
+                 f"outputs [{', '.join(f'T{o}' for o in f.outputs)}]"]
+        for i, seg in enumerate(self.segments):
+            head = f"  segment {i}: {seg.kind}"
+            if seg.fused is not None:
+                head += f" {seg.note} ({seg.fused.mode or 'undecided'})"
+            lines.append(head)
+            for s in seg.steps:
+                outs = " ".join(f"{f.tensor(o).type_str()}{f.tensor(o).sharding_str()}" for o in s.op.outputs)
+                lines.append(f"    {s.op} : {outs}")
+        if self.cuda_graph:
+            lines.append("  replayed as a CUDA graph (measured faster than launching it eagerly)")
+        lines += [f"  measured: {m}" for m in self.measured]
+        return "\n".join(lines)
+
+
+def local_shape(fusion: Fusion, name: int) -> tuple[int, ...]:
+    t = fusion.tensor(name)
+    return t.sharding.local_shape(t.shape) if t.sharding else t.shape
+
+
+def _holds(fusion: Fusion, name: int, rank: int) -> bool:
+    t = fusion.tensor(name)
+    return t.sharding is None or rank in t.sharding.mesh
+
+
+def _broadcast_group(op: Op) -> tuple[int, ...]:
+    src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
+    return tuple(sorted({src.devices[0], *dst.devices}))
+
+
+def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
+    """Every group ``op`` uses on any rank."""
+    c = Collective(op.kind)
+    if c is Collective.BROADCAST:
+        return [_broadcast_group(op)]
+    if c in (Collective.SEND_RECV, Collective.LOCAL_SLICE, Collective.TO_PARTIAL):
+        return []
+    return fusion.tensor(op.inputs[0]).sharding.mesh.all_axis_groups(op.attr("mesh_axis"))
+
+
+def _communicate(fusion: Fusion, op: Op, rank: int, donate: bool) -> Communicate:
+    c = Collective(op.kind)
+    out = fusion.tensor(op.outputs[0])
+    if c in (Collective.SEND_RECV, Collective.BROADCAST):
+        src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
+        runs_here = rank in set(src.devices) | set(dst.devices)
+        group = _broadcast_group(op) if c is Collective.BROADCAST else None
+    else:
+        mesh = fusion.tensor(op.inputs[0]).sharding.mesh
+        runs_here = rank in mesh
+        group = mesh.axis_group(op.attr("mesh_axis"), rank) if runs_here else None
+    return Communicate(op, c, group, local_shape(fusion, out.name), out.dtype, donate, runs_here)
+
+
+def _compute(fusion: Fusion, op: Op, rank: int, device: torch.device) -> Compute:
+    od = opdef(op.kind)
+    attrs = dict(op.attrs)
+    if od.localize is not None:
+        ins = [a if isinstance(a, int) else None for a in op.inputs]
+        attrs = od.localize(attrs, Localize(
+            in_global=[None if a is None else fusion.tensor(a).shape for a in ins],
+            in_local=[None if a is None else local_shape(fusion, a) for a in ins],
+            out_local=local_shape(fusion, op.outputs[0]), device=device))
+    return Compute(op, tuple(attrs.items()), _holds(fusion, op.outputs[0], rank))
+
+
+def _donatable(fusion: Fusion, name: int, i: int, keep: set, last_use: dict) -> bool:
+    """Whether op ``i`` may overwrite tensor ``name``: its last use, no fusion input or output,
+    and no view of or into another tensor (those may still be read)."""
+    producer = fusion.producer(name)
+    return (name not in keep and last_use.get(name) == i
+            and (producer is None or not traits(producer.kind) & Trait.VIEW)
+            and all(not traits(c.kind) & Trait.VIEW for c in fusion.consumers(name)))
+
+
+def _fused(fusion: Fusion, ops: list[Op], steps: list[Instruction], rank: int) -> FusedGemm:
+    comm = next(op for op in ops if traits(op.kind) & Trait.COLLECTIVE)
+    gemm = next(op for op in ops if traits(op.kind) & Trait.GEMM)
+    collective = Collective(comm.kind)
+    mesh = fusion.tensor(comm.inputs[0]).sharding.mesh
+    runs_here = rank in mesh
+    after = ops[ops.index(gemm) + 1:] if collective is Collective.ALLGATHER else []
+    bias = gemm.inputs[2] if len(gemm.inputs) == 3 else None
+    if collective is Collective.REDUCE_SCATTER and len(ops) == 3:
+        bias = ops[2].inputs[1]  # the row-parallel bias, added once to the reduced rows
+    by_op = {id(s.op): s for s in steps}
+    return FusedGemm(
+        collective=collective, x=comm.inputs[0] if collective is Collective.ALLGATHER else gemm.inputs[0],
+        weight=gemm.inputs[1], transpose_weight=not opdef(gemm.kind).weight_out_in, bias=bias,
+        epilogue=tuple((op.kind, by_op[id(op)].attrs) for op in after), out=ops[-1].outputs[0],
+        dim=comm.attr("dim"), group=mesh.axis_group(comm.attr("mesh_axis"), rank) if runs_here else (),
+        runs_here=runs_here)
+
+
+def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:
+    """This rank's program for a lowered and segmented fusion."""
+    last_use = {}
+    for i, op in enumerate(fusion.ops):
+        for a in op.tensor_inputs:
+            last_use[a] = i
+    keep = set(fusion.inputs) | set(fusion.outputs)
+    segments = []
+    for seg in fusion.segments:
+        steps: list[Instruction] = []
+        for i in seg.ops:
+            op = fusion.ops[i]
+            if traits(op.kind) & (Trait.COLLECTIVE | Trait.LOCAL_RESHARD):
+                steps.append(_communicate(fusion, op, rank, _donatable(fusion, op.inputs[0], i, keep, last_use)))
+            else:
+                steps.append(_compute(fusion, op, rank, device))
+        fused = _fused(fusion, [fusion.ops[i] for i in seg.ops], steps, rank) if seg.kind == "fused" else None
+        segments.append(ProgramSegment(seg.kind, seg.note, tuple(steps), fused))
+    outputs = tuple((o, _holds(fusion, o, rank)) for o in fusion.outputs)
+    return Program(fusion, rank, device, tuple(segments), outputs)

@@ -1,0 +1,158 @@
+"""Agreement before a plan runs, and failure reporting while it runs.
+
+Agreement: before a plan runs (every call under gloo, at compile under NCCL), the ranks agree in
+one tiny host-side all_reduce that no rank rejected its inputs and that all compiled the same
+fusion, for the same global shapes, at the same point of their sequence of executes. When something
+differs, a gather tells every rank what, and every rank raises the same error.
+
+Failure reporting: a rank that fails INSIDE a plan publishes a ``FaultRecord`` to the process
+group's store and aborts its process groups; peers blocked in a collective with it error out,
+publish theirs and abort in turn, so the failure cascades to every rank. Records are numbered by
+the store in the order they arrive: since a rank publishes before it aborts, whoever failed first
+has the lowest number among the records that are not a peer's disconnect. Every rank reads the
+records and names that rank and its error; a rank that exits without a record is named as the
+one that stopped responding. Rank 0 hosts the store, so it stays until its peers have read
+(bounded). The store's timeout is restored afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import time
+import traceback
+
+import torch
+
+from tp_fusion.runtime import dist
+
+_FAULT_KEY = "tp_fusion/fault/"
+_FP_BITS = 62
+
+
+def agree(failed: bool, fingerprint: int) -> tuple[bool, bool]:
+    """(some rank failed, the ranks' fingerprints differ), the same on every rank.
+
+    One host-side all_reduce(MAX) of ``[failed, fp, -fp]``; a failed rank's fingerprint is neutral.
+    """
+    low = -(1 << _FP_BITS)
+    fp = fingerprint & ((1 << _FP_BITS) - 1)
+    t = torch.tensor([int(failed), low if failed else fp, low if failed else -fp], dtype=torch.int64)
+    dist.host_all_reduce_max(t)
+    any_failed, hi, neg_lo = (int(v) for v in t.tolist())
+    return bool(any_failed), not any_failed and hi != -neg_lo
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRecord:
+    """One rank's failure, as published to the store."""
+
+    rank: int
+    seq: int  # the store's count when it arrived: lower is earlier
+    local: bool  # the error arose on this rank (not a collective broken by a peer that left)
+    where: str
+    error: str
+
+    def describe(self) -> str:
+        return f"rank {self.rank} failed in {self.where}: {self.error}"
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> FaultRecord:
+        return FaultRecord(**json.loads(data))
+
+
+def _clear_frames(exc: BaseException | None) -> None:
+    """gloo closes its connections only when the group object dies: the frames of ``exc`` (the
+    error being handled, whose torch frames hold the group) are cleared first."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def abort_process_groups(exc: BaseException | None = None) -> None:
+    """Tear down every process group of this rank now, so peers blocked on it error out promptly."""
+    _clear_frames(exc)
+    dist.abort()
+    gc.collect()
+
+
+def _records(store, world: int) -> dict[int, FaultRecord]:
+    out = {}
+    for r in range(world):
+        key = f"{_FAULT_KEY}{r}"
+        if store.check([key]):
+            out[r] = FaultRecord.decode(store.get(key))
+    return out
+
+
+def _first(records: dict[int, FaultRecord]) -> FaultRecord | None:
+    """The failure that came first: the earliest local one, else the earliest of all."""
+    local = [r for r in records.values() if r.local]
+    pool = local or list(records.values())
+    return min(pool, key=lambda r: r.seq) if pool else None
+
+
+def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseException | None = None,
+                   grace_s: float | None = None) -> str:
+    """Publish this rank's failure, abort its process groups, and describe the failure that came first.
+
+    ``local``: the error arose on this rank for sure (a compute step, not a collective that may
+    have broken because a peer left). A peer's record is waited for at most ``grace_s`` seconds (env
+    ``TP_FUSION_FAULT_GRACE_S``, default 3). Returns the text for this rank's ExecutionError.
+    """
+    if grace_s is None:
+        grace_s = float(os.environ.get("TP_FUSION_FAULT_GRACE_S", "3"))
+    world = dist.world_size()
+    own_text = f"rank {rank} failed in {where}: {error}"
+    store = dist.default_store() if dist.is_initialized() else None
+    if store is None or world <= 1:
+        abort_process_groups(exc)
+        return own_text
+    unreachable = (f"{own_text} (the process group's store is unreachable: rank 0, which hosts it, most likely "
+                   "exited or failed first)")
+    old_timeout = store.timeout
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(grace_s, 1.0)))
+        seq = store.add(f"{_FAULT_KEY}seq", 1)
+        store.set(f"{_FAULT_KEY}{rank}", FaultRecord(rank, seq, local, where, error).encode())
+    except Exception:
+        store = None
+    abort_process_groups(exc)
+    if store is None:
+        return unreachable
+    records: dict[int, FaultRecord] = {}
+    deadline = time.monotonic() + grace_s
+    try:
+        while True:
+            records = _records(store, world)
+            first = _first(records)
+            if rank == 0:  # the store's host stays until every peer has read
+                done = all(store.check([f"{_FAULT_KEY}read/{r}"]) for r in range(1, world))
+            else:
+                done = (first is not None and first.local) or len(records) == world
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if rank != 0:
+            store.set(f"{_FAULT_KEY}read/{rank}", "1")
+        store.set_timeout(old_timeout)
+    except Exception:  # the store's host (rank 0) is gone
+        if not records:
+            return unreachable
+    first = _first(records)
+    if first is not None and (first.local or len(records) == world):
+        if first.rank == rank:
+            return own_text
+        return f"{first.describe()} (seen from rank {rank}, which then {own_text.split(' ', 2)[2]})"
+    missing = [r for r in range(world) if r not in records and r != rank]
+    who = ", ".join(map(str, missing))
+    return (f"rank(s) {who} stopped responding (process exited or hung; no failure report) while "
+            f"rank {rank} was in {where}: {error}")

@@ -1,0 +1,160 @@
+"""The thin runner: executes a ``Program`` on this rank's local shards.
+
+``Runner(program)`` resolves the program's process groups (every rank creates every group, in
+program order) and turns each instruction into a closure once; ``run(inputs)`` calls them under
+``torch.no_grad`` (execute is forward only) and returns this rank's outputs. A fused segment runs
+its ``FusedGemm`` in the mode tuning recorded. A failure inside a segment is reported through
+``tp_fusion.runtime.faults`` so that every rank fails promptly, naming the rank that failed first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tp_fusion.errors import ExecutionError
+from tp_fusion.ops import OPS
+from tp_fusion.program import FUSED, SEQUENTIAL, Communicate, Compute, FusedGemm, Program, ProgramSegment
+from tp_fusion.runtime import collectives, dist, faults, graphs, overlap
+from tp_fusion.sharding.reshard import Collective
+
+Env = dict[int, torch.Tensor]
+
+
+class Runner:
+    def __init__(self, program: Program):
+        self.program = program
+        self.world = dist.world_token()  # the process group the runner was built under
+        self._multirank = program.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1
+        for ranks in program.groups():
+            dist.group(ranks)
+        self._segments = [(seg, self._segment(seg)) for seg in program.segments]
+        self.graph: graphs.GraphedRun | None = None
+
+    # --- building --------------------------------------------------------------------------------
+
+    def _segment(self, seg: ProgramSegment) -> Callable[[Env], None]:
+        if seg.fused is not None and seg.fused.runs_here and seg.fused.mode != SEQUENTIAL:
+            return _fused(seg.fused, self.program)
+        steps = [self._step(s) for s in seg.steps]
+
+        def run(env):
+            for step in steps:
+                step(env)
+        return run
+
+    def _step(self, s: Compute | Communicate) -> Callable[[Env], None]:
+        if not s.runs_here:
+            return lambda env: None
+        if isinstance(s, Communicate):
+            fn = collectives.step_fn(s, self.program)
+            name, out = s.op.inputs[0], s.op.outputs[0]
+
+            def run_step(env):
+                result = fn(env.get(name))
+                if result is not None:
+                    env[out] = result
+            return run_step
+        kind, attrs, outs = s.op.kind, dict(s.attrs), s.op.outputs
+        operands = [(a, False) if isinstance(a, int) else (a.value, True) for a in s.op.inputs]
+
+        def args(env):
+            return [v if const else env[v] for v, const in operands]
+        # The implementation is looked up per call, so a test can swap it (fault injection).
+        if len(outs) == 1:
+            (out,) = outs
+
+            def run_one(env):
+                env[out] = OPS[kind].impl(*args(env), **attrs)
+            return run_one
+
+        def run_many(env):
+            for o, r in zip(outs, OPS[kind].impl(*args(env), **attrs)):
+                env[o] = r
+        return run_many
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's outputs (replayed from a CUDA graph where the program says so)."""
+        with torch.no_grad():
+            if self.graph is not None and self.graph.alive:
+                return self.graph.replay(inputs)
+            return self.run_eager(inputs)
+
+    def run_eager(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        program = self.program
+        env: Env = dict(zip(program.fusion.inputs, inputs))
+        for i, (seg, run) in enumerate(self._segments):
+            try:
+                run(env)
+            except BaseException as e:
+                if isinstance(e, ExecutionError):
+                    raise
+                where = f"segment {i} ({seg.kind}{' ' + seg.note if seg.note else ''})"
+                message = self._failure(where, e, local=seg.kind == "compute")
+                if not isinstance(e, Exception):  # KeyboardInterrupt & co.: the peers are told, then it goes on
+                    raise
+                raise ExecutionError(message) from e
+        input_storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
+        outs = []
+        for o, held in program.outputs:
+            if not held:  # this rank holds no part of this output
+                outs.append(torch.empty((0,), dtype=program.fusion.tensor(o).dtype.torch, device=program.device))
+                continue
+            x = env[o]
+            if not x.is_contiguous():
+                x = x.contiguous()
+            elif x.untyped_storage().data_ptr() in input_storages:
+                x = x.clone()
+            outs.append(x)
+        return outs
+
+    def _failure(self, where: str, e: BaseException, local: bool) -> str:
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}"
+        if not self._multirank:
+            return f"rank {self.program.rank} failed in {where}: {error}"
+        return faults.report_failure(self.program.rank, where, error, local=local or not isinstance(e, RuntimeError),
+                                     exc=e)
+
+
+def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
+    """``run(env)`` for a fused segment through ``tp_fusion.runtime.overlap``, in ``f.mode``."""
+    pg = dist.group(f.group)
+    mode = f.mode or FUSED
+    epilogue = _epilogue(f.epilogue)
+    x_name, w_name, b_name, out, dim, transpose = f.x, f.weight, f.bias, f.out, f.dim, f.transpose_weight
+
+    def operands(env):
+        w = env[w_name].t() if transpose else env[w_name]
+        return env[x_name], w, None if b_name is None else env[b_name]
+    if f.collective is Collective.ALLGATHER:
+        def run(env):
+            x, w, b = operands(env)
+            env[out] = overlap.allgather_linear(x, w, b, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode)
+    elif f.collective is Collective.REDUCE_SCATTER:
+        def run(env):
+            x, w, b = operands(env)
+            env[out] = overlap.linear_reduce_scatter(x, w, b, scatter_dim=dim, pg=pg, mode=mode)
+    else:
+        def run(env):
+            x, w, b = operands(env)
+            env[out] = overlap.linear_allreduce(x, w, b, pg=pg, mode=mode)
+    return run
+
+
+def _epilogue(chain: tuple) -> Callable | None:
+    """The pointwise chain after a fused GEMM as one callable (None if empty). A lone tanh-GELU is
+    ``overlap.gelu_tanh``, which the CUDA kernels fuse into the GEMM itself."""
+    if not chain:
+        return None
+    if len(chain) == 1 and chain[0][0] == "gelu" and dict(chain[0][1]).get("approximate") == "tanh":
+        return overlap.gelu_tanh
+    steps = [(kind, dict(attrs)) for kind, attrs in chain]
+
+    def run(t):
+        for kind, attrs in steps:
+            t = OPS[kind].impl(t, **attrs)
+        return t
+    return run

@@ -1,0 +1,112 @@
+"""Every measured choice of a program, made in one step when it is compiled.
+
+``tune(program, runner, inputs)`` decides, the same way on every rank:
+- for each fused segment, ``fused`` (the overlapped kernel) or ``sequential`` (one collective and
+  one GEMM): on CUDA under NCCL both are timed on this segment's own operand shapes, bias and
+  epilogue included (what actually runs), and the group takes the max over its ranks; elsewhere
+  (gloo, CPU) ``fused``, so the decomposition is what CI exercises;
+- whether the whole program replays as a CUDA graph: timed against eager launches where it can be
+  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world).
+The choices and timings are recorded in the program (``str(fd.plan)`` shows them); the kernels
+take the mode they are given and never decide. ``TP_FUSION_TUNE=0`` skips the timings: fused
+segments run ``fused`` and nothing is captured. ``TP_FUSION_CUDA_GRAPHS=0`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
+from tp_fusion.runtime import dist, graphs, symm
+from tp_fusion.runtime.runner import Runner, _fused
+
+TIMED_ITERS, WARMUP = 5, 2
+
+
+def time_ms(fn, iters: int, warmup: int) -> float:
+    """GPU milliseconds per call of ``fn`` (CUDA events around ``iters`` calls after ``warmup``)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def slowest(values: list[float], pg, device) -> list[float]:
+    """Each value's max over the ranks of ``pg`` (None: the world), in one tiny all_reduce."""
+    t = torch.tensor(values, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, pg, op="max")
+    return t.tolist()
+
+
+def _measures(program: Program) -> bool:
+    return (program.device.type == "cuda" and dist.is_initialized() and dist.backend() == "nccl"
+            and os.environ.get("TP_FUSION_TUNE", "1") != "0")
+
+
+def _random_env(f: FusedGemm, program: Program) -> dict[int, torch.Tensor]:
+    """Random operands of the segment's local shapes (a rank's own data is not needed to time it)."""
+    gen = torch.Generator(program.device).manual_seed(0)
+    env = {}
+    for name in (f.x, f.weight, f.bias):
+        if name is not None:
+            t = program.fusion.tensor(name)
+            shape = local_shape(program.fusion, name)
+            env[name] = torch.randn(shape, dtype=t.dtype.torch, device=program.device, generator=gen) / math.sqrt(
+                shape[-1])
+    return env
+
+
+def _choose_mode(i: int, program: Program) -> tuple[str, str]:
+    """(mode, what was measured) for fused segment ``i``."""
+    seg = program.segments[i]
+    f = seg.fused
+    if not _measures(program) or not f.runs_here:
+        return FUSED, ""
+    if symm.stream_flags() is None:
+        return SEQUENTIAL, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}"
+    env = _random_env(f, program)
+    runs = {mode: _fused(dataclasses.replace(f, mode=mode), program) for mode in (FUSED, SEQUENTIAL)}
+    fused_ms, sequential_ms = slowest([time_ms(lambda: runs[FUSED](dict(env)), TIMED_ITERS, WARMUP),
+                                       time_ms(lambda: runs[SEQUENTIAL](dict(env)), TIMED_ITERS, WARMUP)],
+                                      dist.group(f.group), program.device)
+    mode = FUSED if fused_ms <= sequential_ms else SEQUENTIAL
+    return mode, f"segment {i} {seg.note}: fused {fused_ms:.3f} ms, sequential {sequential_ms:.3f} ms -> {mode}"
+
+
+def _graphable(program: Program) -> bool:
+    """The same answer on every rank: CUDA with NCCL, no segment on the symmetric-memory path,
+    every mesh spanning the whole world."""
+    world = set(range(dist.world_size()))
+    return (_measures(program) and graphs.enabled()
+            and all(seg.fused is None or seg.fused.mode != FUSED for seg in program.segments)
+            and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors))
+
+
+def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
+    """The program with its measured choices recorded, and a runner for it (collective: every rank
+    of the world calls it for the same program)."""
+    modes, measured = {}, []
+    for i, seg in enumerate(program.segments):
+        if seg.fused is not None:
+            modes[i], line = _choose_mode(i, program)
+            if line:
+                measured.append(line)
+    tuned = program.with_choices(modes, cuda_graph=False, measured=tuple(measured))
+    runner = Runner(tuned)
+    if _graphable(tuned):
+        with torch.no_grad():
+            graphed = graphs.capture_if_faster(runner.run_eager, inputs, time_ms, slowest)
+        if graphed is not None:
+            tuned = tuned.with_choices({}, cuda_graph=True, measured=tuned.measured)
+            runner.program, runner.graph = tuned, graphed
+    return tuned, runner
