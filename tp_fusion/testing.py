@@ -38,6 +38,7 @@ and the ``mpi`` marker are accepted too. Skip a world size a test cannot use wit
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import tempfile
@@ -49,7 +50,9 @@ from tp_fusion import multidevice
 
 RANK_FIXTURES = ("multidevice_test", "setup_default_process_group")
 _PARAM = "_multidevice_ranks"
-_spawned_world = 0  # in ranks started by this plugin: their world size
+_spawned_world = _spawned_rank = 0  # in ranks started by this plugin: their world size and rank
+_spawned_store = None  # and the store their process group met through
+_generation = 0  # how many groups they joined through it
 
 
 @dataclass
@@ -105,8 +108,14 @@ def setup_default_process_group():
     from tp_fusion.launch import init_from_env
     from tp_fusion.runtime import dist
 
+    global _spawned_store
     joined = not dist.is_initialized()
     device = init_from_env() if joined else torch.device("cpu")
+    if _spawned_world:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        _spawned_store = _get_default_store()
+        _join_fresh_group()
     yield device
     if joined:
         dist.destroy_process_group()
@@ -175,6 +184,30 @@ def pytest_runtest_setup(item):
         only, world = _marked_worlds(item), _world_size()
         if only is not None and world not in only:
             pytest.skip(f"runs on {' or '.join(map(str, only))} ranks, not {world}")
+        if _spawned_store is not None:
+            from tp_fusion.runtime import dist
+
+            if not dist.is_initialized():
+                _join_fresh_group()  # a failure inside a plan in an earlier test aborted the group
+
+
+def _join_fresh_group() -> None:
+    """Spawned ranks: leave the default group if any and join a new one through the launch's store.
+
+    Done once tests are collected, because a group made before modules that tests import can
+    outlive an abort (see ``tp_fusion.runtime.dist.warm_up_before_init``), and after a test whose
+    failure aborted every rank's groups (tp_fusion's fault propagation), so later tests still run.
+    """
+    global _generation
+    import torch.distributed as tdist
+
+    from tp_fusion.runtime import dist
+
+    dist.destroy_process_group()
+    _generation += 1
+    store = tdist.PrefixStore(f"tp_fusion_pytest_{_generation}", _spawned_store)
+    tdist.init_process_group("gloo", store=store, rank=_spawned_rank, world_size=_spawned_world,
+                             timeout=datetime.timedelta(seconds=120))
 
 
 def _world_of(item) -> int:
@@ -279,8 +312,8 @@ class _Reporter:
 
 def _pytest_on_rank(rank: int, world: int, args: list[str], out: str) -> None:
     """A spawned rank: run pytest on ``args`` inside the process group, write the outcomes to ``out``."""
-    global _spawned_world
-    _spawned_world = world
+    global _spawned_world, _spawned_rank
+    _spawned_world, _spawned_rank = world, rank
     reporter = _Reporter()
     pytest.main(args, plugins=[reporter])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
