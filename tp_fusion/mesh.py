@@ -18,13 +18,7 @@ class DeviceMesh:
     __slots__ = ("devices", "shape")
 
     def __init__(self, devices: Iterable[int] | torch.Tensor):
-        if isinstance(devices, torch.Tensor):
-            shape, flat = tuple(devices.shape), [int(d) for d in devices.flatten().tolist()]
-        else:
-            import numpy as np
-
-            arr = np.asarray(list(devices) if not hasattr(devices, "shape") else devices)
-            shape, flat = tuple(arr.shape), [int(d) for d in arr.flatten().tolist()]
+        shape, flat = _shape_and_ranks(devices)
         if not flat:
             raise ShardingError("DeviceMesh needs at least one device; got an empty list")
         if len(shape) > 3:
@@ -101,3 +95,58 @@ class DeviceMesh:
 
     def numel_along(self, axes: Iterable[int]) -> int:
         return math.prod(self.shape[a] for a in axes)
+
+
+def _bad_mesh(devices, why: str) -> ShardingError:
+    return ShardingError(f"DeviceMesh({devices!r}): {why}; pass integer ranks, e.g. DeviceMesh(range(4)) or "
+                         "DeviceMesh(torch.arange(4).reshape(2, 2))")
+
+
+def _shape_and_ranks(devices) -> tuple[tuple[int, ...], list[int]]:
+    """The mesh's shape and its ranks in row-major order; a clear ShardingError for anything that is
+    not a (possibly nested) rectangular array of integer ranks."""
+    if isinstance(devices, torch.Tensor):
+        if devices.dtype.is_floating_point or devices.dtype.is_complex or devices.dtype == torch.bool:
+            raise _bad_mesh(devices, f"the ranks must be integers, got a {devices.dtype} tensor")
+        return tuple(devices.shape), [int(d) for d in devices.flatten().tolist()]
+    if isinstance(devices, (str, bytes)):
+        raise _bad_mesh(devices, "a string is not a list of ranks")
+    if hasattr(devices, "shape") and hasattr(devices, "tolist"):  # a numpy array
+        devices = devices.tolist()
+    try:
+        items = list(devices)
+    except TypeError:
+        raise _bad_mesh(devices, f"expected an iterable of ranks, got {type(devices).__name__}") from None
+
+    def walk(node, depth: int) -> tuple[int, ...]:
+        if _is_rank(node):
+            return ()
+        if isinstance(node, (str, bytes, float)) or not hasattr(node, "__iter__"):
+            raise _bad_mesh(devices, f"{node!r} is not an integer rank")
+        sub = [walk(c, depth + 1) for c in node]
+        if len(set(sub)) > 1:
+            raise _bad_mesh(devices, f"the rows at depth {depth + 1} have different shapes (a mesh is rectangular)")
+        return (len(node),) + (sub[0] if sub else ())
+
+    nested = [list(c) if hasattr(c, "__iter__") and not isinstance(c, (str, bytes)) else c for c in items]
+    kinds = {_is_rank(c) for c in nested}
+    if len(kinds) > 1:
+        raise _bad_mesh(devices, "it mixes ranks and lists of ranks (a mesh is rectangular)")
+    shape = walk(nested, 0)
+    flat: list[int] = []
+
+    def collect(node):
+        if _is_rank(node):
+            flat.append(int(node))
+        else:
+            for c in node:
+                collect(c)
+    collect(nested)
+    return shape, flat
+
+
+def _is_rank(x) -> bool:
+    import numbers
+
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) or (
+        isinstance(x, torch.Tensor) and x.ndim == 0 and not x.dtype.is_floating_point)

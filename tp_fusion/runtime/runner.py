@@ -129,6 +129,28 @@ def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
     def operands(env):
         w = env[w_name].t() if transpose else env[w_name]
         return env[x_name], w, None if b_name is None else env[b_name]
+    inner = _fused_run(f, pg, mode, epilogue, operands)
+    n = dist.group_size(pg)
+
+    def run(env):
+        x, w, b = operands(env)
+        if x.numel() and w.numel():
+            return inner(env)
+        # An empty operand (zero rows, or an empty contraction): the GEMM contributes nothing, so no
+        # collective is needed (every rank holds alike-shaped shards of the same global shapes, so
+        # all skip it). The result is the bias (added once) broadcast over the output's shape.
+        shape = list(x.shape)
+        if f.collective is Collective.ALLGATHER:
+            shape[dim] *= n
+        elif f.collective is Collective.REDUCE_SCATTER:
+            shape[dim] //= n
+        y = torch.nn.functional.linear(x.new_zeros(shape), w, b)
+        env[out] = epilogue(y) if (epilogue is not None and f.collective is Collective.ALLGATHER) else y
+    return run
+
+
+def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands) -> Callable[[Env], None]:
+    out, dim = f.out, f.dim
     if f.collective is Collective.ALLGATHER:
         def run(env):
             x, w, b = operands(env)
