@@ -1,4 +1,14 @@
-"""tp_fusion: a tensor-parallel fusion frontend in the style of nvFuser's multidevice Python API."""
+"""tp_fusion: a tensor-parallel fusion frontend in the style of nvFuser's multidevice Python API.
+
+The map: ``FusionDefinition`` records ops (``fd.ops.*``, see ``dir(fd.ops)``) on ``TensorView``s with
+GLOBAL shapes; ``tv.set_device_mesh(DeviceMesh(...))``, ``tv.outer_split(axis, d)`` and
+``tv.axis(axis).parallelize(ParallelType.mesh_x)`` shard them; ``fd.execute(local_inputs)`` runs on
+every rank; ``fd.plan`` / ``fd.compile(shapes)`` show the program; ``shard_tensor`` gives a rank's
+shard; ``execute_with_dtensors`` takes DTensors. Errors derive from ``TPFusionError``. The guide is
+docs/guide.md, the code layout docs/architecture.md.
+"""
+
+__version__ = "0.2.0"
 
 from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor
 from tp_fusion.errors import (
@@ -8,6 +18,9 @@ from tp_fusion.errors import (
     LoweringError,
     ShardingError,
     TPFusionError,
+    UnevenShardError,
+    UnknownOpError,
+    UnsupportedPlacementError,
 )
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
@@ -16,7 +29,8 @@ from tp_fusion.types import DataType, ParallelType
 __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
     "LoweringError", "ParallelType", "Partial", "Replicate", "Shard", "Sharding", "ShardingError",
-    "TPFusionError", "TensorView", "execute_with_dtensors", "release_cuda_graphs", "shard_tensor",
+    "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
+    "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
 ]
 
 
@@ -33,3 +47,6 @@ def execute_with_dtensors(fd, dtensors):
     from tp_fusion.dtensor import execute_with_dtensors as run
 
     return run(fd, dtensors)
+
+
+from tp_fusion import multidevice  # noqa: E402  (nvFuser's namespace: tp_fusion.multidevice.DeviceMesh)
