@@ -29,6 +29,7 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
     if len(inputs) != len(fusion.inputs):
         raise InputError(f"execute: the fusion takes {len(fusion.inputs)} inputs ({names}), got {len(inputs)}")
     shapes, devices = [], set()
+    layouts = getattr(fusion.inputs, "layouts", {})  # declared by define_tensor (fusion_definition.Layout)
     for name, x in zip(fusion.inputs, inputs):
         t = fusion.tensor(name)
         if not isinstance(x, torch.Tensor):
@@ -52,10 +53,44 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
                     f"execute: input T{name} dim {d} has local extent {got}; its global extent {t.shape[d]}"
                     f"{split} gives {want}. Pass this rank's shard (shard_tensor) of a {list(t.shape)} tensor; "
                     f"expected local shape {list(local_expected)}")
+        layout = layouts.get(name)
+        if layout is not None and layout.constrains:
+            check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
         shapes.append(t.sharding.global_shape(tuple(x.shape)) if t.sharding else tuple(x.shape))
     if len(devices) > 1:
         raise InputError(f"execute: inputs are on several devices {sorted(map(str, devices))}; use one")
     return shapes
+
+
+def check_layout(what: str, x: torch.Tensor, contiguity: Sequence[bool | None],
+                 stride_order: Sequence[int] | None) -> None:
+    """Raise InputError if ``x``'s strides contradict a declared layout (nvFuser's meanings, see
+    ``FusionDefinition.define_tensor``). Dims of extent 1 and broadcast (None) dims are free; so is
+    a tensor without elements."""
+    n = x.dim()
+    if x.numel() == 0 or n == 0:
+        return
+    order = tuple(stride_order) if stride_order is not None else tuple(range(n - 1, -1, -1))
+    sizes, strides = tuple(x.shape), x.stride()
+    layout = f"contiguity {list(contiguity)}" + (f", stride_order {list(stride_order)}" if stride_order else "")
+    fix = ("pass a tensor with this layout (e.g. .contiguous()" + (", or .permute(...).contiguous().permute(...)"
+           if stride_order else "") + ") or declare the layout it has")
+    # the dims that have strides, fastest first
+    fast_first = [d for d in sorted(range(n), key=lambda d: order[d])
+                  if sizes[d] != 1 and contiguity[d] is not None]
+    for slower, faster in zip(fast_first[1:], fast_first):
+        if strides[slower] < strides[faster]:
+            raise InputError(
+                f"execute: input {what} (shape {list(sizes)}, strides {list(strides)}) does not match its declared "
+                f"layout ({layout}): dim {slower} must have a larger stride than dim {faster}; {fix}")
+    want = 1
+    for d in fast_first:
+        if contiguity[d] is True and strides[d] != want:
+            raise InputError(
+                f"execute: input {what} (shape {list(sizes)}, strides {list(strides)}) does not match its declared "
+                f"layout ({layout}): dim {d} is declared contiguous, so its stride must be {want}, got "
+                f"{strides[d]}; {fix}")
+        want = strides[d] * sizes[d]
 
 
 def check_mesh_sizes(fusion: Fusion, world: int) -> None:

@@ -9,14 +9,15 @@ from __future__ import annotations
 import inspect
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
 from tp_fusion import ops as _ops
 from tp_fusion.errors import DefinitionError, InputError, LoweringError, ShardingError, UnknownOpError
 from tp_fusion.ir import Const, Fusion, LoopAxis, Op, Tensor, freeze
 from tp_fusion.mesh import DeviceMesh
+from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
 from tp_fusion.types import DataType, ParallelType
 
 
@@ -94,12 +95,29 @@ class TensorView:
             self._fd._tensors[self.name] = before  # a rejected mesh leaves the tensor as it was
             raise
 
-    def outer_split(self, axis: int, factor: int) -> None:
-        """Loop axis ``axis`` of extent n becomes [factor, n/factor]."""
-        self.split(axis, factor, inner_split=False)
+    @property
+    def contiguity(self) -> tuple[bool | None, ...] | None:
+        """An input's declared contiguity (``define_tensor``), one entry per dim; None for other tensors."""
+        layout = self._fd._layouts.get(self.name)
+        return layout.contiguity if layout else None
 
-    def split(self, axis: int, factor: int, inner_split: bool = True) -> None:
-        """Loop axis ``axis`` of extent n becomes [n/factor, factor] (``inner_split=False``: [factor, n/factor])."""
+    @property
+    def stride_order(self) -> tuple[int, ...] | None:
+        """An input's declared stride order (``define_tensor``), or None when none was given."""
+        layout = self._fd._layouts.get(self.name)
+        return layout.stride_order if layout else None
+
+    def outer_split(self, axis: int, factor: int) -> TensorView:
+        """Loop axis ``axis`` of extent n becomes [factor, n/factor]. Returns the TensorView."""
+        return self.split(axis, factor, inner_split=False)
+
+    def inner_split(self, axis: int, factor: int) -> TensorView:
+        """Loop axis ``axis`` of extent n becomes [n/factor, factor]. Returns the TensorView."""
+        return self.split(axis, factor, inner_split=True)
+
+    def split(self, axis: int, factor: int, inner_split: bool = True) -> TensorView:
+        """Loop axis ``axis`` of extent n becomes [n/factor, factor] (``inner_split=False``: [factor, n/factor]).
+        Returns the TensorView, so calls chain."""
         loop = list(self._loop())
         axis = self._check_axis(axis, len(loop), "split")
         old = loop[axis]
@@ -117,6 +135,7 @@ class TensorView:
         loop[axis:axis + 1] = [LoopAxis(old.dim, outer, outermost=old.outermost),
                                LoopAxis(old.dim, inner, outermost=False)]
         self._set_loop(tuple(loop))
+        return self
 
     def axis(self, index: int) -> IterDomain:
         return IterDomain(self, self._check_axis(index, len(self._loop()), "axis"))
@@ -178,6 +197,65 @@ class TensorView:
 Operand = TensorView | Const | int | float | bool
 
 
+@dataclass(frozen=True)
+class Layout:
+    """An input's declared layout (``define_tensor``): per dim True (dense with the next faster dim),
+    False (any stride) or None (broadcast); ``stride_order`` as in nvFuser, None for row-major."""
+
+    contiguity: tuple[bool | None, ...]
+    stride_order: tuple[int, ...] | None = None
+
+    @property
+    def constrains(self) -> bool:
+        return any(c is True for c in self.contiguity) or self.stride_order is not None
+
+
+def _layout(shape: tuple[int, ...], contiguity, stride_order) -> Layout:
+    n = len(shape)
+    if contiguity is None:
+        contig = tuple(None if e == 1 else False for e in shape)
+    elif isinstance(contiguity, bool):
+        contig = tuple(None if e == 1 else contiguity for e in shape)  # nvFuser: size-1 dims are broadcasts
+    elif isinstance(contiguity, Sequence) and not isinstance(contiguity, str):
+        contig = tuple(contiguity)
+        if len(contig) != n or not all(c is None or isinstance(c, bool) for c in contig):
+            raise DefinitionError(f"define_tensor: contiguity {list(contig)} must hold one True, False or None "
+                                  f"per dim of shape {list(shape)} ({n} dims)")
+        bad = [d for d, (c, e) in enumerate(zip(contig, shape)) if c is not None and e == 1]
+        if bad:
+            raise DefinitionError(f"define_tensor: dim {bad[0]} of shape {list(shape)} has extent 1, a broadcast "
+                                  f"dim in nvFuser; its contiguity must be None, got {contig[bad[0]]}")
+    else:
+        raise DefinitionError(f"define_tensor: contiguity must be None, a bool or a list of True/False/None, "
+                              f"got {contiguity!r}")
+    order = None
+    if stride_order is not None and len(stride_order) > 0:
+        order = tuple(stride_order)
+        if not all(isinstance(o, int) and not isinstance(o, bool) for o in order) or \
+                sorted(order) != list(range(n)):
+            raise DefinitionError(f"define_tensor: stride_order {list(order)} must be a permutation of "
+                                  f"0..{n - 1} (dim i has the stride_order[i]-th smallest stride)")
+        if order == tuple(range(n - 1, -1, -1)):
+            order = None  # row-major, the default
+    return Layout(contig, order)
+
+
+class FusionInputs(tuple):
+    """``Fusion.inputs`` of ``fd.fusion``: the input names (a tuple), and called, nvFuser's
+    ``fd.fusion.inputs()``: the input TensorViews. ``layouts`` maps names to declared layouts."""
+
+    _fd: FusionDefinition | None = None
+    layouts: dict = {}
+
+    def __call__(self) -> list[TensorView]:
+        if self._fd is None:
+            raise DefinitionError("fusion.inputs(): this snapshot has no FusionDefinition to hand out TensorViews")
+        return [TensorView(self._fd, name) for name in self]
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)
+
+
 _SERIALS = itertools.count()
 
 
@@ -189,6 +267,7 @@ class FusionDefinition:
         self._ops: list[Op] = []
         self._inputs: list[int] = []
         self._outputs: list[int] = []
+        self._layouts: dict[int, Layout] = {}  # input name -> declared layout (define_tensor)
         self.ops = _OpsNamespace(self)
         self.plan = None  # the program of the last execute (None before; see compile())
         self._executor = None
@@ -205,8 +284,11 @@ class FusionDefinition:
 
     @property
     def fusion(self) -> Fusion:
-        """An immutable snapshot of the definition."""
-        return Fusion(tuple(self._tensors), tuple(self._ops), tuple(self._inputs), tuple(self._outputs))
+        """An immutable snapshot of the definition. Its ``inputs`` is the tuple of input names; called,
+        as nvFuser spells it (``fd.fusion.inputs()``), it gives the input TensorViews."""
+        inputs = FusionInputs(self._inputs)
+        inputs._fd, inputs.layouts = self, dict(self._layouts)
+        return Fusion(tuple(self._tensors), tuple(self._ops), inputs, tuple(self._outputs))
 
     def __str__(self) -> str:
         return str(self.fusion)
@@ -217,14 +299,33 @@ class FusionDefinition:
         self._changed()
         return TensorView(self, name)
 
-    def define_tensor(self, shape: Sequence[int], dtype: DataType = DataType.Float) -> TensorView:
+    def define_tensor(self, shape: Sequence[int], contiguity=None, dtype: DataType = DataType.Float,
+                      is_cpu: bool = False, stride_order: Sequence[int] | None = None) -> TensorView:
+        """An input of GLOBAL shape ``shape`` (-1: a symbolic extent), with nvFuser's arguments:
+
+        - ``contiguity``: None (no promise: any strides), a bool for every dim, or one entry per dim.
+          ``True``: the dim's stride is the size times the stride of the next faster dim (1 for the
+          fastest); ``False``: any stride; ``None``: a broadcast dim (extent 1 or expanded), any stride.
+        - ``stride_order``: a permutation of the dims; dim ``i`` has the ``stride_order[i]``-th
+          smallest stride (``[n-1, ..., 1, 0]`` is row-major). None: row-major, as in nvFuser.
+        - ``is_cpu``: accepted for nvFuser's CPU scalar tensors; tp_fusion runs an input where it lies.
+
+        ``execute`` checks each rank's local shard against the layout (an InputError names the dim).
+        """
         shape = tuple(shape)
         if not all(isinstance(e, int) and not isinstance(e, bool) and (e >= 0 or e == -1) for e in shape):
             raise DefinitionError(f"define_tensor: shape {list(shape)} must hold extents >= 0 or -1 (symbolic)")
-        if not isinstance(dtype, DataType):
-            raise DefinitionError(f"define_tensor: dtype must be a DataType, got {dtype!r}")
+        if isinstance(contiguity, DataType):
+            raise DefinitionError(f"define_tensor: the second argument is contiguity (nvFuser's order: shape, "
+                                  f"contiguity, dtype, is_cpu, stride_order); pass dtype={contiguity} by keyword")
+        if not isinstance(dtype, DataType) or dtype is DataType.Null:
+            raise DefinitionError(f"define_tensor: dtype must be a DataType other than Null, got {dtype!r}")
+        if not isinstance(is_cpu, bool):
+            raise DefinitionError(f"define_tensor: is_cpu must be a bool, got {is_cpu!r}")
+        layout = _layout(shape, contiguity, stride_order)
         tv = self._new_tensor(shape, dtype)
         self._inputs.append(tv.name)
+        self._layouts[tv.name] = layout
         return tv
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
@@ -256,7 +357,7 @@ class FusionDefinition:
                 args.append(Const(x))
             else:
                 raise DefinitionError(f"{kind}: unsupported operand {x!r}; pass a TensorView or a number")
-        attrs = {k: freeze(v) for k, v in attrs.items()}
+        attrs = {k: None if v is DataType.Null else freeze(v) for k, v in attrs.items()}  # Null: no dtype
         try:
             outs = op.infer([self._operand_type(a) for a in args], attrs)
         except DefinitionError as e:
@@ -286,10 +387,30 @@ class FusionDefinition:
         """
         from tp_fusion.executor import Executor
 
+        inputs = list(inputs)
         if self._executor is None:
             self._executor = Executor(self.fusion, self._serial)
-        outputs, self.plan = self._executor.run(list(inputs))
+        if not self._layouts_hold(inputs):
+            # Plans are cached by shapes, not strides: compile afresh, so that the layout check (and the
+            # ranks' agreement on its outcome) runs and raises InputError.
+            Executor(self.fusion, self._serial).run(inputs)
+        outputs, self.plan = self._executor.run(inputs)
         return outputs
+
+    def _layouts_hold(self, inputs: list) -> bool:
+        """Whether the inputs fit the layouts declared by define_tensor (a local check, no communication)."""
+        from tp_fusion.compile import check_layout
+
+        for name, x in zip(self._inputs, inputs):
+            layout = self._layouts.get(name)
+            if layout is None or not layout.constrains or not isinstance(x, torch.Tensor) or x.dim() != len(
+                    layout.contiguity):
+                continue
+            try:
+                check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
+            except InputError:
+                return False
+        return True
 
     def compile(self, input_shapes: Sequence[Sequence[int]], rank: int = 0, device: str | torch.device = "cpu"):
         """The plan ``execute`` would run on ``rank`` for inputs of these GLOBAL shapes, without any

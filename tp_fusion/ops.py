@@ -621,6 +621,38 @@ def _broadcast_front(rec, x, is_broadcast_dim):
 SPELLINGS["broadcast"] = _broadcast_front
 
 
+def _symbolic_extent(op: str, x, dim: int):
+    from tp_fusion.errors import LoweringError
+
+    raise LoweringError(f"{op}: dim {dim} of T{x.name} {x._ir.type_str()} is symbolic (-1); tp_fusion gives "
+                        "extents as Python ints only where the global extent is defined (symbolic scalars are "
+                        "not supported yet); define the tensor with concrete extents")
+
+
+def _size_front(rec, x, dim: int) -> int:
+    """nvFuser's ``size``: the GLOBAL extent of dim ``dim`` of ``x`` (negative dims wrap), a Python int.
+    Records no op. A symbolic (-1) extent raises LoweringError (a NotImplementedError)."""
+    x = rec.tv(x, "x")
+    (d,) = rec.dims(x, dim)
+    if x.shape[d] < 0:
+        _symbolic_extent("size", x, d)
+    return x.shape[d]
+
+
+def _shape_front(rec, x) -> list[int]:
+    """nvFuser's ``shape``: the GLOBAL extents of ``x``, a list of Python ints. Records no op. A symbolic
+    (-1) extent raises LoweringError (a NotImplementedError)."""
+    x = rec.tv(x, "x")
+    for d, e in enumerate(x.shape):
+        if e < 0:
+            _symbolic_extent("shape", x, d)
+    return list(x.shape)
+
+
+SPELLINGS["size"] = _size_front
+SPELLINGS["shape"] = _shape_front
+
+
 def _squeeze_front(rec, x, dims):
     """``x`` without the given dims, which must have extent 1."""
     x = rec.tv(x, "x")

@@ -15,9 +15,12 @@ class DataType(enum.Enum):
     Int = "int64"
     Int32 = "int32"
     Bool = "bool"
+    Null = "null"  # nvFuser's "no dtype" (e.g. ``sum(..., dtype=DataType.Null)``): the same as None
 
     @property
     def torch(self) -> torch.dtype:
+        if self is DataType.Null:
+            raise ValueError("DataType.Null is no tensor dtype (nvFuser's 'no dtype'); pass a concrete DataType")
         return getattr(torch, self.value)
 
     @property
@@ -31,7 +34,7 @@ class DataType(enum.Enum):
     @staticmethod
     def from_torch(dtype: torch.dtype) -> DataType:
         for dt in DataType:
-            if dt.torch == dtype:
+            if dt is not DataType.Null and dt.torch == dtype:
                 return dt
         raise ValueError(f"torch dtype {dtype} has no tp_fusion DataType")
 
@@ -39,6 +42,7 @@ class DataType(enum.Enum):
 _SHORT = {
     DataType.Float: "f32", DataType.Double: "f64", DataType.Half: "f16", DataType.BFloat16: "bf16",
     DataType.Int: "i64", DataType.Int32: "i32", DataType.Bool: "bool",
+    DataType.Null: "null",
 }
 
 
