@@ -55,14 +55,13 @@ TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classi
 # The kernel designs tried (docs/performance.md says what each measured); the defaults are tp_fusion_kernels.
 SP_DESIGNS = {
     "ag_one_stream": overlap.Tuning(ag_streams=1),
-    "rs_one_stream": overlap.Tuning(rs_streams=1),
-    "one_stream": overlap.Tuning(ag_streams=1, rs_streams=1),
+    "rs_two_streams": overlap.Tuning(rs_streams=2),
     "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
     "rs_remote_store": overlap.Tuning(rs_remote_store=True),
     "rs_inplace_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2),
     "rs_inplace_remote_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
 }
-TP_DESIGNS = {"ar_one_stream": overlap.Tuning(rs_streams=1), "ar_1_piece": overlap.Tuning(ar_subchunks=1),
+TP_DESIGNS = {"ar_two_streams": overlap.Tuning(rs_streams=2), "ar_1_piece": overlap.Tuning(ar_subchunks=1),
               "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}
 REFERENCE = {"sp": "nccl_sequential", "tp": "classic_tp"}
 TOLERANCE = 3e-2  # relative error (norm) against the reference; bf16 GEMM chains land near 5e-3

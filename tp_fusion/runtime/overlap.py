@@ -39,10 +39,11 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Knobs of the CUDA pipelines (the CPU rings have none). Defaults: the best measured on 2x H200
-    (docs/performance.md); every combination computes the same result."""
+    (docs/performance.md says what each alternative measured); every combination computes the same
+    result."""
 
     ag_streams: int = 2  # AG+GEMM: 2 puts every other peer chunk's GEMM on a second stream, so that
-    #                      the tail wave of one GEMM overlaps the next (wave quantization of chunks)
+    #                      the tail wave of one GEMM overlaps the next (within noise of 1 on 2x H200)
     ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
@@ -52,8 +53,9 @@ class Tuning:
     #                         (2 ranks; the bias rides in the peer's partial; wants rs_subchunks >= 2)
     rs_subchunks: int = 1  # GEMM+RS: pieces per destination (a push of piece k overlaps GEMM k+1)
     rs_remote_store: bool = False  # GEMM+RS: the partial GEMM writes into the peer's slot (no copy engine)
-    rs_streams: int = 2  # GEMM+RS and GEMM+AR ("sum"): 2 runs the GEMM of this rank's own rows on a
-    #                      second stream, issued after the peers' partials, so that it fills their tail wave
+    rs_streams: int = 1  # GEMM+RS and GEMM+AR ("sum"): 2 runs the GEMM of this rank's own rows on a
+    #                      second stream, issued after the peers' partials, to fill their tail wave
+    #                      (measured 2% slower on 2x H200: the two GEMMs contend and delay the pushes)
     ar_subchunks: int = 2  # GEMM+AR: row pieces per reducing rank (sums of piece k travel during k+1)
 
     def __post_init__(self):
