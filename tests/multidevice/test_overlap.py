@@ -1,4 +1,5 @@
-"""The overlap runtime's chunked ring decompositions on CPU gloo ranks, against plain torch."""
+"""The overlap kernels on CPU gloo ranks (world 2 and 4, and subgroups): the fused mode's ring decompositions
+and the sequential mode, against plain torch."""
 
 from __future__ import annotations
 
