@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
-from tp_fusion.ir import Fusion
 from tp_fusion.passes import checks
 from tp_fusion.passes.fuse_collectives import fuse_collectives
 from tp_fusion.passes.insert_reshardings import insert_reshardings
 from tp_fusion.passes.lower_communications import lower_communications
 from tp_fusion.passes.propagate_shardings import propagate_shardings
 from tp_fusion.passes.segment import segment
+
+from tp_fusion.ir import Fusion
 
 propagate_shardings.ensures = checks.sharded
 insert_reshardings.ensures = checks.resharded

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from tp_fusion.sharding.reshard import equivalent
+
 from tp_fusion.ir import Fusion
 from tp_fusion.ops import Trait, traits
-from tp_fusion.sharding.reshard import equivalent
 
 
 def well_formed(fusion: Fusion) -> None:

@@ -10,9 +10,10 @@ Patterns (the runtime overlaps their communication with the GEMM; see ``tp_fusio
 
 from __future__ import annotations
 
+from tp_fusion.sharding.reshard import Collective
+
 from tp_fusion.ir import Fusion, Op, Segment
 from tp_fusion.ops import OPS, Trait, traits
-from tp_fusion.sharding.reshard import Collective
 
 
 def _single_use(fusion: Fusion, name: int) -> bool:

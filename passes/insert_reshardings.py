@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tp_fusion.ir import Fusion, Op, Tensor
-from tp_fusion.ops import Trait, is_biased_gemm, traits
 from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy
+
+from tp_fusion.ir import Fusion, Op, Tensor
+from tp_fusion.ops import Trait, is_biased_gemm, traits
 
 
 def insert_reshardings(fusion: Fusion) -> Fusion:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from tp_fusion.sharding.reshard import reshard_steps
+
 from tp_fusion.ir import Fusion, Op, Tensor
 from tp_fusion.ops import Trait, traits
-from tp_fusion.sharding.reshard import reshard_steps
 
 
 def lower_communications(fusion: Fusion) -> Fusion:

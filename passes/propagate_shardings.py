@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Sharding
+from tp_fusion.sharding.strategy import Strategy, choose
+
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.ops import is_biased_gemm
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Sharding
-from tp_fusion.sharding.strategy import Strategy, choose
 
 
 def default_mesh(fusion: Fusion) -> DeviceMesh | None:

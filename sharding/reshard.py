@@ -24,9 +24,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
+
 from tp_fusion.errors import LoweringError
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
 
 
 class Collective(enum.Enum):

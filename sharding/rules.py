@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Placement, Shard
+
 from tp_fusion.ir import Fusion, Op
 
 Rule = Callable[[Op, Fusion, int], list["Candidate"]]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tp_fusion.sharding.reshard import is_free, step_collective
+from tp_fusion.sharding.rules import Candidate
+from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, Sharding
+
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.ops import opdef
-from tp_fusion.sharding.reshard import is_free, step_collective
-from tp_fusion.sharding.rules import Candidate
-from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, Sharding
 
 
 @dataclass(frozen=True)

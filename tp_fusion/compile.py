@@ -48,7 +48,7 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
         for d, (got, want) in enumerate(zip(x.shape, local_expected)):
             if want >= 0 and got != want:
                 factor = t.sharding.dim_factor(d) if t.sharding else 1
-                split = f", split {factor} ways," if factor > 1 else ""
+                split = f" split {factor} ways" if factor > 1 else ""
                 raise InputError(
                     f"execute: input T{name} dim {d} has local extent {got}; its global extent {t.shape[d]}"
                     f"{split} gives {want}. Pass this rank's shard (shard_tensor) of a {list(t.shape)} tensor; "

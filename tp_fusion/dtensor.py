@@ -35,11 +35,11 @@ from collections.abc import Sequence
 
 import torch
 
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.errors import InputError, ShardingError, UnevenShardError, UnsupportedPlacementError
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.runtime import dist
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.types import ParallelType
 
 

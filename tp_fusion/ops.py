@@ -557,7 +557,8 @@ def _permute_front(rec, x, dims):
     """``x.permute(dims)``."""
     x = rec.tv(x, "x")
     dims = tuple(dims)
-    if not all(isinstance(d, int) and -x.ndim <= d < x.ndim for d in dims) or sorted(d % x.ndim for d in dims) != list(range(x.ndim)):
+    in_range = all(isinstance(d, int) and -x.ndim <= d < x.ndim for d in dims)
+    if not in_range or sorted(d % x.ndim for d in dims) != list(range(x.ndim)):
         _fail("permute", f"dims {list(dims)} are not a permutation of T{x.name}'s {x.ndim} dims {x._ir.type_str()}")
     return rec(x, dims=tuple(d % x.ndim for d in dims))
 
@@ -828,7 +829,8 @@ register("full", impl=_full, infer=lambda args, attrs: [TensorType(attrs["shape"
 
 for _name, _traits in (("allgather", Trait.COLLECTIVE), ("reduce_scatter", Trait.COLLECTIVE),
                        ("allreduce", Trait.COLLECTIVE), ("all_to_all", Trait.COLLECTIVE),
-                       ("send_recv", Trait.COLLECTIVE), ("broadcast", Trait.COLLECTIVE), ("local_slice", Trait.LOCAL_RESHARD | Trait.VIEW),
+                       ("send_recv", Trait.COLLECTIVE), ("broadcast", Trait.COLLECTIVE),
+                       ("local_slice", Trait.LOCAL_RESHARD | Trait.VIEW),
                        ("to_partial", Trait.LOCAL_RESHARD | Trait.VIEW)):
     register(_name, impl=None, infer=_same_as_input, traits=_traits)
 

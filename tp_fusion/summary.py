@@ -33,11 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tp_fusion.ir import Fusion, Op
 from tp_fusion.ops import Trait, opdef, traits
 from tp_fusion.sharding.reshard import Collective
-from tp_fusion.ir import Fusion, Op
 from tp_fusion.types import ParallelType
-
 
 
 @dataclass(frozen=True)

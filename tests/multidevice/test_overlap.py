@@ -43,7 +43,6 @@ def _check_group(pg, ranks) -> None:
     odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential fallback
     torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg),
                                sum(F.linear(x, wg) for x, wg in zip(odd, ws, strict=True)))
-    assert overlap.decide("allgather_linear", (4, 5), (7, 5), torch.float64, pg) == "fused"
 
 
 def _all_checks(rank: int, world: int) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tp_fusion import passes
-from tp_fusion.ops import Trait, traits
 from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor, unshard_tensor
+
 from tp_fusion import (
     DataType,
     DeviceMesh,
@@ -22,7 +20,9 @@ from tp_fusion import (
     ParallelType,
     ShardingError,
     TPFusionError,
+    passes,
 )
+from tp_fusion.ops import Trait, traits
 
 X, Y = ParallelType.mesh_x, ParallelType.mesh_y
 R = Replicate()

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tp_fusion.passes import run_pipeline
+
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
 from tp_fusion.summary import format_bytes, format_flops, summarize
 

@@ -11,20 +11,19 @@ computes, in one of two modes that the caller chooses:
 - ``"sequential"``: one collective and one GEMM.
 
 Every rank issues the same kernels in the same order and starts with its local chunk; nothing
-assumes two ranks. Knobs of the CUDA pipelines are explicit (``Tuning``); ``mode=None`` measures
-both modes once per signature (``decide``).
+assumes two ranks. Knobs of the CUDA pipelines are explicit (``Tuning``). The mode is the caller's:
+``tp_fusion.runtime.tuning`` measures both once per program and records the choice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
 
-from tp_fusion.runtime import dist, symm, timing
+from tp_fusion.runtime import dist, symm
 
 MODES = ("fused", "sequential")
 
@@ -73,7 +72,7 @@ DEFAULT_TUNING = Tuning()
 # Public API
 # --------------------------------------------------------------------------------------------------
 
-def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogue=None, mode: str | None = None,
+def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogue=None, mode: str,
                      tuning: Tuning | None = None) -> torch.Tensor:
     """``epilogue(F.linear(cat(all group ranks' x_local, dim=gather_dim), weight, bias))``.
 
@@ -102,7 +101,7 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: str | None = None,
+def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: str,
                           tuning: Tuning | None = None) -> torch.Tensor:
     """This rank's chunk along ``scatter_dim`` (not the last dim) of ``sum over ranks of F.linear(x, w)``,
     plus ``bias`` (added once)."""
@@ -125,7 +124,7 @@ def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: s
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def linear_allreduce(x, weight, bias=None, *, pg, mode: str | None = None,
+def linear_allreduce(x, weight, bias=None, *, pg, mode: str,
                      tuning: Tuning | None = None) -> torch.Tensor:
     """``sum over group ranks of F.linear(x, weight)``, plus ``bias`` (added once). Fused: each rank
     reduces its share of the rows (GEMM+reduce_scatter) and sends the sums on to every peer while
@@ -136,8 +135,6 @@ def linear_allreduce(x, weight, bias=None, *, pg, mode: str | None = None,
     if n == 1:
         return F.linear(x, weight, bias)
     tuning = tuning or DEFAULT_TUNING
-    if mode is None and rows % n:
-        mode = "sequential"  # nothing to pipeline over ranks
     mode = _resolve("linear_allreduce", mode, x2, weight, bias, None, pg, tuning)
     if mode == "fused" and rows % n:
         raise ValueError(f"linear_allreduce(mode='fused'): the {rows} rows of x do not split evenly over "
@@ -156,35 +153,9 @@ def linear_allreduce(x, weight, bias=None, *, pg, mode: str | None = None,
     return out.view(*x.shape[:-1], -1)
 
 
-def decide(kind: str, x_shape, w_shape, dtype, pg, *, bias: bool = False, epilogue=None,
-           tuning: Tuning | None = None) -> str:
-    """"fused" or "sequential" for ``kind`` with an ``x`` of ``x_shape`` and a ``weight`` of ``w_shape``
-    (with a bias and ``epilogue`` if given: what actually runs is timed).
-
-    ``kind`` is ``allgather_linear`` (``x`` = this rank's shard), ``linear_reduce_scatter`` or
-    ``linear_allreduce`` (``x`` = the whole operand). On CUDA the first call for a signature times
-    both modes on random data (gathered/scattered dim 0), interleaved over rounds, and takes the max
-    over the group's ranks, so that every rank chooses alike; it is collective: every rank of the
-    group must make the same calls. On the CPU it is always "fused", so CI exercises the decomposition.
-    """
-    if kind not in _KINDS:
-        raise ValueError(f"decide: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}")
-    if not torch.cuda.is_available() or dist.backend() != "nccl":
-        return "fused"
-    rows = (math.prod(x_shape[:-1]), x_shape[-1])
-    key = (kind, rows, tuple(w_shape), dtype, dist.group_name(pg), bias, epilogue, tuning or DEFAULT_TUNING)
-    if key not in _decisions:
-        _decisions[key] = _decide_cuda(kind, rows, tuple(w_shape), dtype, pg, bias, epilogue,
-                                       tuning or DEFAULT_TUNING)
-    return _decisions[key]
-
-
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------------
-
-_KINDS = ("allgather_linear", "linear_reduce_scatter", "linear_allreduce")
-
 
 def _group_size(pg) -> int:
     return dist.group_size(pg) if dist.is_initialized() else 1
@@ -197,13 +168,8 @@ def _label(name: str):
 
 
 def _resolve(kind, mode, x2, weight, bias, epilogue, pg, tuning) -> str:
-    if mode is None:
-        if not x2.is_cuda:
-            return "fused"
-        return decide(kind, tuple(x2.shape), tuple(weight.shape), x2.dtype, pg, bias=bias is not None,
-                      epilogue=epilogue, tuning=tuning)
     if mode not in MODES:
-        raise ValueError(f"{kind}: mode={mode!r}; expected one of {MODES} (or None to measure)")
+        raise ValueError(f"{kind}: mode={mode!r}; expected one of {MODES}")
     if mode == "fused" and x2.is_cuda and symm.driver() is None:
         raise RuntimeError(f"{kind}(mode='fused') on CUDA needs the CUDA driver library (libcuda.so.1) for "
                            "its stream flags; use mode='sequential'")
@@ -477,38 +443,3 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
             driver.copy(comm, out[src, k], sums.slot(src, k))
     symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
-
-
-# --------------------------------------------------------------------------------------------------
-# Choosing fused vs sequential from measured times (until the plan's tuning step makes the choice)
-# --------------------------------------------------------------------------------------------------
-
-_decisions: dict[tuple, str] = {}
-
-
-def _decide_cuda(kind, x_shape, w_shape, dtype, pg, bias, epilogue, tuning) -> str:
-    if symm.driver() is None:
-        return "sequential"
-    n = dist.group_size(pg)
-    if kind != "allgather_linear" and x_shape[0] % n:
-        return "sequential"  # the rows do not split over the ranks: nothing to pipeline
-    device = torch.device("cuda", torch.cuda.current_device())
-    gen = torch.Generator(device).manual_seed(0)
-    x = torch.randn(x_shape, dtype=dtype, device=device, generator=gen)
-    w = torch.randn(w_shape, dtype=dtype, device=device, generator=gen) / math.sqrt(w_shape[-1])
-    b = torch.randn(w_shape[0], dtype=dtype, device=device, generator=gen) if bias else None
-    if kind == "allgather_linear":
-        def run(mode):
-            allgather_linear(x, w, b, gather_dim=0, pg=pg, epilogue=epilogue, mode=mode, tuning=tuning)
-    elif kind == "linear_reduce_scatter":
-        def run(mode):
-            linear_reduce_scatter(x, w, b, scatter_dim=0, pg=pg, mode=mode, tuning=tuning)
-    else:
-        def run(mode):
-            linear_allreduce(x, w, b, pg=pg, mode=mode, tuning=tuning)
-    rounds = {mode: [] for mode in MODES}
-    for _ in range(5):  # interleaved rounds: clock drift hits both modes alike; the best round of each
-        for mode in MODES:
-            rounds[mode].append(timing.time_ms(lambda m=mode: run(m), 8, 2))
-    fused_ms, sequential_ms = timing.slowest([min(rounds[m]) for m in MODES], pg, device)
-    return "fused" if fused_ms <= sequential_ms else "sequential"

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
 from tp_fusion.ops import OPS
 from tp_fusion.program import FUSED, SEQUENTIAL, Communicate, Compute, FusedGemm, Program, ProgramSegment
 from tp_fusion.runtime import collectives, dist, faults, graphs, overlap
-from tp_fusion.sharding.reshard import Collective
 
 Env = dict[int, torch.Tensor]
 
