@@ -18,10 +18,7 @@ import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import FusionDefinition, DataType, TensorView  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     DTYPE_METHOD,
-    LAYOUT,
-    NEGATIVE_BROADCAST_DIMS,
     REDUCTION_AXES,
-    SIZE_SHAPE_SLICE,
     SYMBOLIC_SCALARS,
     missing,
 )
@@ -81,9 +78,7 @@ def gating(
 # prediction with AlphaFold. Nature 596, 583–589 (2021).
 # https://doi.org/10.1038/s41586-021-03819-2
 # (see Supplementary Methods 1.6.5 for details)
-@missing(
-    LAYOUT, SIZE_SHAPE_SLICE, SYMBOLIC_SCALARS, DTYPE_METHOD, NEGATIVE_BROADCAST_DIMS, REDUCTION_AXES
-)
+@missing(SYMBOLIC_SCALARS, DTYPE_METHOD, REDUCTION_AXES)
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "direction", [Direction.OUTGOING, Direction.INCOMING], ids=lambda d: d.name.lower()

@@ -11,10 +11,8 @@ import torch
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct
-from .gaps import LAYOUT, missing  # tp_fusion: xfail marks for known gaps
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_allgather(multidevice_test):
     d = multidevice_test.size
@@ -39,7 +37,6 @@ def test_allgather(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref)
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_allgather_2d(multidevice_test):
     d = multidevice_test.size
@@ -71,7 +68,6 @@ def test_allgather_2d(multidevice_test):
     torch.testing.assert_close(out, multidevice_test.shard_tensor(out_ref, out_tv))
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_allgather_expanded_broadcast(multidevice_test):
     d = multidevice_test.size
@@ -96,7 +92,6 @@ def test_allgather_expanded_broadcast(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref)
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_allreduce(multidevice_test):
     d = multidevice_test.size
@@ -123,7 +118,6 @@ def test_allreduce(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref)
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_reduce_scatter(multidevice_test):
     d = multidevice_test.size
@@ -150,7 +144,6 @@ def test_reduce_scatter(multidevice_test):
     torch.testing.assert_close(out, multidevice_test.shard_tensor(out_ref, out_tv))
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_reduce_scatter_noncontiguous(multidevice_test):
     d = multidevice_test.size
@@ -185,7 +178,6 @@ def test_reduce_scatter_noncontiguous(multidevice_test):
 
 
 # AllToAll patterns seen in expert parallelism
-@missing(LAYOUT)
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "inp_axis,out_axis", [(0, 1), (1, 0)], ids=["dispatch", "combine"]

@@ -16,14 +16,12 @@ from torch.distributed.tensor.placement_types import Shard, Replicate
 from .fusion_definition_wrapper import FusionDefinitionWrapper
 from .linear import LinearFunction
 from tp_fusion import FusionDefinition, DataType  # tp_fusion: was nvfuser_direct
-from .gaps import FUSION_INPUTS, LAYOUT, missing  # tp_fusion: xfail marks for known gaps
 
 # tp_fusion: the device type of the default process group (gloo ranks hold CPU tensors).
 def _device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-@missing(LAYOUT, FUSION_INPUTS)
 @pytest.mark.mpi
 def test_plus_one(setup_default_process_group, multidevice_test):
     def define_fusion(fd: FusionDefinition):
@@ -51,7 +49,6 @@ def test_plus_one(setup_default_process_group, multidevice_test):
     )
 
 
-@missing(LAYOUT, FUSION_INPUTS)
 @pytest.mark.mpi
 def test_column_parallel_linear(setup_default_process_group, multidevice_test):
     d, b, s, e = dist.get_world_size(), 2, 3, 5
@@ -90,7 +87,6 @@ def test_column_parallel_linear(setup_default_process_group, multidevice_test):
     assert_close(expected_grad_w.split(e, dim=0)[rank], grad_w)
 
 
-@missing(LAYOUT, FUSION_INPUTS)
 @pytest.mark.mpi
 def test_row_parallel_linear(setup_default_process_group, multidevice_test):
     d, b, s, e = dist.get_world_size(), 2, 3, 5

@@ -12,7 +12,6 @@ import torch
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     GROUPED_MM,
-    LAYOUT,
     LINEAR_3D_WEIGHT,
     REDUCTION_AXES,
     RFACTOR,
@@ -26,7 +25,7 @@ from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direc
 # Avoid doing this when possible. This test started to exist before nvFuser
 # supports DID loop split. As a result of that, the weight in this test has to be
 # 3D, different from a normal linear.
-@missing(LAYOUT, LINEAR_3D_WEIGHT)
+@missing(LINEAR_3D_WEIGHT)
 @pytest.mark.mpi
 def test_linear_logical_split(multidevice_test):
     d = multidevice_test.size
@@ -252,7 +251,7 @@ def test_column_parallel_matmul(multidevice_test):
     )
 
 
-@missing(LAYOUT, REDUCTION_AXES, RFACTOR)
+@missing(REDUCTION_AXES, RFACTOR)
 @pytest.mark.mpi
 def test_row_parallel_matmul(multidevice_test):
     d = multidevice_test.size
@@ -300,7 +299,7 @@ def test_row_parallel_matmul(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref, rtol=1e-3, atol=1e-2)
 
 
-@missing(LAYOUT, GROUPED_MM)
+@missing(GROUPED_MM)
 @pytest.mark.mpi
 def test_column_parallel_grouped_mm(multidevice_test):
     d = multidevice_test.size
@@ -342,7 +341,7 @@ def test_column_parallel_grouped_mm(multidevice_test):
     torch.testing.assert_close(out, multidevice_test.shard_tensor_1d(out_ref, 1, mesh))
 
 
-@missing(LAYOUT, GROUPED_MM)
+@missing(GROUPED_MM)
 @pytest.mark.mpi
 def test_row_parallel_grouped_mm(multidevice_test):
     d = multidevice_test.size
@@ -387,7 +386,6 @@ def test_row_parallel_grouped_mm(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref)
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_issue4729(multidevice_test):
     d = multidevice_test.size
@@ -422,7 +420,6 @@ def test_issue4729(multidevice_test):
     torch.testing.assert_close(z.cpu(), z_ref)
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_sequence_parallel_linear(multidevice_test):
     d = multidevice_test.size
@@ -466,7 +463,6 @@ def test_sequence_parallel_linear(multidevice_test):
     )
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_data_and_tensor_parallel_mlp(multidevice_test):
     # Build a GPT-3 style MLP with data and tensor parallelism.

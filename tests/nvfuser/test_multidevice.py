@@ -13,8 +13,6 @@ import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     ALLOCATION_DOMAIN,
-    BROADCAST,
-    LAYOUT,
     SYMBOLIC_MANY,
     SYMBOLIC_UNSPLIT,
     missing,
@@ -35,7 +33,7 @@ def test_sizes_and_ranks(multidevice_test):
     assert local_rank >= 0 and local_rank < local_size
 
 
-@missing(LAYOUT, SYMBOLIC_UNSPLIT)
+@missing(SYMBOLIC_UNSPLIT)
 @pytest.mark.mpi
 def test_pointwise(multidevice_test):
     num_devices = multidevice_test.size
@@ -60,7 +58,7 @@ def test_pointwise(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref)
 
 
-@missing(LAYOUT, SYMBOLIC_MANY, ALLOCATION_DOMAIN)
+@missing(SYMBOLIC_MANY, ALLOCATION_DOMAIN)
 @pytest.mark.mpi
 def test_pointwise_vectorization(multidevice_test):
     # Repro for https://github.com/NVIDIA/Fuser/issues/5920
@@ -123,7 +121,6 @@ def test_pointwise_vectorization(multidevice_test):
 # tp_fusion: test_sdpa and test_sdpa_loop_split (and QkvFormat) are left to the transformer-block port.
 
 
-@missing(BROADCAST)
 @pytest.mark.mpi
 def test_privatize_squeeze(multidevice_test):
     d = multidevice_test.size
@@ -171,7 +168,6 @@ def test_inner_reduction(multidevice_test):
     torch.testing.assert_close(out, inp.sum(1))
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_insert_resharding_after(multidevice_test):
     d = multidevice_test.size
@@ -195,7 +191,6 @@ def test_insert_resharding_after(multidevice_test):
     torch.testing.assert_close(out.cpu(), inp_ref.relu())
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_welford(multidevice_test):
     d = multidevice_test.size
@@ -221,7 +216,6 @@ def test_welford(multidevice_test):
     torch.testing.assert_close(mean, inp.mean(2), rtol=1e-3, atol=1e-3)
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_binary(multidevice_test):
     d = multidevice_test.size
@@ -249,7 +243,6 @@ def test_binary(multidevice_test):
     torch.testing.assert_close(z, multidevice_test.shard_tensor_1d(z_ref, 0, mesh))
 
 
-@missing(LAYOUT)
 @pytest.mark.mpi
 def test_reduction_with_2d_mesh(multidevice_test):
     d = multidevice_test.size

@@ -17,10 +17,8 @@ import torch
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import DataType, FusionDefinition, TensorView  # tp_fusion: was nvfuser_direct
-from .gaps import FUSION_INPUTS, LAYOUT, missing  # tp_fusion: xfail marks for known gaps
 
 
-@missing(LAYOUT, FUSION_INPUTS)
 @pytest.mark.mpi
 def test_allgather_matmul_no_overlap(multidevice_test):  # tp_fusion: backend_type parameter dropped
     def fusion_definition(

@@ -13,8 +13,6 @@ import torch
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     DEVICE_SPLITS,
-    INNER_SPLIT,
-    LAYOUT,
     REDUCTION_AXES,
     REORDER,
     TWO_MESH_AXES,
@@ -24,7 +22,7 @@ from .gaps import (  # tp_fusion: xfail marks for known gaps
 
 # Unit tests for multidevice_test.shard_tensor.
 class TestShardTensor:
-    @missing(INNER_SPLIT, DEVICE_SPLITS)
+    @missing(DEVICE_SPLITS)
     @pytest.mark.mpi
     def test_inner_split(self, multidevice_test):
         d = multidevice_test.size
@@ -129,7 +127,7 @@ class TestShardTensor:
             ],
         )
 
-    @missing(INNER_SPLIT, DEVICE_SPLITS, TWO_MESH_AXES)
+    @missing(DEVICE_SPLITS, TWO_MESH_AXES)
     @pytest.mark.mpi
     def test_2d_sharded_vector(self, multidevice_test):
         d = multidevice_test.size
@@ -207,7 +205,6 @@ class TestShardTensor:
             t.cpu(), t_ref.reshape(b, tp_size, cp_size, 3, e)[:, tp_rank, cp_rank, :, :]
         )
 
-    @missing(LAYOUT)
     @pytest.mark.mpi
     def test_expanded_broadcast(self, multidevice_test):
         d = multidevice_test.size
@@ -234,7 +231,6 @@ class TestShardTensor:
             t.cpu(), torch.arange(2, dtype=torch.float).unsqueeze(-1).expand(-1, 3)
         )
 
-    @missing(LAYOUT)
     @pytest.mark.mpi
     def test_broadcast(self, multidevice_test):
         d = multidevice_test.size
