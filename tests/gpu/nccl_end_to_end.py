@@ -43,7 +43,7 @@ def graph_replay_check(rank: int, world: int, device) -> str | None:
         if not torch.equal(out, copy):
             return "an earlier output changed after a later execute"
     if rank == 0:
-        print(f"graph replay check: plan {'replayed as a CUDA graph' if fd.plan.graph else 'eager'}")
+        print(f"graph replay check: plan {'replayed as a CUDA graph' if fd.plan.cuda_graph else 'eager'}")
     return None
 
 

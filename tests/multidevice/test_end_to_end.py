@@ -9,6 +9,7 @@ ranks per world size runs them all. ``run_cases`` runs them without pytest (test
 
 from __future__ import annotations
 
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -463,6 +464,7 @@ def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=T
             err = None
         except Exception:
             err = f"rank {rank}: {traceback.format_exc()}"
+            print(f"case {name} failed on {err}", file=sys.stderr, flush=True)  # before a broken group hides it
         errs = [e for e in dist.gather_from_all(err) if e]  # also keeps the ranks in step
         results[name] = "\n".join(errs) if errs else None
     return results
