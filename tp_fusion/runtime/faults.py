@@ -100,19 +100,6 @@ def _first(records: dict[int, FaultRecord]) -> FaultRecord | None:
     return min(pool, key=lambda r: r.seq) if pool else None
 
 
-_PEER_SIGNS = ("closed by peer", "connection reset", "connection refused", "broken pipe", "timed out", "timeout",
-               "remote", "peer", "nccl", "aborted", "abort", "socket", "not been initialized",
-               "not registered", "connection closed", "eof")
-
-
-def _peer_failure(error: str) -> bool:
-    """Whether an error raised by a collective may be the work of a peer that left (a closed
-    connection, a timeout, an aborted communicator); any other error (a failed allocation, a
-    bad argument) arose on this rank, which is then named as the one that failed."""
-    text = error.lower()
-    return any(sign in text for sign in _PEER_SIGNS)
-
-
 def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseException | None = None,
                    grace_s: float | None = None) -> str:
     """Publish this rank's failure, abort its process groups, and describe the failure that came first.
@@ -123,8 +110,6 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
     """
     if grace_s is None:
         grace_s = float(os.environ.get("TP_FUSION_FAULT_GRACE_S", "3"))
-    if not local and not _peer_failure(error):
-        local = True  # raised in a collective, but not because a peer left: this rank's own failure
     world = dist.world_size()
     own_text = f"rank {rank} failed in {where}: {error}"
     store = dist.default_store() if dist.is_initialized() else None
@@ -139,7 +124,6 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
         seq = store.add(f"{_FAULT_KEY}seq", 1)
         store.set(f"{_FAULT_KEY}{rank}", FaultRecord(rank, seq, local, where, error).encode())
     except Exception:
-        _restore_timeout(store, old_timeout)
         store = None
     abort_process_groups(exc)
     if store is None:
@@ -159,11 +143,10 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
             time.sleep(0.02)
         if rank != 0:
             store.set(f"{_FAULT_KEY}read/{rank}", "1")
+        store.set_timeout(old_timeout)
     except Exception:  # the store's host (rank 0) is gone
         if not records:
             return unreachable
-    finally:
-        _restore_timeout(store, old_timeout)
     first = _first(records)
     if first is not None and (first.local or len(records) == world):
         if first.rank == rank:
@@ -173,12 +156,3 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
     who = ", ".join(map(str, missing))
     return (f"rank(s) {who} stopped responding (process exited or hung; no failure report) while "
             f"rank {rank} was in {where}: {error}")
-
-
-def _restore_timeout(store, timeout) -> None:
-    """Give the user's store back its timeout (a local setting: it needs no reachable host)."""
-    if store is not None:
-        try:
-            store.set_timeout(timeout)
-        except Exception:
-            pass

@@ -9,7 +9,6 @@ its ``FusedGemm`` in the mode tuning recorded. A failure inside a segment is rep
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -26,24 +25,12 @@ Env = dict[int, torch.Tensor]
 class Runner:
     def __init__(self, program: Program):
         self.program = program
-        token = dist.world_token()  # the process group the runner was built under, held weakly: a
-        # strong reference would keep a destroyed gloo group's connections open, so that peers
-        # blocked in a collective with this rank would not be released when it aborts
-        self._world = None if token is None else weakref.ref(token)
+        self.world = dist.world_token()  # the process group the runner was built under
         self._multirank = program.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1
         for ranks in program.groups():
             dist.group(ranks)
         self._segments = [(seg, self._segment(seg)) for seg in program.segments]
         self.graph: graphs.GraphedRun | None = None
-
-    @property
-    def world(self) -> object | None:
-        """The default process group this runner was built under (None: none), or a fresh object
-        that is no process group once that group is gone: compare with ``dist.world_token()``."""
-        if self._world is None:
-            return None
-        token = self._world()
-        return object() if token is None else token
 
     # --- building --------------------------------------------------------------------------------
 
