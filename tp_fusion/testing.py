@@ -33,7 +33,8 @@ The fixture gives ``rank``, ``size``, ``local_rank``, ``local_size``, ``device``
 ``shard_tensor(full, tv_or_sharding)`` (the local shard, on ``device``), ``shard_tensor_1d(full, dim,
 mesh)`` and ``barrier()``; it seeds torch with 0 before the test and ends with a barrier. The
 ``setup_default_process_group`` fixture (nvFuser's, for tests that call torch.distributed directly)
-and the ``mpi`` marker are accepted too. Skip a world size a test cannot use with ``pytest.skip``.
+and the ``mpi`` marker are accepted too. ``@pytest.mark.ranks(2, 4)`` runs a test only at those world
+sizes; ``pytest.skip`` inside a test skips one.
 """
 
 from __future__ import annotations
@@ -45,8 +46,6 @@ import tempfile
 from dataclasses import dataclass
 
 import pytest
-
-from tp_fusion import multidevice
 
 RANK_FIXTURES = ("multidevice_test", "setup_default_process_group")
 _PARAM = "_multidevice_ranks"
@@ -67,7 +66,9 @@ class MultideviceTest:
 
     def shard_tensor(self, full, tv_or_sharding):
         """This rank's shard of ``full`` under a TensorView's (or a Sharding's) sharding, on ``device``."""
-        return multidevice.shard_tensor(full, tv_or_sharding, self.rank).to(self.device)
+        from tp_fusion.multidevice import shard_tensor
+
+        return shard_tensor(full, tv_or_sharding, self.rank).to(self.device)
 
     def shard_tensor_1d(self, full, dim: int, mesh):
         """This rank's chunk of ``full`` split evenly along ``dim`` over a 1-D ``mesh``, on ``device``."""
