@@ -10,7 +10,6 @@ docs/guide.md, the code layout docs/architecture.md.
 
 __version__ = "0.2.0"
 
-from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor
 from tp_fusion.errors import (
     DefinitionError,
     ExecutionError,
@@ -24,6 +23,7 @@ from tp_fusion.errors import (
 )
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
+from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor
 from tp_fusion.types import DataType, ParallelType
 
 __all__ = [

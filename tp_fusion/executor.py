@@ -3,9 +3,8 @@
 Every check of the inputs happens before any communication, and under a process group the ranks
 agree on the outcome first, so a bad input on one rank raises the same error on all. The agreement
 also compares a fingerprint of the fusion (its text and its place in the order fusions were
-defined), of the inputs' GLOBAL shapes and, under gloo, of the call's place in the sequence of
-executes, so ranks that pass inconsistent shards, define different fusions or execute fusions in
-different orders raise instead of running mismatched collectives. Process groups are created (a
+defined) and of the inputs' GLOBAL shapes, so ranks that pass inconsistent shards, define different
+fusions or execute fusions in different orders raise instead of running mismatched collectives. Process groups are created (a
 collective step) only after the ranks agree. Under NCCL the ranks agree when a plan is compiled
 (a host round trip per call would stall the GPU at small sizes: 2x H200, 107 us per agreement).
 """
@@ -34,7 +33,6 @@ from tp_fusion.runtime.runner import Runner
 
 _ERRORS = {c.__name__: c for c in (InputError, ShardingError, DefinitionError, LoweringError, ExecutionError)}
 _executing = threading.Lock()  # one execute at a time per process
-_calls = [0]  # multi-rank executes of this process, in order (every rank makes the same sequence)
 
 
 def _signature(inputs: Sequence) -> tuple:
@@ -80,12 +78,8 @@ class Executor:
                 error = e
         else:
             program, runner, fingerprint, detail = cached
-        if multi:
-            _calls[0] += 1
-            if cached is None or dist.backend() == "gloo":
-                call = _calls[0] if dist.backend() == "gloo" else 0
-                _agree(error, 0 if error is not None else _fingerprint(fingerprint, call),
-                       detail if error is None else "")
+        if multi and (cached is None or dist.backend() == "gloo"):
+            _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
         if error is not None:
             raise error
         if cached is None:
@@ -106,7 +100,7 @@ class Executor:
         program = compile_program(self.fusion, shapes, rank, device)
         detail = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
         agreed = _agreed_shapes(self.fusion, shapes)
-        return program, _fingerprint(self._text, agreed, self.serial), detail
+        return program, _fingerprint(self._text, agreed), detail
 
 
 def _fingerprint(*parts) -> int:
@@ -175,9 +169,8 @@ def _agree(error: Exception | None, fingerprint: int, detail: str) -> None:
     odd = [r for r, v in enumerate(views) if v[0] != common]
     if all(v[1] == views[ref][1] for v in views):
         raise DefinitionError(
-            f"execute: rank(s) {odd} executed another fusion than rank {ref} did at this point (different "
-            "ops, shapes or shardings, or another of the fusions defined, or another order of executes); "
-            "every rank must define the same fusions in the same order and execute them in the same order")
+            f"execute: rank(s) {odd} defined a different fusion than rank {ref} (different ops, shapes or "
+            "shardings); every rank must build the same FusionDefinition and execute fusions in the same order")
     lines = "; ".join(f"rank {r}: {views[r][1]}" for r in [ref, *odd])
     raise InputError(
         f"execute: the ranks' inputs imply different global shapes ({lines}); rank(s) {odd} differ from "

@@ -21,18 +21,19 @@ def _check_group(pg, ranks) -> None:
         for bias, epilogue in ((None, None), (b, None), (b, overlap.gelu_tanh), (None, torch.tanh)):
             want = F.linear(x_full, w, bias)
             want = epilogue(want) if epilogue else want
-            for mode in (None, *overlap.MODES):
+            for mode in overlap.MODES:
                 got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode)
                 torch.testing.assert_close(got, want, msg=f"allgather_linear dim={dim} bias={bias is not None} {mode}")
     x2 = _rand(4, 2 * n, 5)
-    got = overlap.allgather_linear(x2.chunk(n)[r], w, b, gather_dim=-2, pg=pg, epilogue=overlap.gelu_tanh)
+    got = overlap.allgather_linear(x2.chunk(n)[r], w, b, gather_dim=-2, pg=pg, epilogue=overlap.gelu_tanh,
+                                   mode="fused")
     torch.testing.assert_close(got, overlap.gelu_tanh(F.linear(x2, w, b)))
 
     # Each rank holds a different x and weight shard; the reference sums all of them.
     xs = [_rand(10 + g, 2 * n, 3 * n, 5) for g in ranks]
     ws = [_rand(20 + g, 7, 5) for g in ranks]
     total = sum(F.linear(x, wg) for x, wg in zip(xs, ws, strict=True))
-    for mode in (None, *overlap.MODES):
+    for mode in overlap.MODES:
         for dim in (0, 1, -2):
             got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg, mode=mode)
             torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim} {mode}")
@@ -40,8 +41,8 @@ def _check_group(pg, ranks) -> None:
         torch.testing.assert_close(got, (total + b).chunk(n, dim=1)[r], msg=f"linear_reduce_scatter bias {mode}")
         torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg, mode=mode), total)
         torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, pg=pg, mode=mode), total + b)
-    odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential fallback
-    torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg),
+    odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential
+    torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg, mode="sequential"),
                                sum(F.linear(x, wg) for x, wg in zip(odd, ws, strict=True)))
 
 
@@ -52,9 +53,10 @@ def _all_checks(rank: int, world: int) -> None:
         mine = next(ranks for ranks in groups if rank in ranks)
         _check_group(groups[mine], mine)
     with pytest.raises(ValueError, match="last"):
-        overlap.allgather_linear(torch.zeros(2, 3), torch.zeros(4, 3), gather_dim=1, pg=None)
+        overlap.allgather_linear(torch.zeros(2, 3), torch.zeros(4, 3), gather_dim=1, pg=None, mode="fused")
     with pytest.raises(ValueError, match="divide"):
-        overlap.linear_reduce_scatter(torch.zeros(world + 1, 3), torch.zeros(4, 3), scatter_dim=0, pg=None)
+        overlap.linear_reduce_scatter(torch.zeros(world + 1, 3), torch.zeros(4, 3), scatter_dim=0, pg=None,
+                                      mode="fused")
     with pytest.raises(ValueError, match="mode="):
         overlap.linear_allreduce(torch.zeros(world, 3), torch.zeros(4, 3), pg=None, mode="overlapped")
     with pytest.raises(ValueError, match="split evenly"):
@@ -68,10 +70,14 @@ def test_overlap_kernels_match_torch(multidevice_test):
 
 def test_single_process_needs_no_group():
     x, w, b = _rand(0, 4, 3), _rand(1, 5, 3), _rand(2, 5)
-    torch.testing.assert_close(overlap.allgather_linear(x, w, b, gather_dim=0, pg=None), F.linear(x, w, b))
-    torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, scatter_dim=0, pg=None), F.linear(x, w))
-    torch.testing.assert_close(overlap.linear_allreduce(x, w, pg=None), F.linear(x, w))
-    torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, b, scatter_dim=0, pg=None), F.linear(x, w, b))
+    for mode in ("fused", "sequential"):
+        torch.testing.assert_close(overlap.allgather_linear(x, w, b, gather_dim=0, pg=None, mode=mode),
+                                   F.linear(x, w, b))
+        torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, scatter_dim=0, pg=None, mode=mode),
+                                   F.linear(x, w))
+        torch.testing.assert_close(overlap.linear_allreduce(x, w, pg=None, mode=mode), F.linear(x, w))
+        torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, b, scatter_dim=0, pg=None, mode=mode),
+                                   F.linear(x, w, b))
 
 
 def test_tuning_is_validated():

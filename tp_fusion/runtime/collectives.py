@@ -7,11 +7,11 @@ data is restacked here (a local copy), as nvFuser's reorder pass does.
 from __future__ import annotations
 
 import torch
+from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.program import Communicate, Program
 from tp_fusion.runtime import dist
-from tp_fusion.sharding.reshard import Collective
 
 
 def _stack_chunks(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:

@@ -52,9 +52,13 @@ def before_destroy(callback) -> None:
 
 
 def destroy_process_group() -> None:
+    """Destroy the default process group and every group made under it (a group object left alive
+    past interpreter exit aborts the process: gloo's threads are torn down unjoined)."""
     if is_initialized():
         for callback in _before_destroy:
             callback()
+        _groups.clear()
+        _host.clear()
         _dist.destroy_process_group()
 
 

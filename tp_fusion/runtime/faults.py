@@ -30,6 +30,7 @@ import torch
 from tp_fusion.runtime import dist
 
 _FAULT_KEY = "tp_fusion/fault/"
+_store = None  # kept alive past an abort: rank 0 hosts the TCPStore server its peers still read
 _FP_BITS = 62
 
 
@@ -112,7 +113,8 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
         grace_s = float(os.environ.get("TP_FUSION_FAULT_GRACE_S", "3"))
     world = dist.world_size()
     own_text = f"rank {rank} failed in {where}: {error}"
-    store = dist.default_store() if dist.is_initialized() else None
+    global _store
+    store = _store = dist.default_store() if dist.is_initialized() else _store
     if store is None or world <= 1:
         abort_process_groups(exc)
         return own_text
