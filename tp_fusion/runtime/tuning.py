@@ -9,7 +9,8 @@
   captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world).
 The choices and timings are recorded in the program (``str(fd.plan)`` shows them); the kernels
 take the mode they are given and never decide. ``TP_FUSION_TUNE=0`` skips the timings: fused
-segments run ``fused`` and nothing is captured. ``TP_FUSION_CUDA_GRAPHS=1`` turns graphs on (off by default, see ``graphs.enabled``).
+segments run ``fused`` and nothing is captured. ``TP_FUSION_CUDA_GRAPHS=1`` turns graphs on (off by
+default, see ``graphs.enabled``).
 """
 
 from __future__ import annotations
