@@ -4,7 +4,8 @@ Every check of the inputs happens before any communication, and under a process 
 agree on the outcome first, so a bad input on one rank raises the same error on all. The agreement
 also compares a fingerprint of the fusion's text and of the inputs' GLOBAL shapes, so ranks that
 pass inconsistent shards or define different fusions raise instead of running mismatched
-collectives. Process groups are created (a collective step) only after the ranks agree. Under NCCL the ranks agree when a plan is compiled
+collectives. Process groups are created (a collective step) only after the ranks agree. Under NCCL
+the ranks agree when a plan is compiled
 (a host round trip per call would stall the GPU at small sizes: 2x H200, 107 us per agreement).
 """
 
