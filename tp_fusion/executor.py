@@ -63,7 +63,7 @@ class Executor:
         sig = _signature(inputs)
         multi = self._sharded and dist.is_initialized() and dist.world_size() > 1
         cached = self._cache.get(sig)
-        if cached is not None and cached[1].world is not dist.world_token():
+        if cached is not None and cached[1].world != dist.world_token():
             self._cache.clear()  # the process group these were built under is gone
             cached = None
         error = None

@@ -8,6 +8,7 @@ backends. Nothing runs at import time.
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch
 import torch.distributed as _dist
@@ -62,10 +63,12 @@ def destroy_process_group() -> None:
         _dist.destroy_process_group()
 
 
-def world_token() -> object | None:
-    """The default process group object (None without one): it changes when the process group is
-    destroyed and initialized again, so whatever was built under the old one can tell."""
-    return _dist.GroupMember.WORLD if is_initialized() else None
+def world_token() -> weakref.ref | None:
+    """A weak reference to the default process group (None without one). Equal tokens mean the same,
+    live group: after a destroy and a new init the old token compares unequal. Weak, so that nothing
+    built under a group keeps it alive past its destruction (a gloo group destroyed at interpreter
+    exit aborts the process: "terminate called without an active exception")."""
+    return weakref.ref(_dist.GroupMember.WORLD) if is_initialized() else None
 
 
 _groups: dict[tuple[int, ...], ProcessGroup | None] = {}
@@ -78,7 +81,7 @@ def group(ranks: tuple[int, ...]) -> ProcessGroup | None:
     Every rank of the world must call this for every group in the same order (torch requires it
     for ``new_group``); callers create all groups of a plan up front. None is the world group.
     """
-    if _groups_world[0] is not world_token():  # a new default group: the old subgroups are gone
+    if _groups_world[0] != world_token():  # a new default group: the old subgroups are gone
         _groups.clear()
         _groups_world[0] = world_token()
     if ranks not in _groups:
