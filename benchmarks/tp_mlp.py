@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from tp_fusion.runtime import dist, overlap  # noqa: E402
+from tp_fusion.runtime import dist, overlap, tuning  # noqa: E402
 
 SP_SHAPES = ((256, 1024, 4096), (1024, 4096, 16384), (2048, 8192, 28672), (3072, 12288, 49152),
              (4096, 5120, 13824), (8192, 4096, 16384), (8192, 8192, 28672), (8192, 12288, 49152),
@@ -239,20 +239,12 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
 # --------------------------------------------------------------------------------------------------
 
 def time_ms(fn, iters, warmup) -> float:
-    """CUDA-event time per iteration, max over ranks."""
+    """CUDA-event time per iteration (tp_fusion's own timer), max over ranks; the ranks start together."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    t = torch.tensor([start.elapsed_time(end) / iters], device="cuda")
-    dist.all_reduce(t, None, op="max")
-    return t.item()
+    return tuning.slowest([tuning.time_ms(fn, iters, 0)], None, "cuda")[0]
 
 
 def max_rel_err(got, want) -> float:

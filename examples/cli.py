@@ -14,3 +14,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 def parser(doc: str) -> argparse.ArgumentParser:
     """An argument parser whose help starts with ``doc``."""
     return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+
+
+def add_run_options(p: argparse.ArgumentParser, nproc: int) -> None:
+    """The options every example takes: the data type, and how many CPU ranks to spawn."""
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
+    p.add_argument("--nproc", type=int, default=nproc, help="CPU ranks to spawn when not under torchrun")

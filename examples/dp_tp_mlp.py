@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import DTYPE_NAMES, parser  # noqa: E402
+from examples.cli import add_run_options, parser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,8 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=8, help="sequence length")
     p.add_argument("--hidden", type=int, default=16, help="hidden size (the MLP's inner size is 4x)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per mesh row (mesh_x)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
-    p.add_argument("--nproc", type=int, default=4, help="CPU ranks to spawn when not under torchrun")
+    add_run_options(p, nproc=4)
     return p.parse_args(argv)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import DTYPE_NAMES, parser  # noqa: E402
+from examples.cli import add_run_options, parser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,8 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16, help="rows of the input")
     p.add_argument("--in-features", type=int, default=32, help="input features")
     p.add_argument("--out-features", type=int, default=48, help="output features")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
-    p.add_argument("--nproc", type=int, default=2, help="CPU ranks to spawn when not under torchrun")
+    add_run_options(p, nproc=2)
     return p.parse_args(argv)
 
 

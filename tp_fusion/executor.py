@@ -36,15 +36,17 @@ _executing = threading.Lock()  # one execute at a time per process
 
 
 def _signature(inputs: Sequence) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
+    """What a compiled plan depends on: shapes, dtypes, devices, and strides (an input whose layout
+    changes is checked again against its declared contiguity and stride order)."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
                  for t in inputs)
 
 
 class Executor:
     """Runs one fusion definition; keeps a compiled program and its runner per input signature."""
 
-    def __init__(self, fusion: Fusion, serial: int):
-        self.fusion, self.serial = fusion, serial
+    def __init__(self, fusion: Fusion):
+        self.fusion = fusion
         self._sharded = fusion.has_meshes
         self._text = str(fusion)
         self._cache: dict[tuple, tuple[Program, Runner, int, str]] = {}

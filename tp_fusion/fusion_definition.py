@@ -7,7 +7,6 @@ to the definition, a schedule call replaces one tensor's IR record with a new on
 from __future__ import annotations
 
 import inspect
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -256,9 +255,6 @@ class FusionInputs(tuple):
         return tuple, (tuple(self),)
 
 
-_SERIALS = itertools.count()
-
-
 class FusionDefinition:
     """Records a fusion with global shapes; see API.md. Use as a context manager."""
 
@@ -271,7 +267,6 @@ class FusionDefinition:
         self.ops = _OpsNamespace(self)
         self.plan = None  # the program of the last execute (None before; see compile())
         self._executor = None
-        self._serial = next(_SERIALS)  # ranks define fusions in the same order: this names it for all
 
     def __enter__(self) -> FusionDefinition:
         return self
@@ -389,28 +384,9 @@ class FusionDefinition:
 
         inputs = list(inputs)
         if self._executor is None:
-            self._executor = Executor(self.fusion, self._serial)
-        if not self._layouts_hold(inputs):
-            # Plans are cached by shapes, not strides: compile afresh, so that the layout check (and the
-            # ranks' agreement on its outcome) runs and raises InputError.
-            Executor(self.fusion, self._serial).run(inputs)
+            self._executor = Executor(self.fusion)
         outputs, self.plan = self._executor.run(inputs)
         return outputs
-
-    def _layouts_hold(self, inputs: list) -> bool:
-        """Whether the inputs fit the layouts declared by define_tensor (a local check, no communication)."""
-        from tp_fusion.compile import check_layout
-
-        for name, x in zip(self._inputs, inputs):
-            layout = self._layouts.get(name)
-            if layout is None or not layout.constrains or not isinstance(x, torch.Tensor) or x.dim() != len(
-                    layout.contiguity):
-                continue
-            try:
-                check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
-            except InputError:
-                return False
-        return True
 
     def compile(self, input_shapes: Sequence[Sequence[int]], rank: int = 0, device: str | torch.device = "cpu"):
         """The plan ``execute`` would run on ``rank`` for inputs of these GLOBAL shapes, without any

@@ -145,20 +145,21 @@ def _bytes(fusion: Fusion, name: int) -> int:
 def comm_cost(fusion: Fusion, op: Op) -> CommCost:
     """This model's bytes per rank for one communication op of a lowered fusion."""
     src, out = op.inputs[0], op.outputs[0]
-    if Collective(op.kind) in (Collective.SEND_RECV, Collective.BROADCAST):
+    collective = Collective(op.kind)
+    if collective in (Collective.SEND_RECV, Collective.BROADCAST):
         a, b = op.attr("src_mesh"), op.attr("dst_mesh")
         payload = _bytes(fusion, out)
-        moves = op.kind == Collective.BROADCAST.value or a.devices != b.devices
+        moves = collective is Collective.BROADCAST or a.devices != b.devices
         group = f"{a.short()}->{b.short()}"
-        n = len(set(a.devices) | set(b.devices)) if op.kind == Collective.BROADCAST.value else 2
+        n = len(set(a.devices) | set(b.devices)) if collective is Collective.BROADCAST else 2
         return CommCost(op.kind, group, n, payload, payload if moves else 0, payload if moves else 0)
     mesh = fusion.tensor(src).sharding.mesh
     axis = op.attr("mesh_axis")
     n = mesh.shape[axis]
     group = f"{ParallelType.for_mesh_axis(axis, mesh.ndim).value}, n={n}"
-    payload = _bytes(fusion, out if op.kind == Collective.ALLGATHER.value else src)
+    payload = _bytes(fusion, out if collective is Collective.ALLGATHER else src)
     share = payload * (n - 1) // n
-    if op.kind == Collective.ALLREDUCE.value:
+    if collective is Collective.ALLREDUCE:
         share *= 2
     return CommCost(op.kind, group, n, payload, share, share)
 

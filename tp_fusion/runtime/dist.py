@@ -72,7 +72,7 @@ def world_token() -> weakref.ref | None:
 
 
 _groups: dict[tuple[int, ...], ProcessGroup | None] = {}
-_groups_world: list = [None]  # the world group the cached groups belong to
+_groups_world = None  # the token of the world group the cached groups belong to
 
 
 def group(ranks: tuple[int, ...]) -> ProcessGroup | None:
@@ -81,9 +81,10 @@ def group(ranks: tuple[int, ...]) -> ProcessGroup | None:
     Every rank of the world must call this for every group in the same order (torch requires it
     for ``new_group``); callers create all groups of a plan up front. None is the world group.
     """
-    if _groups_world[0] != world_token():  # a new default group: the old subgroups are gone
+    global _groups_world
+    if _groups_world != world_token():  # a new default group: the old subgroups are gone
         _groups.clear()
-        _groups_world[0] = world_token()
+        _groups_world = world_token()
     if ranks not in _groups:
         _groups[ranks] = None if list(ranks) == list(range(world_size())) else _dist.new_group(list(ranks))
     return _groups[ranks]

@@ -5,7 +5,8 @@ tokens 256, hidden 1024: 0.11 ms of GPU work, 0.19 ms of host time per call), so
 captured once (NCCL collectives and aten kernels) and replayed: the host then copies the inputs
 into the graph's buffers, replays, and clones the outputs. Fused segments on the symmetric-memory
 path are never captured (their flags count calls on the host), so a plan that uses one stays eager.
-The choice is measured on every rank and agreed (max over ranks), so all ranks choose alike.
+Whether to replay is measured by ``tp_fusion.runtime.tuning`` on every rank and agreed (max over
+ranks), so all ranks choose alike.
 
 A graph that captured NCCL collectives must be released before its communicator is destroyed,
 or ``ncclCommDestroy`` waits forever (pytorch/pytorch#115388): ``tp_fusion.runtime.dist.
@@ -24,7 +25,6 @@ import torch
 
 from tp_fusion.runtime import dist
 
-TIMED_ITERS = 10
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -68,17 +68,3 @@ def enabled() -> bool:
     plan returned wrong values on one rank of 2x H200 (tests/gpu/nccl_end_to_end.py, column_linear);
     eager launches are correct. Re-enable by default once that is understood."""
     return os.environ.get("TP_FUSION_CUDA_GRAPHS", "0") == "1"
-
-
-def capture_if_faster(run: Callable[[list], list], inputs: list[torch.Tensor], time_ms, slowest) -> GraphedRun | None:
-    """Capture ``run`` and keep the graph if replaying it is faster than running eagerly on every
-    rank (collective: every rank of the world must call it, with the same plan). ``time_ms`` and
-    ``slowest`` are tuning's timer and cross-rank max."""
-    try:
-        graphed = GraphedRun(run, inputs)
-        times = [time_ms(lambda: run(inputs), TIMED_ITERS, 1),
-                 time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, 1), 0.0]
-    except RuntimeError:  # this rank could not capture: every rank stays eager
-        graphed, times = None, [0.0, 0.0, 1.0]
-    eager_ms, graph_ms, failed = slowest(times, None, inputs[0].device)
-    return graphed if not failed and graph_ms < eager_ms else None

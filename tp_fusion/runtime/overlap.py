@@ -23,9 +23,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from tp_fusion.program import FUSED, SEQUENTIAL
 from tp_fusion.runtime import dist, symm
 
-MODES = ("fused", "sequential")
+MODES = (FUSED, SEQUENTIAL)
 
 
 def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
     else:
         mode = _resolve("allgather_linear", mode, x2, weight, bias, epilogue, pg, tuning)
         with _label(f"tp_fusion::allgather_linear[{mode}]"):
-            if mode == "sequential":
+            if mode == SEQUENTIAL:
                 gathered = x2.new_empty((n * x2.shape[0], x2.shape[1]))
                 dist.all_gather(gathered, x2, pg)
                 out = _linear(gathered, weight, bias, epilogue)
@@ -136,11 +137,11 @@ def linear_allreduce(x, weight, bias=None, *, pg, mode: str,
         return F.linear(x, weight, bias)
     tuning = tuning or DEFAULT_TUNING
     mode = _resolve("linear_allreduce", mode, x2, weight, bias, None, pg, tuning)
-    if mode == "fused" and rows % n:
+    if mode == FUSED and rows % n:
         raise ValueError(f"linear_allreduce(mode='fused'): the {rows} rows of x do not split evenly over "
                          f"{n} ranks; use mode='sequential' or pad the rows to a multiple of {n}")
     with _label(f"tp_fusion::linear_allreduce[{mode}]"):
-        if mode == "sequential":
+        if mode == SEQUENTIAL:
             out = F.linear(x2, weight, bias if dist.group_rank(pg) == 0 else None)
             dist.all_reduce(out, pg)
         elif x2.is_cuda:
@@ -170,7 +171,7 @@ def _label(name: str):
 def _resolve(kind, mode, x2, weight, bias, epilogue, pg, tuning) -> str:
     if mode not in MODES:
         raise ValueError(f"{kind}: mode={mode!r}; expected one of {MODES}")
-    if mode == "fused" and x2.is_cuda and symm.driver() is None:
+    if mode == FUSED and x2.is_cuda and symm.driver() is None:
         raise RuntimeError(f"{kind}(mode='fused') on CUDA needs the CUDA driver library (libcuda.so.1) for "
                            "its stream flags; use mode='sequential'")
     return mode
@@ -206,7 +207,7 @@ def _linear(x2, weight, bias, epilogue, out=None) -> torch.Tensor:
 
 def _linear_reduce_scatter_rows(x3, weight, bias, pg, mode, tuning) -> torch.Tensor:
     """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``, plus ``bias``."""
-    if mode == "fused":
+    if mode == FUSED:
         if x3.is_cuda:
             return _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning)
         return _ring_linear_reduce_scatter(x3, weight, bias, pg)
@@ -380,15 +381,21 @@ def _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning) -> torch.Tensor:
             symm.stream_wait(comm, main)
             symm.driver().copy(comm, out[k], received)
         else:
-            with _on(side, main):
-                _linear(xs[r, k], weight, bias, None, out=box.slot(r, k))  # own slot: never pushed into
-            if side is not main:
-                symm.stream_wait(main, side)
-            for step in range(1, n):
-                box.wait_ready(main, (r - step) % n, k)
-            _sum_slots(box.slots_of_part(k), out[k])
+            _reduce_part(box, k, xs[r, k], weight, bias, side, main, out[k])
     symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
+
+
+def _reduce_part(box, k: int, x_own, weight, bias, side, main, out: torch.Tensor) -> None:
+    """``out`` = this rank's partial of part ``k`` (its own rows plus the bias, GEMMed on ``side`` into
+    its own slot, which no peer pushes into) plus every peer's partial pushed into ``box``."""
+    with _on(side, main):
+        _linear(x_own, weight, bias, None, out=box.slot(box.rank, k))
+    if side is not main:
+        symm.stream_wait(main, side)
+    for step in range(1, box.n):
+        box.wait_ready(main, (box.rank - step) % box.n, k)
+    _sum_slots(box.slots_of_part(k), out)
 
 
 def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -427,13 +434,7 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
             _linear(xs[dst, k], weight, None, None, out=staging[step - 1, k])
             symm.stream_wait(comm, main)
             partials.push(comm, dst, k, staging[step - 1, k])
-        with _on(side, main):
-            _linear(xs[r, k], weight, bias, None, out=partials.slot(r, k))  # own slot: never pushed into
-        if side is not main:
-            symm.stream_wait(main, side)
-        for step in range(1, n):
-            partials.wait_ready(main, (r - step) % n, k)
-        _sum_slots(partials.slots_of_part(k), out[r, k])
+        _reduce_part(partials, k, xs[r, k], weight, bias, side, main, out[r, k])
         symm.stream_wait(comm, main)
         for step in range(1, n):
             sums.push(comm, (r + step) % n, k, out[r, k])

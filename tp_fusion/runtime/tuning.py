@@ -100,6 +100,19 @@ def _graphable(program: Program) -> bool:
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors))
 
 
+def _capture_if_faster(run, inputs: list[torch.Tensor]) -> graphs.GraphedRun | None:
+    """Capture ``run`` and keep the graph if replaying it is faster than running eagerly on every
+    rank (collective: every rank of the world calls it, with the same plan)."""
+    try:
+        graphed = graphs.GraphedRun(run, inputs)
+        times = [time_ms(lambda: run(inputs), TIMED_ITERS, WARMUP),
+                 time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP), 0.0]
+    except RuntimeError:  # this rank could not capture: every rank stays eager
+        graphed, times = None, [0.0, 0.0, 1.0]
+    eager_ms, graph_ms, failed = slowest(times, None, inputs[0].device)
+    return graphed if not failed and graph_ms < eager_ms else None
+
+
 def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
     """The program with its measured choices recorded, and a runner for it (collective: every rank
     of the world calls it for the same program)."""
@@ -113,7 +126,7 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     runner = Runner(tuned)
     if _graphable(tuned):
         with torch.no_grad():
-            graphed = graphs.capture_if_faster(runner.run_eager, inputs, time_ms, slowest)
+            graphed = _capture_if_faster(runner.run_eager, inputs)
         if graphed is not None:
             tuned = tuned.with_choices({}, cuda_graph=True, measured=tuned.measured)
             runner.program, runner.graph = tuned, graphed
