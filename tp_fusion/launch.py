@@ -64,13 +64,17 @@ def _join_store(rank: int, world: int, workdir: str, timeout_s: float):
 def _rank_main(rank, world, workdir, fn, args, timeout_s):
     """A spawned rank: join the gloo group, run ``fn``, leave a traceback in ``workdir`` on failure.
 
-    The group is joined with torch.distributed itself: ``tp_fusion.runtime.dist`` costs about a second
-    to import (it warms torch's dispatcher up before any group exists), and ``fn``'s module, unpickled
-    before this runs, has already imported it if ``fn`` uses tp_fusion.
+    Where ``fn`` uses tp_fusion (its module, unpickled before this runs, imported it), torch's lazily
+    loaded dispatch machinery is warmed up before the group exists (``dist.warm_up_before_init``,
+    about a second): imported after init, it keeps the default group alive past its destruction, and
+    the process then aborts at exit now and then ("terminate called without an active exception").
     """
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
+    tp_dist = sys.modules.get("tp_fusion.runtime.dist")
+    if tp_dist is not None:
+        tp_dist.warm_up_before_init()
     try:
         store = _join_store(rank, world, workdir, timeout_s)
         tdist.init_process_group("gloo", store=store, rank=rank, world_size=world,
