@@ -82,10 +82,7 @@ def _fault_in_segment_0(rank: int, world: int, fail_rank: int, how: str) -> None
     assert not dist.is_initialized()  # the failure aborted this rank's process group
 
 
-@pytest.mark.parametrize("world,fail_rank", [
-    pytest.param(2, 0, marks=pytest.mark.xfail(reason="when the failing rank hosts the store and exits first, its "
-                                               "peer finds the store gone (open: see the closing note)")),
-    (4, 2)])
+@pytest.mark.parametrize("world,fail_rank", [(2, 0), (4, 2)])
 def test_compute_fault_fails_every_rank(world, fail_rank):
     run_on_ranks(_fault_in_segment_0, world, fail_rank, "raise", timeout_s=PG_TIMEOUT_S)
 
