@@ -27,14 +27,21 @@ class IterDomain:
         self._tv, self._index = tv, index
 
     def parallelize(self, ptype: ParallelType) -> None:
+        """Bind this axis to ``ptype``: a device dim (``ParallelType.mesh_x``: one piece per device of
+        the mesh's last axis; the extent must equal that axis' size) or ``serial``.
+
+        >>> tv.outer_split(0, d); tv.axis(0).parallelize(ParallelType.mesh_x)
+        """
         self._tv._parallelize(self._index, ptype)
 
     @property
     def extent(self) -> int:
+        """The axis' global extent (-1: symbolic)."""
         return self._tv._loop()[self._index].extent
 
     @property
     def parallel_type(self) -> ParallelType:
+        """How the axis runs: ``serial`` or the device dim it is bound to."""
         return self._tv._loop()[self._index].ptype
 
     def __repr__(self) -> str:
@@ -57,22 +64,27 @@ class TensorView:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The GLOBAL shape (-1: a symbolic extent)."""
         return self._ir.shape
 
     @property
     def dtype(self) -> DataType:
+        """The element type."""
         return self._ir.dtype
 
     @property
     def ndim(self) -> int:
+        """The number of dims."""
         return self._ir.ndim
 
     @property
     def sharding(self) -> Sharding | None:
+        """The sharding the schedule gives (mesh and placements); None before ``set_device_mesh``."""
         return self._ir.sharding
 
     @property
     def mesh(self) -> DeviceMesh | None:
+        """The device mesh of ``set_device_mesh``, or None."""
         return self.sharding.mesh if self.sharding else None
 
     def __repr__(self) -> str:
@@ -84,6 +96,8 @@ class TensorView:
         return self._ir.loop or tuple(LoopAxis(d, e) for d, e in enumerate(self.shape))
 
     def set_device_mesh(self, mesh: DeviceMesh) -> None:
+        """Place the tensor on ``mesh``, replicated until an axis is parallelized. Tensors left without a
+        mesh get one from propagation."""
         if not isinstance(mesh, DeviceMesh):
             raise ShardingError(f"T{self.name}.set_device_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
         loop, before = self._loop(), self._ir
@@ -137,6 +151,7 @@ class TensorView:
         return self
 
     def axis(self, index: int) -> IterDomain:
+        """Loop axis ``index`` (after splits), to ``parallelize``: ``tv.axis(0).parallelize(ParallelType.mesh_x)``."""
         return IterDomain(self, self._check_axis(index, len(self._loop()), "axis"))
 
     def _parallelize(self, index: int, ptype: ParallelType) -> None:
@@ -194,6 +209,10 @@ class TensorView:
 
 
 Operand = TensorView | Const | int | float | bool
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 @dataclass(frozen=True)
@@ -256,7 +275,14 @@ class FusionInputs(tuple):
 
 
 class FusionDefinition:
-    """Records a fusion with global shapes; see API.md. Use as a context manager."""
+    """Records a fusion with GLOBAL shapes; use as a context manager, then ``execute`` on every rank.
+
+    >>> with FusionDefinition() as fd:
+    ...     x = fd.define_tensor([8, 4]); w = fd.define_tensor([6, 4])
+    ...     fd.add_output(fd.ops.linear(x, w))
+
+    ``print(fd)`` shows the definition, ``fd.plan`` the program of the last ``execute``.
+    """
 
     def __init__(self):
         self._tensors: list[Tensor] = []
@@ -287,6 +313,13 @@ class FusionDefinition:
 
     def __str__(self) -> str:
         return str(self.fusion)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(_count(n, what) for n, what in
+                           ((len(self._inputs), "input"), (len(self._outputs), "output"), (len(self._ops), "op")))
+        plan = self.plan
+        state = "not executed" if plan is None else f"executed, plan of {_count(len(plan.segments), 'segment')}"
+        return f"<FusionDefinition: {counts}; {state}>"
 
     def _new_tensor(self, shape, dtype: DataType) -> TensorView:
         name = len(self._tensors)
@@ -324,6 +357,7 @@ class FusionDefinition:
         return tv
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
+        """A constant operand ``value`` (a Python number), converted to ``dtype`` when given."""
         if not isinstance(value, (int, float, bool)):
             raise DefinitionError(f"define_scalar: value must be a Python number, got {value!r}")
         if dtype is not None:
@@ -331,6 +365,7 @@ class FusionDefinition:
         return Const(value, dtype)
 
     def add_output(self, tv: TensorView) -> None:
+        """Make ``tv`` an output: ``execute`` returns this rank's local shard of it, in order of calls."""
         if not isinstance(tv, TensorView) or tv._fd is not self:
             raise DefinitionError(f"add_output: expected a TensorView of this fusion, got {tv!r}")
         self._outputs.append(tv.name)
@@ -376,7 +411,7 @@ class FusionDefinition:
 
         Every rank of the default process group calls it, for the same fusions in the same order.
         Forward only: it runs under ``torch.no_grad``, accepts inputs that require grad and returns
-        outputs that do not (``tp_fusion.autograd`` trains). Inputs are never modified. The first
+        outputs that do not (no autograd through the fusion). Inputs are never modified. The first
         call for a new input signature compiles (and, on GPUs, times the fused segments); ``fd.plan``
         is then the program it runs.
         """
