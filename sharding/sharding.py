@@ -28,6 +28,8 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class Replicate:
+    """Every device of the mesh axis holds the whole tensor."""
+
     def __str__(self) -> str:
         return "R"
 
@@ -49,6 +51,8 @@ PARTIAL_SUM = Partial()
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
+    """How a tensor lies on a mesh: one placement (``Shard``, ``Replicate``, ``Partial``) per mesh axis."""
+
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
 
@@ -57,22 +61,27 @@ class Sharding:
 
     @staticmethod
     def replicated(mesh: DeviceMesh) -> Sharding:
+        """Replicated on every axis of ``mesh``."""
         return Sharding(mesh, (REPLICATE,) * mesh.ndim)
 
     def with_placement(self, axis: int, placement: Placement) -> Sharding:
+        """The same sharding with ``placement`` on mesh axis ``axis``."""
         p = list(self.placements)
         p[axis] = placement
         return Sharding(self.mesh, tuple(p))
 
     @property
     def is_replicated(self) -> bool:
+        """Whether every mesh axis replicates."""
         return all(isinstance(p, Replicate) for p in self.placements)
 
     @property
     def has_partial(self) -> bool:
+        """Whether some mesh axis holds partial sums."""
         return any(isinstance(p, Partial) for p in self.placements)
 
     def num_device_axes(self) -> int:
+        """How many mesh axes shard or hold partials."""
         return sum(not isinstance(p, Replicate) for p in self.placements)
 
     def axis_sharded_on(self, ptype: ParallelType) -> int:
@@ -91,12 +100,15 @@ class Sharding:
         return f
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """A device's shard shape of a tensor of global ``shape``."""
         return tuple(-1 if e < 0 else e // self.dim_factor(d) for d, e in enumerate(shape))
 
     def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The global shape of a tensor whose shards have ``local_shape``."""
         return tuple(e * self.dim_factor(d) for d, e in enumerate(local_shape))
 
     def check_divides(self, shape: tuple[int, ...], what: str) -> None:
+        """ShardingError, naming ``what``, unless every sharded dim of ``shape`` splits evenly."""
         for axis, p in enumerate(self.placements):
             if isinstance(p, Shard):
                 if p.dim >= len(shape):
@@ -128,6 +140,7 @@ class Sharding:
         return "[" + ", ".join(parts) + "]"
 
     def partial_str(self) -> str:
+        """`` partial(sum: mesh_x)`` for printing, or empty when nothing is partial."""
         axes = [ParallelType.for_mesh_axis(a, self.mesh.ndim).value
                 for a, p in enumerate(self.placements) if isinstance(p, Partial)]
         return f" partial(sum: {', '.join(axes)})" if axes else ""

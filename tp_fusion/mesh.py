@@ -36,10 +36,12 @@ class DeviceMesh:
 
     @property
     def ndim(self) -> int:
+        """The number of mesh axes."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of devices."""
         return len(self.devices)
 
     def __len__(self) -> int:
@@ -74,6 +76,7 @@ class DeviceMesh:
         return tuple(reversed(out))
 
     def rank_at(self, coords: tuple[int, ...]) -> int:
+        """The rank at ``coords`` (one index per mesh axis)."""
         flat = 0
         for c, extent in zip(coords, self.shape):
             flat = flat * extent + c
@@ -94,6 +97,7 @@ class DeviceMesh:
         return [self.axis_group(axis, self.rank_at(c)) for c in itertools.product(*others)]
 
     def numel_along(self, axes: Iterable[int]) -> int:
+        """How many devices the mesh axes ``axes`` span together."""
         return math.prod(self.shape[a] for a in axes)
 
 

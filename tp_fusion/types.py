@@ -8,6 +8,12 @@ import torch
 
 
 class DataType(enum.Enum):
+    """A tensor's element type, with nvFuser's names: ``define_tensor([n], dtype=DataType.BFloat16)``.
+
+    ``dt.torch`` is the torch dtype, ``DataType.from_torch(torch.bfloat16)`` the reverse, and
+    ``dt.short`` the name plans print (``bf16``). ``Null`` means "no dtype" (as None does).
+    """
+
     Float = "float32"
     Double = "float64"
     Half = "float16"
@@ -17,22 +23,29 @@ class DataType(enum.Enum):
     Bool = "bool"
     Null = "null"  # nvFuser's "no dtype" (e.g. ``sum(..., dtype=DataType.Null)``): the same as None
 
+    def __repr__(self) -> str:
+        return f"DataType.{self.name}"
+
     @property
     def torch(self) -> torch.dtype:
+        """The torch dtype (``DataType.Float.torch is torch.float32``)."""
         if self is DataType.Null:
             raise ValueError("DataType.Null is no tensor dtype (nvFuser's 'no dtype'); pass a concrete DataType")
         return getattr(torch, self.value)
 
     @property
     def short(self) -> str:
+        """The short name used in printed fusions and plans: ``f32``, ``bf16``, ``i64``, ..."""
         return _SHORT[self]
 
     @property
     def is_floating(self) -> bool:
+        """Whether it is a floating-point type."""
         return self in (DataType.Float, DataType.Double, DataType.Half, DataType.BFloat16)
 
     @staticmethod
     def from_torch(dtype: torch.dtype) -> DataType:
+        """The DataType of a torch dtype; ValueError if there is none."""
         for dt in DataType:
             if dt is not DataType.Null and dt.torch == dtype:
                 return dt
@@ -61,6 +74,7 @@ class ParallelType(enum.Enum):
 
     @property
     def is_device(self) -> bool:
+        """Whether it binds an axis to a device dim (anything but ``serial``)."""
         return self is not ParallelType.serial
 
     def mesh_axis(self, mesh_ndim: int) -> int:
@@ -69,6 +83,7 @@ class ParallelType(enum.Enum):
 
     @staticmethod
     def for_mesh_axis(axis: int, mesh_ndim: int) -> ParallelType:
+        """The device type bound to mesh axis ``axis`` of a mesh of ``mesh_ndim`` axes."""
         return _DEVICE_ORDER[mesh_ndim - 1 - axis]
 
 
