@@ -10,8 +10,13 @@ binding, the pass pipeline, the program). Prints seconds per size and the ratio 
 
 from __future__ import annotations
 
-import argparse
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from examples.cli import parser  # noqa: E402
 
 
 def build(layers: int, d: int = 2):
@@ -36,10 +41,10 @@ def build(layers: int, d: int = 2):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--layers", type=int, nargs="+", default=[52, 205, 820], help="layer counts (5 ops each)")
-    parser.add_argument("--repeat", type=int, default=3, help="best of this many runs")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--layers", type=int, nargs="+", default=[52, 205, 820], help="layer counts (5 ops each)")
+    p.add_argument("--repeat", type=int, default=3, help="best of this many runs")
+    args = p.parse_args()
     build(2).compile([[8, 16]] + [[32, 16], [16, 32]] * 2)  # warm up imports and torch's dispatch
     print(f"{'ops':>6} {'define s':>9} {'compile s':>10}")
     prev = None

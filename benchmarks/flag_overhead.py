@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 benchmarks/flag_overhead.py
 
 The fused kernels are host-bound on small shapes, so each enqueued operation's host cost matters.
-Prints, max over ranks, microseconds per call over 2000 calls, with the GPU idle and with it busy
+Prints, max over ranks, microseconds per call over ``--calls`` calls, with the GPU idle and with it busy
 (a long GEMM queued first): the ctypes driver calls tp_fusion uses (flag wait and write on a peer's
 symmetric memory, a copy-engine push), the same through cuda-python and torch's stream_write_value32_
 where present, a stream wait through a reused event, and ``Stream.wait_stream``.
@@ -11,26 +11,40 @@ where present, a stream wait through a reused event, and ``Stream.wait_stream``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.cli import parser  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--calls", type=int, default=2000, help="calls per operation timed")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import time  # noqa: E402
+
+import torch  # noqa: E402
 
 from tp_fusion.launch import init_from_env  # noqa: E402
 from tp_fusion.runtime import dist, symm  # noqa: E402
 
 
-def per_call_us(fn, calls: int = 2000) -> float:
+def per_call_us(fn, calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def main() -> None:
+def main(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         print("benchmarks/flag_overhead.py: this machine has no CUDA GPU; nothing to measure.")
         return
@@ -71,11 +85,11 @@ def main() -> None:
     for name, fn in probes.items():
         fn()
         torch.cuda.synchronize()
-        idle = per_call_us(fn)
+        idle = per_call_us(fn, args.calls)
         torch.cuda.synchronize()
         for _ in range(20):
             torch.mm(a, a)  # about 30 ms of queued work
-        busy = per_call_us(fn)
+        busy = per_call_us(fn, args.calls)
         torch.cuda.synchronize()
         rows.append((name, idle, busy))
     worst = dist.gather_from_all(rows)
@@ -88,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -11,17 +11,32 @@ cross-rank input agreement alone, and the top functions of a cProfile of rank 0.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
-import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.cli import parser  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--tokens", type=int, default=256, help="tokens (rows of the input)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size")
+    p.add_argument("--ffn", type=int, default=4096, help="the MLP's inner size")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import pstats  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.tp_mlp import make_inputs, mlp_local_fused, time_ms, tp_fusion_runner  # noqa: E402
 from tp_fusion.launch import init_from_env  # noqa: E402
@@ -38,12 +53,10 @@ def host_us(fn, calls: int) -> float:
     return host / calls * 1e6
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    args = p.parse_args()
+def main(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        print("benchmarks/host_overhead.py: this machine has no CUDA GPU; nothing to measure.")
+        return
     device = init_from_env()
     n, r = dist.world_size(), dist.rank()
     inp = make_inputs(args.tokens, args.hidden, args.ffn, n, r, device)
@@ -81,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

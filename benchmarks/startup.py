@@ -17,14 +17,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """The module docstring as written, and every option's default."""
+from examples.cli import parser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--only", choices=("imports", "help", "spawn"), action="append",
                    help="measure only these (repeatable); all by default")
     p.add_argument("--rounds", type=int, default=5, help="rounds per measurement (the median is shown)")

@@ -28,26 +28,51 @@ so and exits 0.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
-import json
-import math
 import os
-import re
-import statistics
 import sys
-
-import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from tp_fusion.runtime import dist, overlap, tuning  # noqa: E402
+from examples.cli import parser  # noqa: E402
 
 SP_SHAPES = ((256, 1024, 4096), (1024, 4096, 16384), (2048, 8192, 28672), (3072, 12288, 49152),
              (4096, 5120, 13824), (8192, 4096, 16384), (8192, 8192, 28672), (8192, 12288, 49152),
              (16384, 8192, 28672))
 TP_SHAPES = ((256, 1024, 4096), (2048, 8192, 28672), (3072, 12288, 49152), (8192, 8192, 28672))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    shapes = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+    p.add_argument("--sp", nargs="*", type=shapes, default=list(SP_SHAPES), help="tokens,hidden,ffn triples")
+    p.add_argument("--tp", nargs="*", type=shapes, default=list(TP_SHAPES), help="tokens,hidden,ffn triples")
+    p.add_argument("--designs", action="store_true", help="also time the kernel designs tried")
+    p.add_argument("--profile", metavar="DIR", help="trace the profiled shapes; reports and timelines in DIR")
+    p.add_argument("--profile-shapes", nargs="*", type=shapes, default=None,
+                   help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tp_fusion.runtime import dist, overlap, tuning  # noqa: E402
+
 SP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "nccl_sequential", "async_tp",
                "tp_fusion", "tp_fusion_kernels")
 TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classic_tp", "tp_fusion",
@@ -65,23 +90,6 @@ TP_DESIGNS = {"ar_two_streams": overlap.Tuning(rs_streams=2), "ar_1_piece": over
               "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}
 REFERENCE = {"sp": "nccl_sequential", "tp": "classic_tp"}
 TOLERANCE = 3e-2  # relative error (norm) against the reference; bf16 GEMM chains land near 5e-3
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shapes = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
-    p.add_argument("--sp", nargs="*", type=shapes, default=list(SP_SHAPES), help="tokens,hidden,ffn triples")
-    p.add_argument("--tp", nargs="*", type=shapes, default=list(TP_SHAPES), help="tokens,hidden,ffn triples")
-    p.add_argument("--designs", action="store_true", help="also time the kernel designs tried")
-    p.add_argument("--profile", metavar="DIR", help="trace the profiled shapes; reports and timelines in DIR")
-    p.add_argument("--profile-shapes", nargs="*", type=shapes, default=None,
-                   help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
-    return p.parse_args(argv)
 
 
 def machine_slug(n: int) -> str:
@@ -414,8 +422,7 @@ def profile(fns, out_dir, mode, shape):
             f.write(text + "\n")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("benchmarks/tp_mlp.py: this machine has no CUDA GPU, so there is nothing to measure; "
               "no results were written. Run it under torchrun on a machine with GPUs.")
@@ -458,4 +465,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))
