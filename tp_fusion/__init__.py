@@ -4,7 +4,8 @@ The map: ``FusionDefinition`` records ops (``fd.ops.*``, see ``dir(fd.ops)``) on
 GLOBAL shapes; ``tv.set_device_mesh(DeviceMesh(...))``, ``tv.outer_split(axis, d)`` and
 ``tv.axis(axis).parallelize(ParallelType.mesh_x)`` shard them; ``fd.execute(local_inputs)`` runs on
 every rank; ``fd.plan`` / ``fd.compile(shapes)`` show the program; ``shard_tensor`` gives a rank's
-shard; ``execute_with_dtensors`` takes DTensors. Errors derive from ``TPFusionError``. The guide is
+shard; ``execute_with_dtensors`` takes DTensors; ``tp_fusion.autograd.function`` joins a forward and a
+backward fusion into a ``torch.autograd.Function`` for training. Errors derive from ``TPFusionError``. The guide is
 docs/guide.md, the code layout docs/architecture.md.
 """
 
@@ -30,7 +31,7 @@ __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
     "LoweringError", "ParallelType", "Partial", "Replicate", "Shard", "Sharding", "ShardingError",
     "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
-    "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
+    "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
 ]
 
 
@@ -49,4 +50,4 @@ def execute_with_dtensors(fd, dtensors):
     return run(fd, dtensors)
 
 
-from tp_fusion import multidevice  # noqa: E402  (nvFuser's namespace: tp_fusion.multidevice.DeviceMesh)
+from tp_fusion import autograd, multidevice  # noqa: E402  (multidevice is nvFuser's namespace)

@@ -1,0 +1,233 @@
+"""tp_fusion.autograd: a sharded MLP with ``nn.Parameter`` (and DTensor) weights trains like the unsharded one.
+
+The layer is the TP MLP (linear, tanh-GELU, linear; column- then row-parallel), forward and backward
+written as fusions. Three SGD steps on gloo ranks must give, after each step, the shards of the
+weights that torch's autograd gives the unsharded ``nn.Module``, and the input's gradient too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tp_fusion
+from tp_fusion import DataType, DefinitionError, DeviceMesh, ExecutionError, FusionDefinition, ParallelType
+
+T, H = 8, 4  # tokens, hidden; the inner size is 4 * H
+F64 = DataType.Double
+GELU_K, GELU_C = 0.7978845608028654, 0.044715  # sqrt(2/pi) and the cubic coefficient of tanh-GELU
+STEPS, LR = 3, 0.1
+
+
+class MLP(torch.nn.Module):
+    """The unsharded reference: torch's autograd gives its gradients."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        super().__init__()
+        self.w1, self.b1, self.w2, self.b2 = (torch.nn.Parameter(w.clone()) for w in weights)
+
+    def forward(self, x):
+        return F.linear(F.gelu(F.linear(x, self.w1, self.b1), approximate="tanh"), self.w2, self.b2)
+
+
+def _shard(tv, mesh: DeviceMesh, dim: int | None) -> None:
+    tv.set_device_mesh(mesh)
+    if dim is not None:
+        tv.outer_split(dim, mesh.size)
+        tv.axis(dim).parallelize(ParallelType.mesh_x)
+
+
+def define_forward(d: int, sp: bool, scheduled: bool = True) -> FusionDefinition:
+    """z = linear(gelu(linear(x, w1, b1)), w2, b2); w1, b1 column-parallel, w2 row-parallel; ``sp``: x
+    and z sharded on tokens. Unscheduled (for DTensor inputs, which annotate it) if not ``scheduled``."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=F64)
+        w1 = fd.define_tensor([4 * H, H], dtype=F64)
+        b1 = fd.define_tensor([4 * H], dtype=F64)
+        w2 = fd.define_tensor([H, 4 * H], dtype=F64)
+        b2 = fd.define_tensor([H], dtype=F64)
+        z = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh"), w2, b2)
+        fd.add_output(z)
+        if scheduled:
+            for tv, dim in ((x, 0 if sp else None), (w1, 0), (b1, 0), (w2, 1), (b2, None), (z, 0 if sp else None)):
+                _shard(tv, mesh, dim)
+    return fd
+
+
+GRADS = ("x", "w1", "b1", "w2", "b2")
+
+
+def define_backward(d: int, sp: bool, scheduled: bool = True, grads: tuple[str, ...] = GRADS) -> FusionDefinition:
+    """Inputs x, w1, b1, w2 (saved forward inputs) and grad_z; outputs the gradients named in ``grads``."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([T, H], dtype=F64)
+        w1 = fd.define_tensor([4 * H, H], dtype=F64)
+        b1 = fd.define_tensor([4 * H], dtype=F64)
+        w2 = fd.define_tensor([H, 4 * H], dtype=F64)
+        grad_z = fd.define_tensor([T, H], dtype=F64)
+        h = fd.ops.linear(x, w1, b1)
+        grad_w2 = fd.ops.matmul(fd.ops.permute(grad_z, [1, 0]), fd.ops.gelu(h, approximate="tanh"))
+        grad_b2 = fd.ops.sum(grad_z, [0])
+        grad_h = fd.ops.mul(fd.ops.matmul(grad_z, w2), _gelu_tanh_grad(fd, h))
+        grad_b1 = fd.ops.sum(grad_h, [0])
+        grad_w1 = fd.ops.matmul(fd.ops.permute(grad_h, [1, 0]), x)
+        grad_x = fd.ops.matmul(grad_h, w1)
+        outputs = dict(zip(GRADS, (grad_x, grad_w1, grad_b1, grad_w2, grad_b2)))
+        for name in grads:
+            fd.add_output(outputs[name])
+        if scheduled:
+            row = 0 if sp else None
+            for tv, dim in ((x, row), (w1, 0), (b1, 0), (w2, 1), (grad_z, row),
+                            (grad_x, row), (grad_w1, 0), (grad_b1, 0), (grad_w2, 1), (grad_b2, None)):
+                _shard(tv, mesh, dim)
+    return fd
+
+
+def _gelu_tanh_grad(fd: FusionDefinition, h):
+    """d/dh of 0.5 h (1 + tanh(k (h + c h^3))) with pointwise ops."""
+    h2 = fd.ops.mul(h, h)
+    t = fd.ops.tanh(fd.ops.mul(fd.ops.mul(h, fd.ops.add(fd.ops.mul(h2, GELU_C), 1.0)), GELU_K))
+    du = fd.ops.mul(fd.ops.add(fd.ops.mul(h2, 3 * GELU_C), 1.0), GELU_K)
+    left = fd.ops.mul(fd.ops.add(t, 1.0), 0.5)
+    right = fd.ops.mul(fd.ops.mul(fd.ops.mul(h, 0.5), fd.ops.sub(1.0, fd.ops.mul(t, t))), du)
+    return fd.ops.add(left, right)
+
+
+def _full(seed: int = 0) -> list[torch.Tensor]:
+    """x, w1, b1, w2, b2 and the loss's target, identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = ([T, H], [4 * H, H], [4 * H], [H, 4 * H], [H], [T, H])
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def _train_and_compare(rank: int, d: int, sp: bool, make_params, local_view, optimizer=torch.optim.SGD) -> None:
+    """Three steps of ``optimizer`` on the sharded layer and on ``MLP``; the weights (``local_view``
+    gives this rank's shard of a parameter) and the input's gradient must agree after each step."""
+    x_full, *weights, target = _full()
+    reference = MLP(weights)
+    ref_opt = optimizer(reference.parameters(), lr=LR)
+    params = make_params(weights)
+    opt = optimizer(params, lr=LR)
+    mlp = tp_fusion.autograd.function(define_forward(d, sp), define_backward(d, sp), saved_inputs=[0, 1, 2, 3],
+                                      name="TPMLP")
+    rows = slice(rank * T // d, (rank + 1) * T // d) if sp else slice(None)
+    for step in range(STEPS):
+        x_ref = x_full.clone().requires_grad_()
+        ref_opt.zero_grad()
+        (reference(x_ref) * target).sum().backward()
+        ref_opt.step()
+
+        x = x_full[rows].clone().requires_grad_()
+        opt.zero_grad()
+        z = mlp.apply(x, *params)
+        assert z.requires_grad and z.shape == target[rows].shape
+        (z * target[rows]).sum().backward()
+        opt.step()
+
+        torch.testing.assert_close(x.grad, x_ref.grad[rows], msg=f"step {step}: grad of x")
+        for name, p, want in zip(("w1", "b1", "w2", "b2"), params, reference.parameters()):
+            torch.testing.assert_close(local_view(p), local_view(want, name), msg=f"step {step}: {name}")
+
+
+SHARD_DIM = {"w1": 0, "b1": 0, "w2": 1, "b2": None}
+
+
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_three_sgd_steps_with_local_shard_parameters(multidevice_test, sp):
+    rank, d = multidevice_test.rank, multidevice_test.size
+
+    def local(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        dim = SHARD_DIM.get(name)
+        return t.detach() if dim is None else t.detach().chunk(d, dim)[rank]
+
+    def make_params(weights):
+        return [torch.nn.Parameter(local(w, n).clone()) for n, w in zip(SHARD_DIM, weights)]
+
+    _train_and_compare(rank, d, sp, make_params, local)
+
+
+@pytest.mark.ranks(2)
+def test_three_adam_steps_with_dtensor_parameters(multidevice_test):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    rank, d = multidevice_test.rank, multidevice_test.size
+    mesh = init_device_mesh("cpu", (d,))
+    placements = {"w1": Shard(0), "b1": Shard(0), "w2": Shard(1), "b2": Replicate()}
+    dims = SHARD_DIM
+
+    def local(t: torch.Tensor, name: str | None = None) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            return t.to_local().detach()
+        return t.detach() if dims[name] is None else t.detach().chunk(d, dims[name])[rank]
+
+    def make_params(weights):
+        return [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [placements[n]]))
+                for n, w in zip(placements, weights)]
+
+    x_full, *weights, target = _full()
+    reference = MLP(weights)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    params = make_params(weights)
+    opt = torch.optim.Adam(params, lr=LR)
+    mlp = tp_fusion.autograd.function(define_forward(d, False, scheduled=False),
+                                      define_backward(d, False, scheduled=False), saved_inputs=[0, 1, 2, 3])
+    for step in range(STEPS):
+        x_ref = x_full.clone().requires_grad_()
+        ref_opt.zero_grad()
+        (reference(x_ref) * target).sum().backward()
+        ref_opt.step()
+
+        x = distribute_tensor(x_full.clone(), mesh, [Replicate()]).requires_grad_()
+        opt.zero_grad()
+        z = mlp.apply(x, *params)
+        assert isinstance(z, DTensor) and z.requires_grad
+        (z * distribute_tensor(target, mesh, [Replicate()])).sum().backward()
+        opt.step()
+
+        for name, p, want in zip(placements, params, reference.parameters()):
+            assert isinstance(p.grad, DTensor) and tuple(p.grad.placements) == (placements[name],), name
+            torch.testing.assert_close(local(p), local(want, name), msg=f"step {step}: {name}")
+        torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, msg=f"step {step}: grad of x")
+
+
+def test_without_mesh_matches_torch_autograd():
+    """No mesh: one process, no process group; x gets no gradient when grad_inputs leaves it out."""
+    x, *weights, target = _full(1)
+    reference = MLP(weights)
+    (reference(x) * target).sum().backward()
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    mlp = tp_fusion.autograd.function(define_forward(1, False, scheduled=False),
+                                      define_backward(1, False, scheduled=False, grads=GRADS[1:]),
+                                      saved_inputs=[0, 1, 2, 3], grad_inputs=[1, 2, 3, 4])
+    x_in = x.clone().requires_grad_()
+    (mlp.apply(x_in, *params) * target).sum().backward()
+    assert x_in.grad is None
+    for p, want in zip(params, reference.parameters()):
+        torch.testing.assert_close(p.grad, want.grad)
+
+
+def test_backward_with_the_wrong_number_of_gradients_is_a_clear_error():
+    backward = define_backward(1, False, scheduled=False, grads=GRADS[1:])  # 4 gradients for 5 inputs
+    with pytest.raises(DefinitionError, match=r"returns 4 outputs, but grad_inputs \[0, 1, 2, 3, 4\] asks for 5"):
+        tp_fusion.autograd.function(define_forward(1, False, scheduled=False), backward, saved_inputs=[0, 1, 2, 3])
+    with pytest.raises(DefinitionError, match="backward fusion takes 5 inputs, but it is given 2 saved forward"):
+        tp_fusion.autograd.function(define_forward(1, False, scheduled=False),
+                                    define_backward(1, False, scheduled=False), saved_inputs=[0, 1])
+    with pytest.raises(DefinitionError, match="saved_inputs holds 7, but the forward fusion has 5 inputs"):
+        tp_fusion.autograd.function(define_forward(1, False), define_backward(1, False), saved_inputs=[7])
+
+
+def test_gradient_of_the_wrong_shape_is_a_clear_error():
+    """A backward output whose local shape is not its input's (here the gradients are swapped)."""
+    backward = define_backward(1, False, scheduled=False, grads=("w1", "x", "b1", "w2", "b2"))
+    mlp = tp_fusion.autograd.function(define_forward(1, False, scheduled=False), backward, saved_inputs=[0, 1, 2, 3])
+    x, *weights, _ = _full()
+    z = mlp.apply(x.requires_grad_(), *[w.requires_grad_() for w in weights])
+    with pytest.raises(ExecutionError, match=r"gradient of forward input 0, which has local shape \[8, 4\], but it "
+                                             r"came out \[16, 4\]"):
+        z.sum().backward()

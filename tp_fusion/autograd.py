@@ -1,0 +1,171 @@
+"""Training through fusions: a ``torch.autograd.Function`` from a forward fusion and its backward fusion.
+
+``fd.execute`` is forward only, as in nvFuser. To train, write the backward math as a second fusion
+and join the two, as nvFuser's tests do with their ``LinearFunction``::
+
+    Linear = tp_fusion.autograd.function(forward_fd, backward_fd, saved_inputs=[0, 1])
+    y = Linear.apply(x, w)          # forward_fd.execute([x, w]); y requires grad
+    y.sum().backward()              # backward_fd.execute([x, w, grad_y]) -> x.grad, w.grad
+
+What each fusion sees:
+
+- the forward fusion gets the inputs of ``apply``, in order;
+- the backward fusion gets the saved tensors, then one gradient per differentiable returned output:
+  ``[*inputs[saved_inputs], *outputs[saved_outputs], *grad_outputs]``. A returned output is
+  differentiable when its dtype is floating point (masks and philox seeds are not); a gradient that
+  nothing produced comes as zeros;
+- the backward fusion's outputs are the gradients of the forward inputs in ``grad_inputs`` (default:
+  every input), in that order; the other inputs get no gradient.
+
+``outputs`` (default: all) picks the forward outputs that ``apply`` returns; the others (layer-norm
+statistics, attention's logsumexp) are only kept for ``saved_outputs``.
+
+Inputs may be local shards (plain tensors or ``nn.Parameter``s holding this rank's shard: both
+fusions carry their own schedules, and each gradient must have its input's local shape) or DTensors
+(``nn.Parameter(distribute_tensor(...))`` included): then both fusions run through
+``execute_with_dtensors``, which annotates their inputs, incoming gradients are redistributed to their
+output's placements and outgoing ones to their input's placements. Every rank calls ``apply`` and
+``backward`` in the same order, as with ``execute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tp_fusion.errors import DefinitionError, ExecutionError
+from tp_fusion.fusion_definition import FusionDefinition
+
+
+def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inputs: Sequence[int] = (),
+             saved_outputs: Sequence[int] = (), outputs: Sequence[int] | None = None,
+             grad_inputs: Sequence[int] | None = None, name: str = "FusionFunction") -> type[torch.autograd.Function]:
+    """A ``torch.autograd.Function`` subclass running ``forward`` then, on ``backward()``, ``backward``.
+
+    ``saved_inputs`` / ``saved_outputs``: indices of the forward inputs / outputs handed to the
+    backward fusion first; ``outputs``: the forward outputs ``apply`` returns (default all);
+    ``grad_inputs``: the forward inputs the backward fusion's outputs are the gradients of (default
+    all). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
+    here (a ``DefinitionError`` says which); dtypes of the returned outputs decide which of them are
+    differentiable. See the module docstring for the conventions.
+    """
+    n_in, n_out = len(forward.fusion.inputs), len(forward.fusion.outputs)
+    saved_inputs = _indices(saved_inputs, n_in, "saved_inputs", "input")
+    saved_outputs = _indices(saved_outputs, n_out, "saved_outputs", "output")
+    outputs = _indices(range(n_out) if outputs is None else outputs, n_out, "outputs", "output")
+    grad_inputs = _indices(range(n_in) if grad_inputs is None else grad_inputs, n_in, "grad_inputs", "input")
+    if not outputs:
+        raise DefinitionError(f"autograd.function {name}: outputs is empty; return at least one forward output")
+    fwd = forward.fusion
+    differentiable = tuple(i for i in outputs if fwd.tensor(fwd.outputs[i]).dtype.is_floating)
+    n_grads = len(saved_inputs) + len(saved_outputs) + len(differentiable)
+    bwd = backward.fusion
+    if len(bwd.inputs) != n_grads:
+        raise DefinitionError(
+            f"autograd.function {name}: the backward fusion takes {len(bwd.inputs)} inputs, but it is given "
+            f"{len(saved_inputs)} saved forward inputs {list(saved_inputs)}, {len(saved_outputs)} saved forward "
+            f"outputs {list(saved_outputs)} and {len(differentiable)} output gradients (of the floating-point "
+            f"returned outputs {list(differentiable)}) = {n_grads}; define that many tensors in the backward fusion")
+    if len(bwd.outputs) != len(grad_inputs):
+        raise DefinitionError(
+            f"autograd.function {name}: the backward fusion returns {len(bwd.outputs)} outputs, but grad_inputs "
+            f"{list(grad_inputs)} asks for {len(grad_inputs)} gradients (one per forward input in grad_inputs, in "
+            "that order); add outputs to the backward fusion or change grad_inputs")
+    spec = _Spec(name, forward, backward, saved_inputs, saved_outputs, outputs, differentiable, grad_inputs)
+    return type(name, (_FusionFunction,), {"spec": spec, "__doc__": f"forward and backward fusions of {name}"})
+
+
+def _indices(indices: Sequence[int], n: int, what: str, noun: str) -> tuple[int, ...]:
+    out = tuple(indices)
+    for i in out:
+        if not isinstance(i, int) or not 0 <= i < n:
+            raise DefinitionError(f"autograd.function: {what} holds {i!r}, but the forward fusion has {n} {noun}s "
+                                  f"(indices 0..{n - 1})")
+    if len(set(out)) != len(out):
+        raise DefinitionError(f"autograd.function: {what} {list(out)} names an {noun} twice")
+    return out
+
+
+class _Spec:
+    """What a generated Function runs: its two fusions and which tensors go where."""
+
+    def __init__(self, name, forward, backward, saved_inputs, saved_outputs, outputs, differentiable, grad_inputs):
+        self.name, self.forward, self.backward = name, forward, backward
+        self.saved_inputs, self.saved_outputs = saved_inputs, saved_outputs
+        self.outputs, self.differentiable, self.grad_inputs = outputs, differentiable, grad_inputs
+
+
+def _is_dtensor(x) -> bool:
+    from tp_fusion.dtensor import _dtensor_api
+
+    return isinstance(x, _dtensor_api().DTensor)
+
+
+def _run(fd: FusionDefinition, tensors: list) -> list:
+    """``fd`` on local shards, or through ``execute_with_dtensors`` when any tensor is a DTensor."""
+    if any(_is_dtensor(t) for t in tensors):
+        from tp_fusion.dtensor import execute_with_dtensors
+
+        return execute_with_dtensors(fd, tensors)
+    return fd.execute(tensors)
+
+
+class _Meta:
+    """What backward needs to know of a forward input or output, without keeping the tensor alive:
+    its shape and dtype, and its torch mesh and placements if it is a DTensor."""
+
+    def __init__(self, t):
+        self.shape, self.dtype = t.shape, t.dtype
+        self.mesh, self.placements = (t.device_mesh, tuple(t.placements)) if _is_dtensor(t) else (None, None)
+
+    def redistribute(self, grad):
+        """``grad`` with these placements (a no-op unless both are DTensors and they differ)."""
+        if self.mesh is not None and _is_dtensor(grad) and tuple(grad.placements) != self.placements:
+            return grad.redistribute(self.mesh, self.placements)
+        return grad
+
+
+class _FusionFunction(torch.autograd.Function):
+    """Base of the Functions ``function`` makes; ``spec`` is set on each subclass."""
+
+    spec: _Spec
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        spec = ctx._spec = _spec_of(ctx)
+        n = len(spec.forward.fusion.inputs)
+        if len(inputs) != n:
+            raise ExecutionError(f"{spec.name}.apply: the forward fusion takes {n} inputs, got {len(inputs)}")
+        outs = _run(spec.forward, list(inputs))
+        returned = [outs[i] for i in spec.outputs]
+        ctx.mark_non_differentiable(*[outs[i] for i in spec.outputs if i not in spec.differentiable])
+        ctx.save_for_backward(*[inputs[i] for i in spec.saved_inputs], *[outs[i] for i in spec.saved_outputs])
+        ctx.output_meta = [_Meta(outs[i]) for i in spec.differentiable]
+        ctx.input_meta = [_Meta(x) for x in inputs]
+        return returned[0] if len(returned) == 1 else tuple(returned)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        spec = ctx._spec
+        by_output = dict(zip(spec.outputs, grads))
+        out_grads = [meta.redistribute(by_output[i]) for i, meta in zip(spec.differentiable, ctx.output_meta)]
+        results = _run(spec.backward, [*ctx.saved_tensors, *out_grads])
+        input_grads: list = [None] * len(ctx.input_meta)
+        for i, grad in zip(spec.grad_inputs, results):
+            if not ctx.needs_input_grad[i]:
+                continue
+            inp = ctx.input_meta[i]
+            grad = inp.redistribute(grad)
+            if grad.shape != inp.shape:
+                raise ExecutionError(
+                    f"{spec.name}.backward: the backward fusion's output {spec.grad_inputs.index(i)} is the "
+                    f"gradient of forward input {i}, which has local shape {list(inp.shape)}, but it came out "
+                    f"{list(grad.shape)}; give that backward output the sharding of forward input {i}")
+            input_grads[i] = grad.to(inp.dtype) if grad.dtype != inp.dtype else grad
+        return tuple(input_grads)
+
+
+def _spec_of(ctx) -> _Spec:
+    """The spec of the Function subclass ``ctx`` belongs to (``ctx`` is an instance of its backward node)."""
+    return type(ctx)._forward_cls.spec
