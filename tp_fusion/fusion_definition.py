@@ -411,7 +411,7 @@ class FusionDefinition:
 
         Every rank of the default process group calls it, for the same fusions in the same order.
         Forward only: it runs under ``torch.no_grad``, accepts inputs that require grad and returns
-        outputs that do not (no autograd through the fusion). Inputs are never modified. The first
+        outputs that do not (``tp_fusion.autograd.function`` trains). Inputs are never modified. The first
         call for a new input signature compiles (and, on GPUs, times the fused segments); ``fd.plan``
         is then the program it runs.
         """
