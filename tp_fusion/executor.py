@@ -2,11 +2,13 @@
 
 Every check of the inputs happens before any communication, and under a process group the ranks
 agree on the outcome first, so a bad input on one rank raises the same error on all. The agreement
-also compares a fingerprint of the fusion's text and of the inputs' GLOBAL shapes, so ranks that
-pass inconsistent shards or define different fusions raise instead of running mismatched
-collectives. Process groups are created (a collective step) only after the ranks agree. Under NCCL
-the ranks agree when a plan is compiled
-(a host round trip per call would stall the GPU at small sizes: 2x H200, 107 us per agreement).
+also compares a fingerprint of which fusion this is (its creation order on the rank), its text and
+the inputs' GLOBAL shapes, so ranks that pass inconsistent shards, define different fusions or
+execute them in different orders raise instead of running mismatched collectives. Process groups
+are created (a collective step) only after the ranks agree. Under gloo the ranks agree on every
+call. Under NCCL they agree when a plan is compiled (a host round trip per call would stall the GPU
+at small sizes: 2x H200, 107 us per agreement), and every call is checked by
+``faults.LaggedAgreement``, a device all_reduce read two calls later.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tp_fusion.runtime.runner import Runner
 
 _ERRORS = {c.__name__: c for c in (InputError, ShardingError, DefinitionError, LoweringError, ExecutionError)}
 _executing = threading.Lock()  # one execute at a time per process
+_lagged = faults.LaggedAgreement()  # per-call agreement under NCCL (no host round trip)
 
 
 def _signature(inputs: Sequence) -> tuple:
@@ -45,8 +48,9 @@ def _signature(inputs: Sequence) -> tuple:
 class Executor:
     """Runs one fusion definition; keeps a compiled program and its runner per input signature."""
 
-    def __init__(self, fusion: Fusion):
+    def __init__(self, fusion: Fusion, serial: int = 0):
         self.fusion = fusion
+        self.serial = serial  # which of this rank's fusions it is (creation order, the same on every rank)
         self._sharded = fusion.has_meshes
         self._text = str(fusion)
         self._cache: dict[tuple, tuple[Program, Runner, int, str]] = {}
@@ -84,6 +88,8 @@ class Executor:
             _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
         if error is not None:
             raise error
+        if multi and dist.backend() != "gloo":
+            _lagged.check_and_launch(fingerprint, program.device)
         if cached is None:
             runner = Runner(program)  # creates process groups: after the agreement
             program, runner = tuning.tune(program, runner, inputs)
@@ -102,7 +108,7 @@ class Executor:
         program = compile_program(self.fusion, shapes, rank, device)
         detail = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
         agreed = _agreed_shapes(self.fusion, shapes)
-        return program, _fingerprint(self._text, agreed), detail
+        return program, _fingerprint(self.serial, self._text, agreed), detail
 
 
 def _fingerprint(*parts) -> int:
@@ -171,8 +177,9 @@ def _agree(error: Exception | None, fingerprint: int, detail: str) -> None:
     odd = [r for r, v in enumerate(views) if v[0] != common]
     if all(v[1] == views[ref][1] for v in views):
         raise DefinitionError(
-            f"execute: rank(s) {odd} defined a different fusion than rank {ref} (different ops, shapes or "
-            "shardings); every rank must build the same FusionDefinition and execute fusions in the same order")
+            f"execute: rank(s) {odd} executed another fusion than rank {ref} did (different ops or shardings, "
+            "or another of its fusions: ranks tell fusions apart by the order they created them); every rank "
+            "must create the same FusionDefinitions in the same order and execute them in the same order")
     lines = "; ".join(f"rank {r}: {views[r][1]}" for r in [ref, *odd])
     raise InputError(
         f"execute: the ranks' inputs imply different global shapes ({lines}); rank(s) {odd} differ from "

@@ -7,6 +7,7 @@ to the definition, a schedule call replaces one tensor's IR record with a new on
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +19,17 @@ from tp_fusion.ir import Const, Fusion, LoopAxis, Op, Tensor, freeze
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
 from tp_fusion.types import DataType, ParallelType
+
+
+_creation_order = itertools.count()  # how ranks tell their fusions apart: the n-th one each created
+
+
+def restart_creation_order() -> None:
+    """Number the FusionDefinitions created from now on from 0 again. Every rank must create its
+    fusions in the same order (execute checks it); a harness that runs many tests on the same
+    ranks calls this on every rank at the start of each test (``tp_fusion.testing`` does)."""
+    global _creation_order
+    _creation_order = itertools.count()
 
 
 class IterDomain:
@@ -293,12 +305,22 @@ class FusionDefinition:
         self.ops = _OpsNamespace(self)
         self.plan = None  # the program of the last execute (None before; see compile())
         self._executor = None
+        self._serial = next(_creation_order)  # the same fusion on every rank has the same serial
+        self._closed = False
 
     def __enter__(self) -> FusionDefinition:
         return self
 
-    def __exit__(self, *exc) -> None:
-        return None
+    def __exit__(self, exc_type, *exc) -> None:
+        """The definition is complete: recording ops or inputs and outputs afterwards is an error
+        (as in nvFuser); scheduling (splits, meshes, parallelization) may go on."""
+        if exc_type is None:
+            self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise DefinitionError(f"{what}: the definition is complete (its `with FusionDefinition() as fd:` "
+                                  "block has closed); record every op, input and output inside the block")
 
     def _changed(self) -> None:
         self._executor = None  # the definition changed: cached plans are stale
@@ -322,6 +344,7 @@ class FusionDefinition:
         return f"<FusionDefinition: {counts}; {state}>"
 
     def _new_tensor(self, shape, dtype: DataType) -> TensorView:
+        self._check_open("defining a tensor")
         name = len(self._tensors)
         self._tensors.append(Tensor(name, tuple(shape), dtype))
         self._changed()
@@ -366,6 +389,7 @@ class FusionDefinition:
 
     def add_output(self, tv: TensorView) -> None:
         """Make ``tv`` an output: ``execute`` returns this rank's local shard of it, in order of calls."""
+        self._check_open("add_output")
         if not isinstance(tv, TensorView) or tv._fd is not self:
             raise DefinitionError(f"add_output: expected a TensorView of this fusion, got {tv!r}")
         self._outputs.append(tv.name)
@@ -374,6 +398,7 @@ class FusionDefinition:
     def _record(self, kind: str, inputs: Sequence[Operand], **attrs) -> TensorView | tuple:
         """Append op ``kind`` on ``inputs`` (TensorViews or numbers); shapes and dtypes are inferred
         (and checked) now. Returns the output TensorView(s)."""
+        self._check_open(kind)
         op = _ops.opdef(kind)
         args: list = []
         for x in inputs:
@@ -419,7 +444,7 @@ class FusionDefinition:
 
         inputs = list(inputs)
         if self._executor is None:
-            self._executor = Executor(self.fusion)
+            self._executor = Executor(self.fusion, self._serial)
         outputs, self.plan = self._executor.run(inputs)
         return outputs
 

@@ -130,6 +130,7 @@ def multidevice_test(setup_default_process_group):
         return
     import torch
 
+    from tp_fusion.fusion_definition import restart_creation_order
     from tp_fusion.runtime import dist
 
     rank, size = dist.rank(), dist.world_size()
@@ -137,6 +138,7 @@ def multidevice_test(setup_default_process_group):
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
     fixture = MultideviceTest(rank, size, local_rank, local_size, setup_default_process_group)
     torch.manual_seed(0)
+    restart_creation_order()  # an earlier test may have created fusions on some ranks only
     yield fixture
     fixture.barrier()
 

@@ -168,7 +168,7 @@ def _execute_errors(rank: int, world: int) -> None:
             tv.set_device_mesh(mesh)
         x2.outer_split(0, world)
         x2.axis(0).parallelize(ParallelType.mesh_x)
-    _raises(DefinitionError, r"execute: rank\(s\) \[1\] defined a different fusion than rank 0",
+    _raises(DefinitionError, r"execute: rank\(s\) \[1\] executed another fusion than rank 0 did",
             lambda: fd_div2.execute([good]))
 
     (out,) = fd.execute([good])

@@ -126,3 +126,17 @@ def test_concurrent_execute_raises(monkeypatch):
     monkeypatch.setitem(_ops.OPS, "relu", original)
     (out,) = fd.execute([-torch.ones(2, 2)])  # the lock was released
     assert torch.equal(out, torch.zeros(2, 2))
+
+
+def test_recording_after_the_with_block_is_an_error():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 2])
+        y = fd.ops.relu(x)
+        fd.add_output(y)
+    for record in (lambda: fd.ops.neg(x), lambda: fd.define_tensor([2]), lambda: fd.add_output(x)):
+        with pytest.raises(DefinitionError, match=r"the definition is complete .* inside the block"):
+            record()
+    y.outer_split(0, 1)  # scheduling may go on after the block
+    xi = torch.randn(4, 2)
+    (out,) = fd.execute([xi])
+    torch.testing.assert_close(out, torch.relu(xi))  # the failed calls recorded nothing

@@ -457,12 +457,12 @@ def test_symbolic_extents_must_agree_at_execute():
 
 
 def test_an_output_added_after_execute_is_picked_up():
+    xi = _rand(1, 2, 3)
     with FusionDefinition() as fd:
         x = fd.define_tensor([2, 3])
         fd.add_output(fd.ops.neg(x))
-    xi = _rand(1, 2, 3)
-    _check(fd.execute([xi])[0], -xi)
-    fd.add_output(fd.ops.exp(x))  # a new output after execute must be picked up
+        _check(fd.execute([xi])[0], -xi)
+        fd.add_output(fd.ops.exp(x))  # a new output after execute must be picked up
     a, b = fd.execute([xi])
     _check(a, -xi)
     _check(b, xi.exp())

@@ -117,8 +117,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None
     out.copy_(flat.view(out.shape))
 
 
-def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
-    _dist.all_reduce(t, op=_reduce_op(op), group=pg)
+def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum", async_op: bool = False):
+    """In place; with ``async_op`` returns the work handle (its ``wait()`` orders the current stream)."""
+    return _dist.all_reduce(t, op=_reduce_op(op), group=pg, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:

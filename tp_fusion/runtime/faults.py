@@ -27,6 +27,7 @@ import traceback
 
 import torch
 
+from tp_fusion.errors import DefinitionError
 from tp_fusion.runtime import dist
 
 _FAULT_KEY = "tp_fusion/fault/"
@@ -45,6 +46,54 @@ def agree(failed: bool, fingerprint: int) -> tuple[bool, bool]:
     dist.host_all_reduce_max(t)
     any_failed, hi, neg_lo = (int(v) for v in t.tolist())
     return bool(any_failed), not any_failed and hi != -neg_lo
+
+
+class LaggedAgreement:
+    """Per-call agreement without a host round trip (used under NCCL, where plans agree at compile).
+
+    Each call launches a tiny all_reduce(MAX) of ``[fp, -fp]`` that the compute stream does not wait
+    for, and copies the result to pinned host memory; the call ``LAG`` calls later reads it (waiting
+    for it if the GPU is that far behind) and raises on every rank if the fingerprints differed. All
+    ranks read the same reduced values at the same call, so they raise together. The call that
+    mismatched has already run: this turns a silent mix-up into an error two calls later.
+    """
+
+    LAG = 2
+
+    def __init__(self):
+        self._world = None
+        self._pending: list[tuple[int, torch.Tensor, object]] = []  # (call number, host values, ready)
+        self._calls = 0
+
+    def check_and_launch(self, fingerprint: int, device: torch.device) -> None:
+        if self._world != dist.world_token():  # a new process group: start over
+            self._world, self._pending, self._calls = dist.world_token(), [], 0
+        self._calls += 1
+        if len(self._pending) >= self.LAG:
+            call, values, ready = self._pending.pop(0)
+            ready()
+            hi, neg_lo = (int(v) for v in values.tolist())
+            if hi != -neg_lo:
+                raise DefinitionError(
+                    f"execute: the ranks executed different fusions (or one fusion for different global shapes) "
+                    f"at their call {call} of a sharded fusion under this process group ({self._calls - call} "
+                    "calls ago, whose outputs are therefore wrong); every rank must create its "
+                    "FusionDefinitions in the same order and execute them in the same order")
+        fp = fingerprint & ((1 << _FP_BITS) - 1)
+        t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
+        work = dist.all_reduce(t, None, op="max", async_op=True)
+        if device.type == "cuda":
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            side = torch.cuda.Stream(device)
+            with torch.cuda.stream(side):
+                work.wait()  # orders the side stream, not the compute stream, after the all_reduce
+                host.copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+            t.record_stream(side)
+            self._pending.append((self._calls, host, done.synchronize))
+        else:
+            self._pending.append((self._calls, t, work.wait))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +150,19 @@ def _first(records: dict[int, FaultRecord]) -> FaultRecord | None:
     return min(pool, key=lambda r: r.seq) if pool else None
 
 
+_PEER_SIGNS = ("closed by peer", "connection reset", "connection refused", "broken pipe", "timed out", "timeout",
+               "remote", "peer", "nccl", "aborted", "abort", "socket", "not been initialized",
+               "not registered", "connection closed", "eof")
+
+
+def _peer_failure(error: str) -> bool:
+    """Whether an error raised by a collective may be the work of a peer that left (a closed
+    connection, a timeout, an aborted communicator); any other error (a failed allocation, a
+    bad argument) arose on this rank, which is then named as the one that failed."""
+    text = error.lower()
+    return any(sign in text for sign in _PEER_SIGNS)
+
+
 def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseException | None = None,
                    grace_s: float | None = None) -> str:
     """Publish this rank's failure, abort its process groups, and describe the failure that came first.
@@ -111,6 +173,8 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
     """
     if grace_s is None:
         grace_s = float(os.environ.get("TP_FUSION_FAULT_GRACE_S", "3"))
+    if not local and not _peer_failure(error):
+        local = True  # raised in a collective, but not because a peer left: this rank's own failure
     world = dist.world_size()
     own_text = f"rank {rank} failed in {where}: {error}"
     global _store
@@ -126,6 +190,7 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
         seq = store.add(f"{_FAULT_KEY}seq", 1)
         store.set(f"{_FAULT_KEY}{rank}", FaultRecord(rank, seq, local, where, error).encode())
     except Exception:
+        _restore_timeout(store, old_timeout)
         store = None
     abort_process_groups(exc)
     if store is None:
@@ -145,10 +210,11 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
             time.sleep(0.02)
         if rank != 0:
             store.set(f"{_FAULT_KEY}read/{rank}", "1")
-        store.set_timeout(old_timeout)
     except Exception:  # the store's host (rank 0) is gone
         if not records:
             return unreachable
+    finally:
+        _restore_timeout(store, old_timeout)
     first = _first(records)
     if first is not None and (first.local or len(records) == world):
         if first.rank == rank:
@@ -158,3 +224,11 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
     who = ", ".join(map(str, missing))
     return (f"rank(s) {who} stopped responding (process exited or hung; no failure report) while "
             f"rank {rank} was in {where}: {error}")
+
+
+def _restore_timeout(store, timeout) -> None:
+    """Give the user's store back its timeout (a local setting: it needs no reachable host)."""
+    try:
+        store.set_timeout(timeout)
+    except Exception:
+        pass
