@@ -254,6 +254,33 @@ def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     return cands
 
 
+def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...]) -> Rule:
+    """Attention (sdpfa_fwd/bwd) on [N*, H, S, E] tensors: the leading dims (batch and heads) of the
+    operands at ``free_inputs`` and the outputs at ``free_outputs`` are free (a shard passes through
+    with no communication); the sequence and head dims stay whole, since every query attends to
+    every key. Other tensor operands and outputs (philox seed and offset) stay replicated. No operand
+    may be Partial: softmax is not linear."""
+    def rule(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
+        ins, outs = _shapes(op, fusion)
+        first = ins[free_inputs[0]]
+        tensors_in = tuple(None if s is None else REPLICATE for s in ins)
+        cands = [Candidate(tensors_in, (REPLICATE,) * len(outs))]
+        for d in range(len(first) - 2):
+            if first[d] < 0 or first[d] % n:
+                continue
+            cands.append(Candidate(
+                tuple(Shard(d) if i in free_inputs else p for i, p in enumerate(tensors_in)),
+                tuple(Shard(d) if j in free_outputs else REPLICATE for j in range(len(outs)))))
+        return cands
+    return rule
+
+
+def _replicated_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """Every dim of the output whole: the op runs on the full (global) tensor on every rank."""
+    _, (out,) = _shapes(op, fusion)
+    return LabelSpec((), (tuple(range(len(out))),), whole=frozenset(range(len(out))))
+
+
 def from_spec(build: Callable[[Op, Fusion], LabelSpec]) -> Rule:
     """A rule from a LabelSpec builder."""
     def rule(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
@@ -269,6 +296,9 @@ squeeze = from_spec(_squeeze_spec)
 unsqueeze = from_spec(_unsqueeze_spec)
 broadcast_in_dim = from_spec(_broadcast_in_dim_spec)
 factory = from_spec(_factory_spec)
+# Random factories: each rank draws the whole tensor and keeps its slice (a free local slice), so a
+# sharded draw equals the matching slice of the unsharded one.
+replicated_factory = from_spec(_replicated_spec)
 slice_ = from_spec(_slice_spec)
 cat = from_spec(_cat_spec)
 reshape = reshape_candidates

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tp_fusion.errors import DefinitionError
+from tp_fusion.errors import DefinitionError, LoweringError
+from tp_fusion.ir import Const
 from tp_fusion.sharding import rules
 from tp_fusion.types import DataType
 
@@ -305,8 +307,11 @@ def _binary(fn):
 
 def _unary_front(name: str):
     def front(rec, x):
+        if isinstance(x, (Const, int, float)) and not isinstance(x, bool):  # nvFuser's scalar Vals: folded now
+            value = x.value if isinstance(x, Const) else x
+            return Const(OPS[name].impl(torch.tensor(value, dtype=torch.float64)).item())
         return rec(rec.tv(x, "x"))
-    front.__doc__ = f"``torch.{name}(x)``, elementwise."
+    front.__doc__ = f"``torch.{name}(x)``, elementwise; on a scalar (a number or ``define_scalar``), a scalar."
     return front
 
 
@@ -322,7 +327,7 @@ def _binary_front(name: str):
 
 
 _UNARY = {name: getattr(torch, name) for name in ("neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "sqrt",
-                                                  "rsqrt")} | {"silu": F.silu}
+                                                  "rsqrt", "reciprocal")} | {"silu": F.silu}
 _EPILOGUE = ("neg", "tanh", "sigmoid", "relu", "silu")  # cheap enough to run on a fused GEMM's output
 for _name, _fn in _UNARY.items():
     register(_name, impl=_fn, infer=_pointwise_infer(_fn),
@@ -336,6 +341,12 @@ for _name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum"):
     _impl = _binary(getattr(torch, _name))
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE,
              rule=rules.pointwise(_BINARY_PARTIAL.get(_name)), flops=_flops_output, front=_binary_front(_name))
+
+
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    _impl = _binary(getattr(torch, _name))
+    register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE, rule=rules.pointwise(),
+             flops=_flops_output, front=_binary_front(_name))
 
 
 def _pow_front(rec, a, b):
@@ -568,6 +579,42 @@ register("permute", impl=lambda x, dims: x.permute(dims),
          traits=Trait.VIEW, rule=rules.permute, front=_permute_front)
 
 
+def _transpose_front(rec, x, dim0: int, dim1: int):
+    """``x.transpose(dim0, dim1)`` (a permute)."""
+    x = rec.tv(x, "x")
+    d0, d1 = (rec.dims(x, d, "dim")[0] for d in (dim0, dim1))
+    dims = list(range(x.ndim))
+    dims[d0], dims[d1] = d1, d0
+    return rec.other("permute", x, dims=tuple(dims))
+
+
+SPELLINGS["transpose"] = _transpose_front
+
+
+def _with_stride_order(x: torch.Tensor, stride_order: tuple[int, ...]) -> torch.Tensor:
+    """``x``'s values in memory laid out by nvFuser's ``stride_order`` (dim i has the
+    ``stride_order[i]``-th smallest stride); no copy when ``x`` is laid out so already."""
+    outer_first = sorted(range(x.ndim), key=lambda d: -stride_order[d])
+    inverse = sorted(range(x.ndim), key=lambda i: outer_first[i])
+    return x.permute(outer_first).contiguous().permute(inverse)
+
+
+def _stride_order_front(rec, x, stride_order):
+    """nvFuser's ``stride_order``: ``x`` with the memory layout ``stride_order`` (dim i has the
+    ``stride_order[i]``-th smallest stride); the values and the logical shape are ``x``'s. Fusion
+    outputs come back contiguous whatever their layout inside the fusion."""
+    x = rec.tv(x, "x")
+    order = _int_list("stride_order", stride_order, "stride_order")
+    if sorted(order) != list(range(x.ndim)):
+        _fail("stride_order", f"stride_order {list(order)} is not a permutation of the {x.ndim} dims of "
+                              f"T{x.name} {x._ir.type_str()}")
+    return rec(x, stride_order=order)
+
+
+register("stride_order", impl=_with_stride_order, infer=_same_as_input, traits=Trait.VIEW,
+         rule=rules.pointwise(rules.linear_in_first), front=_stride_order_front)
+
+
 def _broadcast_in_dim(x, shape, broadcast_dims):
     view = [1] * len(shape)
     for i, d in enumerate(broadcast_dims):
@@ -623,8 +670,6 @@ SPELLINGS["broadcast"] = _broadcast_front
 
 
 def _symbolic_extent(op: str, x, dim: int):
-    from tp_fusion.errors import LoweringError
-
     raise LoweringError(f"{op}: dim {dim} of T{x.name} {x._ir.type_str()} is symbolic (-1); tp_fusion gives "
                         "extents as Python ints only where the global extent is defined (symbolic scalars are "
                         "not supported yet); define the tensor with concrete extents")
@@ -699,8 +744,9 @@ def _slice_infer(args, attrs):
                              zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"])), x.dtype)]
 
 
-def _slice_front(rec, x, start_indices, end_indices, strides=None):
-    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim."""
+def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normalization: bool = False):
+    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Indices must
+    lie in [0, extent]; ``manual_normalization`` (nvFuser's promise that they do) changes nothing then."""
     x = rec.tv(x, "x")
     starts = _int_list("slice", start_indices, "start_indices")
     ends = _int_list("slice", end_indices, "end_indices")
@@ -743,8 +789,11 @@ def _cat_impl(*tensors, dim):
     return torch.cat(tensors, dim)
 
 
-def _cat_front(rec, tensors, dim: int):
-    """``torch.cat(tensors, dim)``."""
+def _cat_front(rec, tensors, dim: int, manual_padding: bool = False):
+    """``torch.cat(tensors, dim)``. ``manual_padding`` (nvFuser: the inputs are padded already) must be false."""
+    if manual_padding:
+        _fail("cat", "manual_padding=True (inputs padded by the caller) is nvFuser-internal; pass the unpadded "
+                     "tensors with manual_padding=False")
     tensors = [rec.tv(t, "each tensor") for t in tensors]
     if not tensors:
         _fail("cat", "give at least one tensor")
@@ -824,6 +873,273 @@ def _full_localize(attrs: dict, s: Localize) -> dict:
 
 register("full", impl=_full, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front)
+
+# --- random numbers -------------------------------------------------------------------------------
+
+# Seeds of the draws given no rng_seed: every rank runs the same fusions in the same order, so every
+# rank takes the same seeds from it.
+_UNSEEDED_DRAWS = itertools.count()
+
+
+def _generator(seed: int, offset: int, device) -> torch.Generator:
+    """A generator on ``device`` whose stream is a function of (seed, offset) alone."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % 2**63)
+    return g
+
+
+def _uniform(minval, maxval, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
+    seed, offset = (next(_UNSEEDED_DRAWS), 0) if rng_seed is None else (rng_seed, rng_offset)
+    x = torch.rand(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
+    return x if (minval, maxval) == (0, 1) else x * (maxval - minval) + minval
+
+
+def _number(op: str, value, what: str, kind=(int, float)):
+    """A Python number from a number or a ``define_scalar``; a TensorView or anything else is refused."""
+    value = value.value if isinstance(value, Const) else value
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kind):
+        _fail(op, f"{what} must be a Python number or a define_scalar, got {value!r}")
+    return value
+
+
+def _rng_attrs(op: str, rng_seed, rng_offset) -> dict:
+    if (rng_seed is None) != (rng_offset is None):
+        _fail(op, "rng_seed and rng_offset must be given together (or neither)")
+    if rng_seed is None:
+        return {"rng_seed": None, "rng_offset": None}
+    seed, offset = (_number(op, v, what, (int,)) for v, what in ((rng_seed, "rng_seed"), (rng_offset, "rng_offset")))
+    if seed < 0 or offset < 0:
+        _fail(op, f"rng_seed {seed} and rng_offset {offset} must be >= 0")
+    return {"rng_seed": seed, "rng_offset": offset}
+
+
+def _uniform_front(rec, minval, maxval, shape, *, rng_seed=None, rng_offset=None, dtype: DataType = DataType.Float):
+    """nvFuser's ``uniform``: a tensor of GLOBAL ``shape`` and floating ``dtype`` drawn uniformly from
+    [minval, maxval).
+
+    The draw is a function of (``rng_seed``, ``rng_offset``) alone: the same on every rank and in
+    every run, so a backward fusion redraws a forward's dropout mask. A sharded result is the matching
+    slice of the unsharded draw (each rank draws the whole tensor and keeps its slice). Without a
+    seed and offset (give both or neither), every execute draws anew, alike on every rank.
+    """
+    shape = _int_list("uniform", shape, "shape")
+    if any(e < 0 for e in shape):
+        _fail("uniform", f"shape {list(shape)} must be concrete")
+    if not rec.dtype(dtype).is_floating:
+        _fail("uniform", f"dtype must be a floating DataType, got {dtype!r}")
+    low, high = _number("uniform", minval, "minval"), _number("uniform", maxval, "maxval")
+    return rec(shape=shape, dtype=dtype, minval=low, maxval=high, **_rng_attrs("uniform", rng_seed, rng_offset))
+
+
+register("uniform", impl=_uniform, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
+         traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
+         front=_uniform_front)
+
+
+def _rand_like_front(rec, x, *, rng_seed=None, rng_offset=None):
+    """Uniform numbers in [0, 1) of ``x``'s shape and dtype (``uniform(0, 1, x.shape, dtype=x.dtype)``;
+    see ``uniform`` for ``rng_seed``/``rng_offset``)."""
+    x = rec.tv(x, "x")
+    if any(e < 0 for e in x.shape):
+        _fail("rand_like", f"T{x.name} {x._ir.type_str()} has a symbolic extent; define it with concrete ones")
+    return _uniform_front(Recorder(rec._fd, "uniform"), 0.0, 1.0, x.shape, rng_seed=rng_seed, rng_offset=rng_offset,
+                          dtype=x.dtype)
+
+
+SPELLINGS["rand_like"] = _rand_like_front
+
+# --- attention ------------------------------------------------------------------------------------
+#
+# Operands are [N*, H, S, E] (batch dims, heads, sequence, head dim). On CUDA, half-precision operands
+# with a head dim that aten's flash kernel takes run it (its philox seed and offset carry the dropout
+# mask to the backward). Elsewhere: aten's CPU flash kernel without dropout; with dropout (and on
+# CUDA otherwise) the math path, in float32 or wider, whose dropout mask is drawn from the seed and
+# offset it returns, so the backward redraws it.
+
+
+def _aten_flash(q, k, v) -> bool:
+    """Whether aten's CUDA flash kernel runs these operands."""
+    e = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
+            and k.shape[-1] == v.shape[-1] == e)
+
+
+def _cpu_flash(q, k, v, dropout_p: float) -> bool:
+    """Whether aten's CPU flash kernel runs these operands (it has no dropout)."""
+    return (q.device.type == "cpu" and dropout_p == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and k.shape[-1] == v.shape[-1] == q.shape[-1])
+
+
+def _as_4d(*tensors):
+    return [t.reshape(-1, *t.shape[-3:]) for t in tensors]
+
+
+def _logits(q, k, is_causal: bool, scale):
+    """Scaled q k^T, in float32 or wider, with the causal mask (top-left aligned, as torch's)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal, float("-inf"))
+    return s
+
+
+def _dropout_scale(shape, dropout_p: float, philox_seed, device):
+    """The math path's dropout as a factor: 0 where dropped, 1/(1-p) where kept; None without dropout."""
+    if dropout_p == 0:
+        return None
+    seed, offset = (int(v) for v in philox_seed.tolist())
+    keep = torch.rand(shape, generator=_generator(seed, offset, device), device=device) >= dropout_p
+    return keep / (1 - dropout_p)
+
+
+def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
+    lead = q.shape[:-3]
+    q4, k4, v4 = _as_4d(q, k, v)
+    if _aten_flash(q, k, v):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q4, k4, v4, dropout_p, is_causal, scale=scale)
+    else:
+        seed = torch.tensor([next(_UNSEEDED_DRAWS) if dropout_p else 0, 0], dtype=torch.uint64, device=q.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        if _cpu_flash(q, k, v, dropout_p):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal,
+                                                                                  scale=scale)
+        else:
+            s = _logits(q4, k4, is_causal, scale)
+            lse = torch.logsumexp(s, -1)
+            p = torch.exp(s - lse.unsqueeze(-1))
+            drop = _dropout_scale(p.shape, dropout_p, seed, q.device)
+            out = torch.matmul(p if drop is None else p * drop, v4.to(p.dtype)).to(q.dtype)
+    return out.reshape(*lead, *out.shape[1:]), lse.float().reshape(*lead, *lse.shape[1:]), seed, offset
+
+
+def _sdpfa_bwd(grad_out, q, k, v, out, lse, philox_seed, philox_offset, dropout_p=0.0, is_causal=False, scale=None):
+    shapes = q.shape, k.shape, v.shape
+    g4, q4, k4, v4, o4 = _as_4d(grad_out, q, k, v, out)
+    lse3 = lse.reshape(-1, *lse.shape[-2:])
+    if _aten_flash(q, k, v):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g4.contiguous(), q4, k4, v4, o4, lse3, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
+            philox_seed, philox_offset, scale=scale)
+    elif _cpu_flash(q, k, v, dropout_p):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g4, q4, k4, v4, o4, lse3, 0.0, is_causal, scale=scale)
+    else:
+        s = _logits(q4, k4, is_causal, scale)
+        acc = s.dtype
+        p = torch.exp(s - lse3.to(acc).unsqueeze(-1))
+        drop = _dropout_scale(p.shape, dropout_p, philox_seed, q.device)
+        g, qa, ka, va = (t.to(acc) for t in (g4, q4, k4, v4))
+        grad_v = torch.matmul((p if drop is None else p * drop).transpose(-2, -1), g)
+        grad_p = torch.matmul(g, va.transpose(-2, -1))
+        grad_p = grad_p if drop is None else grad_p * drop
+        grad_s = p * (grad_p - (g * o4.to(acc)).sum(-1, keepdim=True))
+        factor = q.shape[-1] ** -0.5 if scale is None else scale
+        grads = (torch.matmul(grad_s, ka) * factor, torch.matmul(grad_s.transpose(-2, -1), qa) * factor, grad_v)
+    return tuple(grad.to(q.dtype).reshape(shape) for grad, shape in zip(grads, shapes))
+
+
+def _check_qkv(q: TensorType, k: TensorType, v: TensorType) -> None:
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        _bad("query, key and value must be [N*, H, S, E] tensors with the same number of dims (at least 3)")
+    for d in range(q.ndim - 2):
+        _match(q.shape[d], k.shape[d], f"dim {d} (batch or heads) of the query and the key differ")
+        _match(q.shape[d], v.shape[d], f"dim {d} (batch or heads) of the query and the value differ")
+    _match(q.shape[-1], k.shape[-1], "the query and the key need the same head dim (last)")
+    _match(k.shape[-2], v.shape[-2], "the key and the value need the same sequence length (dim -2)")
+    if not q.dtype.is_floating or len({q.dtype, k.dtype, v.dtype}) > 1:
+        _bad("query, key and value need one floating dtype")
+
+
+def _sdpfa_fwd_infer(args, attrs):
+    q, k, v = args
+    _check_qkv(q, k, v)
+    return [TensorType((*q.shape[:-1], v.shape[-1]), q.dtype), TensorType(q.shape[:-1], DataType.Float),
+            TensorType((2,), DataType.UInt64), TensorType((), DataType.UInt64)]
+
+
+def _sdpfa_bwd_infer(args, attrs):
+    grad_out, q, k, v, out, lse, seed, offset = args
+    _check_qkv(q, k, v)
+    want = TensorType((*q.shape[:-1], v.shape[-1]), q.dtype)
+    for t, what in ((grad_out, "grad_output"), (out, "output")):
+        if t.dtype != q.dtype or t.ndim != want.ndim:
+            _bad(f"{what} must be {want}, the shape and dtype of sdpfa_fwd's output")
+        for a, b in zip(t.shape, want.shape):
+            _match(a, b, f"{what} must be {want}, the shape and dtype of sdpfa_fwd's output")
+    if lse.dtype != DataType.Float or lse.ndim != q.ndim - 1:
+        _bad(f"logsumexp must be f32{list(q.shape[:-1])}, as sdpfa_fwd returns it")
+    if (seed.shape, offset.shape) != ((2,), ()) or {seed.dtype, offset.dtype} != {DataType.UInt64}:
+        _bad("philox_seed and philox_offset must be u64[2] and u64[], as sdpfa_fwd returns them")
+    return [q, k, v]
+
+
+def _sdpa_attrs(op: str, dropout_p, is_causal, scale) -> dict:
+    """The scalar arguments as attributes; a TensorView among them is nvFuser's optional bias or mask
+    given positionally, which tp_fusion does not take."""
+    from tp_fusion.fusion_definition import TensorView
+
+    if any(isinstance(a, TensorView) for a in (dropout_p, is_causal, scale)):
+        _fail(op, "dropout_p, is_causal and scale are numbers or define_scalars, got a TensorView: nvFuser's "
+                  "optional bias and mask operands are not supported (pass the scalars by keyword)")
+    dropout = 0.0 if dropout_p is None else float(_number(op, dropout_p, "dropout_p"))
+    if not 0 <= dropout < 1:
+        _fail(op, f"dropout_p must lie in [0, 1), got {dropout}")
+    causal = False if is_causal is None else bool(_number(op, is_causal, "is_causal", (bool, int)))
+    scale = None if scale is None else float(_number(op, scale, "scale"))
+    return {"dropout_p": dropout, "is_causal": causal, "scale": scale}
+
+
+def _flops_attention(gemms: int, query: int) -> Flops:
+    """``gemms`` products of [N*, H, Q, E] by [N*, H, E, K] sizes (the query is operand ``query``, the
+    key the next one); softmax and dropout are not counted."""
+    def flops(ins, outs) -> int:
+        q, k = ins[query], ins[query + 1]
+        return 2 * gemms * math.prod(q[:-1]) * k[-2] * q[-1]
+    return flops
+
+
+def _sdpfa_fwd_front(rec, query, key, value, dropout_p=None, is_causal=None, scale=None):
+    """nvFuser's ``sdpfa_fwd``: scaled dot-product attention of [N*, H, S, E] operands ->
+    (output [N*, H, Q, Ev], logsumexp f32[N*, H, Q], philox_seed u64[2], philox_offset u64[]).
+
+    ``dropout_p`` (default 0), ``is_causal`` (default False) and ``scale`` (default 1/sqrt(E)) are
+    numbers or define_scalars; nvFuser's optional ``bias`` and ``mask`` are not supported (pass the
+    scalars by keyword). Batch and head dims may be sharded and stay sharded with no communication;
+    the sequence and head dims are gathered first. Pass the seed and offset to ``sdpfa_bwd``: with
+    dropout, it redraws the same mask from them.
+    """
+    q, k, v = rec.tv(query, "query"), rec.tv(key, "key"), rec.tv(value, "value")
+    return rec(q, k, v, **_sdpa_attrs("sdpfa_fwd", dropout_p, is_causal, scale))
+
+
+def _sdpfa_bwd_front(rec, grad_output, query, key, value, output, logsumexp, dropout_p, is_causal, philox_seed,
+                     philox_offset, scale):
+    """nvFuser's ``sdpfa_bwd``: the gradients (grad_query, grad_key, grad_value) of ``sdpfa_fwd`` from
+    the gradient of its output; ``output``, ``logsumexp``, ``philox_seed`` and ``philox_offset`` are
+    what ``sdpfa_fwd`` returned, ``dropout_p``, ``is_causal`` and ``scale`` what it was given."""
+    tensors = [rec.tv(t, what) for t, what in ((grad_output, "grad_output"), (query, "query"), (key, "key"),
+                                                (value, "value"), (output, "output"), (logsumexp, "logsumexp"),
+                                                (philox_seed, "philox_seed"), (philox_offset, "philox_offset"))]
+    return rec(*tensors, **_sdpa_attrs("sdpfa_bwd", dropout_p, is_causal, scale))
+
+
+register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
+         rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1)), flops=_flops_attention(2, query=0),
+         num_outputs=4, front=_sdpfa_fwd_front)
+register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
+         rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
+         flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front)
+
+
+def _sdpa_front(rec, query, key, value, is_causal: bool = False, scale: float | None = None):
+    """``F.scaled_dot_product_attention(query, key, value, is_causal=..., scale=...)``: the output of
+    ``sdpfa_fwd`` without dropout."""
+    return _sdpfa_fwd_front(Recorder(rec._fd, "sdpfa_fwd"), query, key, value, 0.0, is_causal, scale)[0]
+
+
+SPELLINGS["scaled_dot_product_attention"] = _sdpa_front
 
 # --- resharding steps (inserted by lowering; run by tp_fusion.runtime.collectives) ----------------
 

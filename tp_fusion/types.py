@@ -20,6 +20,7 @@ class DataType(enum.Enum):
     BFloat16 = "bfloat16"
     Int = "int64"
     Int32 = "int32"
+    UInt64 = "uint64"  # philox seeds and offsets of sdpfa_fwd/bwd, as in nvFuser
     Bool = "bool"
     Null = "null"  # nvFuser's "no dtype" (e.g. ``sum(..., dtype=DataType.Null)``): the same as None
 
@@ -54,7 +55,7 @@ class DataType(enum.Enum):
 
 _SHORT = {
     DataType.Float: "f32", DataType.Double: "f64", DataType.Half: "f16", DataType.BFloat16: "bf16",
-    DataType.Int: "i64", DataType.Int32: "i32", DataType.Bool: "bool",
+    DataType.Int: "i64", DataType.Int32: "i32", DataType.UInt64: "u64", DataType.Bool: "bool",
     DataType.Null: "null",
 }
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tp_fusion import DataType, FusionDefinition, InputError
+from tp_fusion import DataType, DefinitionError, FusionDefinition, InputError
+from tp_fusion import ops as _ops
 
 DTYPES = [(torch.float32, DataType.Float), (torch.bfloat16, DataType.BFloat16)]
 DTYPE_IDS = ["f32", "bf16"]
@@ -58,6 +59,7 @@ UNARY = {
     "silu": (F.silu, False),
     "sqrt": (torch.sqrt, True),
     "rsqrt": (torch.rsqrt, True),
+    "reciprocal": (torch.reciprocal, True),
 }
 
 
@@ -116,6 +118,34 @@ def test_binary_with_python_numbers(name, dtype, dt):
     _check(o2, ref(1.5, a))
     _check(o3, ref(a, 3))
     assert o1.dtype == o2.dtype == o3.dtype == dtype
+
+
+COMPARISONS = {name: getattr(torch, name) for name in ("lt", "le", "gt", "ge", "eq", "ne")}
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", sorted(COMPARISONS))
+def test_comparisons(name, dtype, dt):
+    a = _rand(1, 4, 6, dtype=dtype).round()
+    b = _rand(2, 6, dtype=dtype).round()  # rounded: some elements are equal
+    _, (ab, a_num, num_a) = _run(lambda fd, x, y: (getattr(fd.ops, name)(x, y), getattr(fd.ops, name)(x, 0.0),
+                                                  getattr(fd.ops, name)(0.5, x)), [a, b])
+    _check(ab, COMPARISONS[name](a, b))
+    _check(a_num, COMPARISONS[name](a, 0.0))
+    _check(num_a, COMPARISONS[name](torch.tensor(0.5, dtype=dtype), a))
+    assert ab.dtype == torch.bool
+
+
+def test_unary_ops_fold_scalars():
+    """nvFuser applies unary ops to scalar Vals too (``fd.ops.reciprocal(fd.define_scalar(e))``)."""
+    a = _rand(3, 4)
+
+    def build(fd, x):
+        return fd.ops.mul(x, fd.ops.reciprocal(fd.define_scalar(8.0, dtype=DataType.Double))), \
+            fd.ops.add(x, fd.ops.neg(3))
+    _, (o1, o2) = _run(build, [a])
+    _check(o1, a / 8)
+    _check(o2, a - 3)
 
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
@@ -283,6 +313,33 @@ def test_permute(dims, dtype, dt):
     x = _rand(19, 2, 3, 4, dtype=dtype)
     _, (out,) = _run(lambda fd, t: fd.ops.permute(t, dims), [x])
     _check(out, x.permute(dims))
+
+
+def test_transpose_and_stride_order():
+    a = _rand(1, 2, 3, 4)
+
+    def build(fd, x):
+        return fd.ops.transpose(x, 0, -1), fd.ops.stride_order(x, [0, 2, 1])
+    fd, (t, ordered) = _run(build, [a])
+    _check(t, a.transpose(0, 2))
+    _check(ordered, a)  # the values; the layout (dim 0 fastest) holds inside the fusion
+    (inside,) = fd.fusion.ops[1:]
+    laid_out = _ops.OPS["stride_order"].impl(a, **dict(inside.attrs))
+    assert laid_out.stride() == (1, 8, 2)
+
+
+def test_nvfuser_slice_and_cat_keywords():
+    a = _rand(1, 4, 6)
+
+    def build(fd, x):
+        left = fd.ops.slice(x, [0, 0], [4, 3], strides=[1, 1], manual_normalization=0)
+        right = fd.ops.slice(x, [0, 3], [4, 6], manual_normalization=True)
+        return fd.ops.cat([right, left], dim=1, manual_padding=0)
+    _, (out,) = _run(build, [a])
+    _check(out, torch.cat([a[:, 3:], a[:, :3]], 1))
+    with FusionDefinition() as fd, pytest.raises(DefinitionError, match="manual_padding"):
+        x = fd.define_tensor([4, 6])
+        fd.ops.cat([x, x], 0, manual_padding=True)
 
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)

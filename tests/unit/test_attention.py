@@ -1,0 +1,257 @@
+"""Attention (``sdpfa_fwd``, ``sdpfa_bwd``, ``scaled_dot_product_attention``) and random numbers
+(``uniform``, ``rand_like``) against torch: values, shapes, dtypes, errors, and their sharding rules
+through ``fd.compile`` (heads sharded: no communication)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tp_fusion import DataType, DefinitionError, DeviceMesh, FusionDefinition, ParallelType
+
+TOL = {torch.float32: {}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}  # bf16: nvFuser's test_sdpa tolerances
+
+
+def _rand(seed: int, *shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _attention_fusion(shape_q, shape_kv, dtype: DataType, dropout_p=0.0, is_causal=False, scale=None):
+    """A fusion of sdpfa_fwd and sdpfa_bwd: inputs q, k, v, grad_out; outputs out, logsumexp, seed,
+    offset, grad_q, grad_k, grad_v."""
+    with FusionDefinition() as fd:
+        q = fd.define_tensor(shape_q, dtype=dtype)
+        k, v = (fd.define_tensor(shape_kv, dtype=dtype) for _ in range(2))
+        grad_out = fd.define_tensor(shape_q, dtype=dtype)
+        p = fd.define_scalar(dropout_p, dtype=DataType.Double)
+        causal = fd.define_scalar(is_causal, dtype=DataType.Bool)
+        out, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p=p, is_causal=causal, scale=scale)
+        grads = fd.ops.sdpfa_bwd(grad_out, q, k, v, out, lse, p, causal, seed, offset, scale)
+        for t in (out, lse, seed, offset, *grads):
+            fd.add_output(t)
+    return fd
+
+
+def _reference(q, k, v, grad_out, is_causal=False, scale=None):
+    """torch's attention output and gradients, computed in float64."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    out.backward(grad_out.double())
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("is_causal, scale", [(False, None), (True, None), (True, 0.3)])
+def test_sdpfa_fwd_bwd_match_torch(dtype, is_causal, scale):
+    q, k, v, g = (_rand(i, 2, 3, 8, 16, dtype=dtype) for i in range(4))
+    fd = _attention_fusion([2, 3, 8, 16], [2, 3, 8, 16], DataType.from_torch(dtype), 0.0, is_causal, scale)
+    out, lse, seed, offset, *grads = fd.execute([q, k, v, g])
+    want = _reference(q, k, v, g, is_causal, scale)
+    for got, ref in zip((out, *grads), want):
+        assert got.dtype == dtype and got.shape == ref.shape
+        torch.testing.assert_close(got, ref.to(dtype), **TOL[dtype])
+    logits = q.double() @ k.double().transpose(-2, -1) * (16 ** -0.5 if scale is None else scale)
+    if is_causal:
+        logits = logits.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+    assert lse.dtype == torch.float32 and lse.shape == (2, 3, 8)
+    torch.testing.assert_close(lse, logits.logsumexp(-1).float(), **TOL[dtype])
+    assert (seed.shape, seed.dtype, offset.shape, offset.dtype) == ((2,), torch.uint64, (), torch.uint64)
+
+
+def test_sdpfa_more_batch_dims_cross_attention_and_layout():
+    """[N*, H, S, E] with two batch dims, a key longer than the query, a value head dim of its own,
+    and operands laid out [B, S, H, E] in memory (nvFuser's BSHE)."""
+    q = _rand(0, 2, 3, 5, 4, 8).transpose(-3, -2).contiguous().transpose(-3, -2)
+    k, v = _rand(1, 2, 3, 5, 7, 8), _rand(2, 2, 3, 5, 7, 6)
+    g = _rand(3, 2, 3, 5, 4, 6)
+    with FusionDefinition() as fd:
+        tq, tk, tv, tg = (fd.define_tensor(list(t.shape)) for t in (q, k, v, g))
+        out, lse, seed, offset = fd.ops.sdpfa_fwd(tq, tk, tv)
+        for t in (out, *fd.ops.sdpfa_bwd(tg, tq, tk, tv, out, lse, 0.0, False, seed, offset, None)):
+            fd.add_output(t)
+    out, *grads = fd.execute([q, k, v, g])
+    for got, ref in zip((out, *grads), _reference(q, k, v, g)):
+        torch.testing.assert_close(got, ref.float())
+
+
+def test_scaled_dot_product_attention():
+    q, k, v = (_rand(i, 2, 2, 6, 8) for i in range(3))
+    with FusionDefinition() as fd:
+        tq, tk, tv = (fd.define_tensor([2, 2, 6, 8]) for _ in range(3))
+        fd.add_output(fd.ops.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=0.5))
+    (out,) = fd.execute([q, k, v])
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_dropout_backward_redraws_the_forward_mask(is_causal):
+    """With dropout, sdpfa_bwd given sdpfa_fwd's seed and offset uses the same mask: with v = I the
+    forward's output is the dropped-out probabilities, which reveal the mask; the backward must then
+    equal autograd through attention with that mask."""
+    p, n = 0.25, 16
+    q, k = _rand(0, 1, 2, n, n), _rand(1, 1, 2, n, n)
+    eye = torch.eye(n).expand(1, 2, n, n).contiguous()
+    fd = _attention_fusion([1, 2, n, n], [1, 2, n, n], DataType.Float, p, is_causal)
+    probs, lse, seed, offset, *_ = fd.execute([q, k, eye, torch.zeros(1, 2, n, n)])
+    keep = probs != 0
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() if is_causal else torch.ones(n, n, dtype=torch.bool)
+    assert 0.15 < (~keep & allowed).sum() / (2 * allowed.sum()) < 0.35  # about dropout_p dropped
+
+    v, g = _rand(2, 1, 2, n, n), _rand(3, 1, 2, n, n)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    logits = qr @ kr.transpose(-2, -1) / n ** 0.5
+    if is_causal:
+        logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    out = (logits.softmax(-1) * keep / (1 - p)) @ vr
+    out.backward(g)
+    with FusionDefinition() as bwd:
+        tg, tq, tk, tv, to = (bwd.define_tensor([1, 2, n, n]) for _ in range(5))
+        tl = bwd.define_tensor([1, 2, n])
+        ts, toff = bwd.define_tensor([2], dtype=DataType.UInt64), bwd.define_tensor([], dtype=DataType.UInt64)
+        for t in bwd.ops.sdpfa_bwd(tg, tq, tk, tv, to, tl, p, is_causal, ts, toff, None):
+            bwd.add_output(t)
+    grads = bwd.execute([g, q, k, v, out.detach(), lse, seed, offset])
+    for got, ref in zip(grads, (qr.grad, kr.grad, vr.grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_errors():
+    with FusionDefinition() as fd:
+        q = fd.define_tensor([2, 3, 8, 16])
+        k_bad = fd.define_tensor([2, 3, 8, 12])
+        half = fd.define_tensor([2, 3, 8, 16], dtype=DataType.BFloat16)
+        with pytest.raises(DefinitionError, match="head dim"):
+            fd.ops.sdpfa_fwd(q, k_bad, k_bad)
+        with pytest.raises(DefinitionError, match="one floating dtype"):
+            fd.ops.sdpfa_fwd(q, q, half)
+        with pytest.raises(DefinitionError, match="bias and mask"):
+            fd.ops.sdpfa_fwd(q, q, q, q)  # nvFuser's positional bias
+        with pytest.raises(DefinitionError, match=r"dropout_p must lie in \[0, 1\)"):
+            fd.ops.sdpfa_fwd(q, q, q, dropout_p=1.0)
+        out, lse, seed, offset = fd.ops.sdpfa_fwd(q, q, q)
+        with pytest.raises(DefinitionError, match="philox_seed and philox_offset"):
+            fd.ops.sdpfa_bwd(q, q, q, q, out, lse, 0.0, False, lse, offset, None)
+        with pytest.raises(DefinitionError, match="logsumexp"):
+            fd.ops.sdpfa_bwd(q, q, q, q, out, out, 0.0, False, seed, offset, None)
+
+
+# --- sharding ---------------------------------------------------------------------------------------
+
+
+def _sharded_attention_plan(d: int, shard_kv_seq: bool):
+    """q, k, v [b, h, s, e] with heads sharded over ``d`` ranks (k's sequence instead when asked)."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        q, k, v, g = (fd.define_tensor([2, 4, 8, 16]) for _ in range(4))
+        out, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, is_causal=True)
+        grads = fd.ops.sdpfa_bwd(g, q, k, v, out, lse, 0.0, True, seed, offset, None)
+        for t in (out, lse, *grads):
+            fd.add_output(t)
+        for t in (q, k, v, g, out, lse, *grads):
+            t.set_device_mesh(mesh)
+            sharded = 2 if shard_kv_seq and t is k else 1
+            t.outer_split(sharded, d)
+            t.axis(sharded).parallelize(ParallelType.mesh_x)
+    return fd, fd.compile([[2, 4, 8, 16]] * 4, rank=0)
+
+
+def test_sharded_heads_need_no_communication():
+    fd, plan = _sharded_attention_plan(2, shard_kv_seq=False)
+    assert plan.collectives() == []
+    assert [s.axis_sharded_on(ParallelType.mesh_x) for s in plan.output_shardings()] == [1] * 5
+
+
+def test_sharded_key_sequence_is_resharded_to_heads():
+    """The key's sequence dim must be whole: a key sharded on it is moved to sharded heads."""
+    _, plan = _sharded_attention_plan(2, shard_kv_seq=True)
+    assert plan.collectives() == ["all_to_all"]
+
+
+def test_unannotated_attention_follows_sharded_heads():
+    """Propagation keeps heads sharded through permute, attention and the reshape back to [b, s, e]."""
+    mesh = DeviceMesh(range(4))
+    with FusionDefinition() as fd:
+        qkv = fd.define_tensor([2, 8, 4, 48])  # [b, s, h, 3 * e / h]
+        q, k, v = (fd.ops.permute(fd.ops.slice(qkv, [0, 0, 0, 16 * i], [2, 8, 4, 16 * (i + 1)]), [0, 2, 1, 3])
+                   for i in range(3))
+        out = fd.ops.scaled_dot_product_attention(q, k, v, is_causal=True)
+        fd.add_output(fd.ops.reshape(fd.ops.permute(out, [0, 2, 1, 3]), [2, 8, 64]))
+        qkv.set_device_mesh(mesh)
+        qkv.outer_split(2, 4)
+        qkv.axis(2).parallelize(ParallelType.mesh_x)
+    plan = fd.compile([[2, 8, 4, 48]], rank=1)
+    assert plan.collectives() == []
+    assert plan.output_shardings()[0].axis_sharded_on(ParallelType.mesh_x) == 2
+
+
+# --- random numbers -------------------------------------------------------------------------------------
+
+
+def _draw(shape, dtype=DataType.Float, seed=None, offset=None, low=0.0, high=1.0):
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.uniform(low, high, shape, dtype=dtype, rng_seed=seed, rng_offset=offset))
+    return fd
+
+
+def fd_scalar(value):
+    """A define_scalar, as nvFuser's tests pass seeds."""
+    return FusionDefinition().define_scalar(value, dtype=DataType.Int)
+
+
+def test_uniform_is_a_function_of_seed_and_offset():
+    a = _draw([64, 32], seed=7, offset=3).execute([])[0]
+    again = _draw([64, 32], seed=fd_scalar(7), offset=3).execute([])[0]
+    torch.testing.assert_close(a, again, rtol=0, atol=0)
+    for seed, offset in ((8, 3), (7, 4)):
+        assert not torch.equal(a, _draw([64, 32], seed=seed, offset=offset).execute([])[0])
+    assert a.shape == (64, 32) and a.dtype == torch.float32
+    assert 0 <= a.min() and a.max() < 1 and abs(a.mean().item() - 0.5) < 0.05
+
+
+def test_uniform_range_dtype_and_unseeded_draws():
+    fd = _draw([4096], dtype=DataType.BFloat16, low=-2.0, high=3.0)
+    first, second = fd.execute([])[0], fd.execute([])[0]
+    assert first.dtype == torch.bfloat16 and -2 <= first.min() and first.max() <= 3
+    assert not torch.equal(first, second)  # each execute draws anew without a seed
+
+
+def test_rand_like_and_dropout_as_nvfuser_writes_it():
+    """uniform + lt + mul (nvFuser's dropout): the same seed and offset give the same mask in a
+    forward and a backward fusion."""
+    x = _rand(0, 16, 32)
+
+    def dropout_mask_and_output(y):
+        with FusionDefinition() as fd:
+            t = fd.define_tensor([16, 32])
+            keep = fd.ops.lt(fd.ops.rand_like(t, rng_seed=11, rng_offset=0), 0.9)
+            fd.add_output(keep)
+            fd.add_output(fd.ops.mul(fd.ops.mul(t, fd.ops.cast(keep, DataType.Float)), 1 / 0.9))
+        return fd.execute([y])
+    keep, out = dropout_mask_and_output(x)
+    keep_bwd, grad = dropout_mask_and_output(torch.ones(16, 32))
+    assert keep.dtype == torch.bool and torch.equal(keep, keep_bwd)
+    torch.testing.assert_close(out, x * keep / 0.9)
+    torch.testing.assert_close(grad, keep / 0.9)
+
+
+def test_random_errors():
+    with FusionDefinition() as fd:
+        with pytest.raises(DefinitionError, match="together"):
+            fd.ops.uniform(0.0, 1.0, [4], rng_seed=1)
+        with pytest.raises(DefinitionError, match="floating"):
+            fd.ops.uniform(0.0, 1.0, [4], dtype=DataType.Int)
+        with pytest.raises(DefinitionError, match="concrete"):
+            fd.ops.uniform(0.0, 1.0, [-1])
+
+
+def test_sharded_uniform_is_a_free_slice_of_the_whole_draw():
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 6])
+        fd.add_output(fd.ops.mul(x, fd.ops.uniform(0.0, 1.0, [8, 6], rng_seed=3, rng_offset=1)))
+        x.set_device_mesh(mesh)
+        x.outer_split(0, 2)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    plan = fd.compile([[8, 6]], rank=1)
+    assert plan.collectives() == [] and "local_slice" in str(plan)
