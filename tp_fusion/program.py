@@ -89,7 +89,7 @@ class Program:
     segments: tuple[ProgramSegment, ...]
     outputs: tuple[tuple[int, bool], ...]  # (tensor, whether this rank holds a part of it)
     cuda_graph: bool = False  # replay as a CUDA graph (measured faster than launching eagerly)
-    measured: tuple[str, ...] = ()  # what tuning measured, one line each, for printing
+    notes: tuple[str, ...] = ()  # why tuning chose what it chose (timings, host locality), one line each
 
     def groups(self) -> list[tuple[int, ...]]:
         """Every process group the program uses on any rank, in order (created alike on every rank)."""
@@ -114,11 +114,11 @@ class Program:
 
         return summarize(self)
 
-    def with_choices(self, modes: dict[int, str], cuda_graph: bool, measured: tuple[str, ...]) -> Program:
+    def with_choices(self, modes: dict[int, str], cuda_graph: bool, notes: tuple[str, ...]) -> Program:
         """The program with tuning's choices recorded: ``modes`` by fused segment index."""
         segs = tuple(dataclasses.replace(seg, fused=dataclasses.replace(seg.fused, mode=modes[i]))
                      if i in modes else seg for i, seg in enumerate(self.segments))
-        return dataclasses.replace(self, segments=segs, cuda_graph=cuda_graph, measured=measured)
+        return dataclasses.replace(self, segments=segs, cuda_graph=cuda_graph, notes=notes)
 
     def __str__(self) -> str:
         f = self.fusion
@@ -134,7 +134,7 @@ class Program:
                 lines.append(f"    {s.op} : {outs}")
         if self.cuda_graph:
             lines.append("  replayed as a CUDA graph (measured faster than launching it eagerly)")
-        lines += [f"  measured: {m}" for m in self.measured]
+        lines += [f"  tuning: {note}" for note in self.notes]
         return "\n".join(lines)
 
 

@@ -9,12 +9,17 @@ write and wait on: the GPU's front end handles them, so no spinning kernel compe
 and the host never synchronizes. The driver is called through ctypes, so nothing beyond torch is
 needed (3-6 us of host time per call on 2x H200, like cuda-python: ``benchmarks/flag_overhead.py``).
 Nothing here runs on the CPU; ``torch.distributed._symmetric_memory`` is imported on first use.
+
+Peers are mapped over NVLink, so symmetric memory serves only groups whose ranks share a host:
+``hosts_spanned`` tells tuning which groups must fall back to NCCL collectives.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import socket
 
 import torch
 
@@ -25,6 +30,21 @@ def _symm_mem():
     import torch.distributed._symmetric_memory as symm_mem
 
     return symm_mem
+
+
+HOST_ENV = "TP_FUSION_HOST"
+
+
+def host_name() -> str:
+    """This rank's host: ``$TP_FUSION_HOST`` where set (nodes simulated on one machine), else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+def hosts_spanned(groups: list[tuple[int, ...]]) -> list[list[str]]:
+    """Per group of world ranks, the distinct hosts its ranks are on, in rank order (collective over
+    the world: one exchange of host names)."""
+    hosts = dist.gather_from_all(host_name()) if dist.is_initialized() else [host_name()]
+    return [list(dict.fromkeys(hosts[r] for r in group)) for group in groups]
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -2,14 +2,16 @@
 
 ``tune(program, runner, inputs)`` decides, the same way on every rank:
 - for each fused segment, ``fused`` (the overlapped kernel) or ``sequential`` (one collective and
-  one GEMM): on CUDA under NCCL both are timed on this segment's own operand shapes, bias and
-  epilogue included (what actually runs), and the group takes the max over its ranks; elsewhere
-  (gloo, CPU) ``fused``, so the decomposition is what CI exercises;
+  one GEMM): ``sequential`` where the segment's group spans hosts (symmetric memory maps peers over
+  NVLink, so it needs one host; decided on every backend, so a CPU run shows a GPU job's plan); else
+  on CUDA under NCCL both are timed on this segment's own operand shapes, bias and epilogue included
+  (what actually runs), and the group takes the max over its ranks; elsewhere (gloo, CPU) ``fused``,
+  so the decomposition is what CI exercises;
 - whether the whole program replays as a CUDA graph: timed against eager launches where it can be
   captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world).
-The choices and timings are recorded in the program (``str(fd.plan)`` shows them); the kernels
+The choices and why they were made are recorded in the program (``str(fd.plan)`` shows them); the kernels
 take the mode they are given and never decide. ``TP_FUSION_TUNE=0`` skips the timings: fused
-segments run ``fused`` and nothing is captured. ``TP_FUSION_CUDA_GRAPHS=1`` turns graphs on (off by
+segments on one host run ``fused`` and nothing is captured. ``TP_FUSION_CUDA_GRAPHS=1`` turns graphs on (off by
 default, see ``graphs.enabled``).
 """
 
@@ -68,10 +70,13 @@ def _random_env(f: FusedGemm, program: Program) -> dict[int, torch.Tensor]:
     return env
 
 
-def _choose_mode(i: int, program: Program) -> tuple[str, str]:
-    """(mode, what was measured) for fused segment ``i``."""
+def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, str]:
+    """(mode, why) for fused segment ``i``, whose group's ranks are on ``hosts``."""
     seg = program.segments[i]
     f = seg.fused
+    if f.runs_here and len(hosts) > 1:
+        return SEQUENTIAL, (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
+                            f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
     if f.runs_here and f.collective is Collective.ALLREDUCE and \
             math.prod(local_shape(program.fusion, f.x)[:-1]) % len(f.group):
         return SEQUENTIAL, ""  # rows that do not split over the ranks: nothing to pipeline
@@ -116,18 +121,19 @@ def _capture_if_faster(run, inputs: list[torch.Tensor]) -> graphs.GraphedRun | N
 def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
     """The program with its measured choices recorded, and a runner for it (collective: every rank
     of the world calls it for the same program)."""
-    modes, measured = {}, []
-    for i, seg in enumerate(program.segments):
-        if seg.fused is not None:
-            modes[i], line = _choose_mode(i, program)
-            if line:
-                measured.append(line)
-    tuned = program.with_choices(modes, cuda_graph=False, measured=tuple(measured))
+    fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
+    hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
+    modes, notes = {}, []
+    for i, seg_hosts in zip(fused, hosts):
+        modes[i], note = _choose_mode(i, program, seg_hosts)
+        if note:
+            notes.append(note)
+    tuned = program.with_choices(modes, cuda_graph=False, notes=tuple(notes))
     runner = Runner(tuned)
     if _graphable(tuned):
         with torch.no_grad():
             graphed = _capture_if_faster(runner.run_eager, inputs)
         if graphed is not None:
-            tuned = tuned.with_choices({}, cuda_graph=True, measured=tuned.measured)
+            tuned = tuned.with_choices({}, cuda_graph=True, notes=tuned.notes)
             runner.program, runner.graph = tuned, graphed
     return tuned, runner
