@@ -30,12 +30,13 @@ from tp_fusion.errors import (
 )
 from tp_fusion.ir import Fusion
 from tp_fusion.program import Program
-from tp_fusion.runtime import dist, faults, tuning
+from tp_fusion.runtime import dist, faults, symm, tuning
 from tp_fusion.runtime.runner import Runner
 
 _ERRORS = {c.__name__: c for c in (InputError, ShardingError, DefinitionError, LoweringError, ExecutionError)}
 _executing = threading.Lock()  # one execute at a time per process
 _lagged = faults.LaggedAgreement()  # per-call agreement under NCCL (no host round trip)
+_progress = faults.ProgressGuard()  # bounded waits for peers on the GPU
 
 
 def _signature(inputs: Sequence) -> tuple:
@@ -88,13 +89,19 @@ class Executor:
             _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
         if error is not None:
             raise error
+        guarded = multi and program.device.type == "cuda"
+        if guarded:
+            _progress.before_call(program.rank, symm.release_waits)
         if multi and dist.backend() != "gloo":
             _lagged.check_and_launch(fingerprint, program.device)
         if cached is None:
             runner = Runner(program)  # creates process groups: after the agreement
             program, runner = tuning.tune(program, runner, inputs)
             self._cache[sig] = (program, runner, fingerprint, detail)
-        return runner.run(inputs), program
+        outputs = runner.run(inputs)
+        if guarded:
+            _progress.after_call()
+        return outputs, program
 
     def _compile(self, inputs: list) -> tuple[Program, int, str]:
         """This rank's program for these inputs, its fingerprint and a description of the shapes."""

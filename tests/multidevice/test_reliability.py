@@ -124,7 +124,7 @@ def test_property_requires_grad_mix(multidevice_test, seed, grads, two_d):
         two_d = False
     mesh = DeviceMesh(torch.arange(size).reshape(2, 2)) if two_d else DeviceMesh(range(size))
     fd, tvs, inputs, out_tv, want = _grad_case(seed, mesh, grads)
-    local = [shard_tensor(t.detach(), tv, multidevice_test.rank).requires_grad_(t.requires_grad)
+    local = [multidevice_test.shard_tensor(t.detach(), tv).requires_grad_(t.requires_grad)
              for t, tv in zip(inputs, tvs)]
     try:
         (out,) = fd.execute(local)
@@ -136,7 +136,7 @@ def test_property_requires_grad_mix(multidevice_test, seed, grads, two_d):
     if out is not None:
         assert not out.requires_grad
         (sharding,) = fd.output_shardings()
-        torch.testing.assert_close(out, shard_tensor(want.detach(), sharding, multidevice_test.rank))
+        torch.testing.assert_close(out, multidevice_test.shard_tensor(want.detach(), sharding))
 
 
 # --- item 4: two identical fusions executed in opposite orders -----------------------------------
@@ -156,7 +156,7 @@ def test_identical_fusions_in_opposite_orders(multidevice_test):
             shard(y, mesh)
         return fd, x
     (fa, xa), (fb, _) = make(), make()
-    full = rand(5, 2 * d, 3, dtype=torch.float32)
+    full = rand(5, 2 * d, 3, dtype=torch.float32).to(multidevice_test.device)
     inp = [multidevice_test.shard_tensor(full, xa)]
     order = (fa, fb) if rank == 0 else (fb, fa)
     for fd in order:
@@ -174,7 +174,7 @@ def test_lagged_agreement_raises_on_every_rank_two_calls_later(multidevice_test)
     trip); the same mechanism, driven directly on gloo ranks."""
     from tp_fusion.runtime.faults import LaggedAgreement
 
-    check, device = LaggedAgreement(), torch.device("cpu")
+    check, device = LaggedAgreement(), torch.device(multidevice_test.device)
     check.check_and_launch(7, device)  # call 1: agreed
     check.check_and_launch(8 + multidevice_test.rank, device)  # call 2: the ranks differ
     check.check_and_launch(7, device)  # call 3 reads call 1: fine

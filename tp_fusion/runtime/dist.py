@@ -63,6 +63,12 @@ def destroy_process_group() -> None:
         _dist.destroy_process_group()
 
 
+def timeout_s() -> float:
+    """The default process group's timeout in seconds (what its collectives wait for at most)."""
+    device = torch.device("cuda" if backend() == "nccl" else "cpu")
+    return _dist.GroupMember.WORLD._get_backend(device).options._timeout.total_seconds()
+
+
 def world_token() -> weakref.ref | None:
     """A weak reference to the default process group (None without one). Equal tokens mean the same,
     live group: after a destroy and a new init the old token compares unequal. Weak, so that nothing

@@ -27,7 +27,7 @@ import traceback
 
 import torch
 
-from tp_fusion.errors import DefinitionError
+from tp_fusion.errors import DefinitionError, ExecutionError
 from tp_fusion.runtime import dist
 
 _FAULT_KEY = "tp_fusion/fault/"
@@ -94,6 +94,82 @@ class LaggedAgreement:
             self._pending.append((self._calls, host, done.synchronize))
         else:
             self._pending.append((self._calls, t, work.wait))
+
+
+class ProgressGuard:
+    """Bounds how long a rank waits for its peers on the GPU (plans on CUDA tensors, several ranks).
+
+    A peer that dies leaves this rank's GPU blocked for good: a flag wait of a fused segment has no
+    time limit, and NCCL's own watchdog ends the process (SIGABRT) without any Python exception.
+    So every call records an event at its end, and the call ``LAG`` calls later first waits for it,
+    polling from the host, for at most the process group's timeout less a margin (so it acts
+    before NCCL's watchdog). On timeout this rank releases its GPU waits, reports the failure
+    (``report_failure`` names the peer that left no record) and raises ``ExecutionError``. The host
+    may run ``LAG`` calls ahead of the GPU, so the GPU never idles between calls.
+    """
+
+    LAG = 2
+
+    def __init__(self):
+        self._world = None
+        self._pending: list[tuple[int, torch.cuda.Event]] = []
+        self._calls = 0
+
+    def before_call(self, rank: int, release_waits) -> None:
+        """Wait for the call ``LAG`` calls back; ``release_waits()`` unblocks the GPU on timeout."""
+        if self._world != dist.world_token():
+            self._world, self._pending, self._calls = dist.world_token(), [], 0
+        self._calls += 1
+        while len(self._pending) >= self.LAG:
+            call, event = self._pending.pop(0)
+            bound = _gpu_wait_bound_s()
+            waited = _wait(event, bound)
+            if waited is not True:
+                self._pending.clear()
+                release_waits()
+                why = ("a peer reported a failure" if waited == "peer failed" else
+                       f"no progress for {bound:.0f} s: a peer timed out (it never sent what this rank waits for)")
+                raise ExecutionError(report_failure(rank, f"call {call} of a plan on the GPU", why, local=False))
+
+    def after_call(self) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((self._calls, event))
+
+
+def _gpu_wait_bound_s() -> float:
+    """The process group's timeout, less a margin so this rank acts before NCCL's watchdog
+    (``TP_FUSION_GPU_WAIT_S`` overrides it)."""
+    if "TP_FUSION_GPU_WAIT_S" in os.environ:
+        return float(os.environ["TP_FUSION_GPU_WAIT_S"])
+    timeout = dist.timeout_s()
+    return max(0.8 * timeout, timeout - 10.0)
+
+
+def _wait(event: torch.cuda.Event, bound_s: float) -> bool | str:
+    """True once ``event`` completed; False after ``bound_s`` seconds; "peer failed" as soon as a peer
+    has published a failure to the store (polled every half second while waiting). Host-side
+    polling: it never blocks inside CUDA."""
+    start = time.monotonic()
+    pause, next_look = 1e-4, start + 0.5
+    while not event.query():
+        now = time.monotonic()
+        if now > start + bound_s:
+            return False
+        if now > next_look:
+            next_look = now + 0.5
+            if _a_peer_failed():
+                return "peer failed"
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    return True
+
+
+def _a_peer_failed() -> bool:
+    try:
+        return dist.default_store().check([f"{_FAULT_KEY}seq"])
+    except Exception:  # the store's host is gone: a peer failed for sure
+        return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -211,3 +211,18 @@ def mailbox(kind: str, parts: int, part_shape, dtype: torch.dtype, pg, device: t
     if key not in _mailboxes:
         _mailboxes[key] = Mailbox(parts, part_shape, dtype, pg, device)
     return _mailboxes[key]
+
+
+def release_waits() -> None:
+    """Unblock every flag wait of this rank for good, and forget the mailboxes (after a peer died:
+    the waits would never end, and the mailboxes' epochs no longer match the peers'). The flags
+    are raised on a fresh stream, which does not queue behind the blocked ones."""
+    if not _mailboxes:
+        return
+    stream = torch.cuda.Stream()
+    for box in _mailboxes.values():
+        for src in range(box.n):
+            for part in range(box.parts):
+                driver().write(stream, box._flag_base + box._flag_offset(src, part), 0x7FFFFFFF)
+    stream.synchronize()
+    _mailboxes.clear()
