@@ -1,4 +1,5 @@
-"""Every code block of docs/guide.md runs, and the output it shows is what the library prints.
+"""Every code block of docs/guide.md runs, and the output it shows is what the library prints; so does
+every ```python block of README.md (its ```bash blocks are the set-up, not run here).
 
 Conventions (stated at the top of the guide): each ```python block is a complete program, run from
 the repository root in a fresh process; a ```text block right after it is its exact stdout. Each
@@ -19,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "guide.md"
+README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 SKIP = re.compile(r"#\s*not run by tests:")
 
@@ -31,13 +33,13 @@ class Block:
     end: int  # offset just after the closing fence
 
 
-def _blocks() -> list[Block]:
-    text = GUIDE.read_text()
+def _blocks(doc: Path = GUIDE) -> list[Block]:
+    text = doc.read_text()
     return [Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1, m.end()) for m in FENCE.finditer(text)]
 
 
-def _python_cases() -> list[tuple[Block, str | None]]:
-    text, blocks, cases = GUIDE.read_text(), _blocks(), []
+def _python_cases(doc: Path = GUIDE) -> list[tuple[Block, str | None]]:
+    text, blocks, cases = doc.read_text(), _blocks(doc), []
     for i, b in enumerate(blocks):
         if b.lang != "python":
             continue
@@ -79,16 +81,24 @@ def test_readme_links_the_guide():
     assert "docs/guide.md" in (ROOT / "README.md").read_text()
 
 
-@pytest.mark.parametrize("case", _python_cases(), ids=lambda c: f"guide.md:{c[0].line}")
+def _doc_cases() -> list[tuple[str, Block, str | None]]:
+    return [(doc.name, *case) for doc in (GUIDE, README) for case in _python_cases(doc)]
+
+
+def test_readme_has_a_python_block():
+    assert _python_cases(README)
+
+
+@pytest.mark.parametrize("case", _doc_cases(), ids=lambda c: f"{c[0]}:{c[1].line}")
 def test_python_block(case, tmp_path):
-    block, expected = case
-    script = tmp_path / f"guide_line{block.line}.py"
+    doc, block, expected = case
+    script = tmp_path / f"{Path(doc).stem}_line{block.line}.py"
     script.write_text(block.code)
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, f"guide.md line {block.line} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{doc} line {block.line} failed:\n{proc.stdout}\n{proc.stderr}"
     if expected is not None:
-        assert _clean(proc.stdout) == _clean(expected), f"guide.md line {block.line}: output differs"
+        assert _clean(proc.stdout) == _clean(expected), f"{doc} line {block.line}: output differs"
 
 
 @pytest.mark.parametrize("case", _bash_lines(), ids=lambda c: f"guide.md:{c[0]}")
