@@ -8,7 +8,7 @@ execute them in different orders raise instead of running mismatched collectives
 are created (a collective step) only after the ranks agree. Under gloo the ranks agree on every
 call. Under NCCL they agree when a plan is compiled (a host round trip per call would stall the GPU
 at small sizes: 2x H200, 107 us per agreement), and every call is checked by
-``faults.LaggedAgreement``, a device all_reduce read two calls later.
+``faults.LaggedAgreement``, an asynchronous host-side all_reduce read two calls later.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tp_fusion.runtime.runner import Runner
 
 _ERRORS = {c.__name__: c for c in (InputError, ShardingError, DefinitionError, LoweringError, ExecutionError)}
 _executing = threading.Lock()  # one execute at a time per process
-_lagged = faults.LaggedAgreement()  # per-call agreement under NCCL (no host round trip)
+_lagged = faults.LaggedAgreement()  # per-call agreement under NCCL (nothing waits for it)
 _progress = faults.ProgressGuard()  # bounded waits for peers on the GPU
 
 
@@ -93,7 +93,7 @@ class Executor:
         if guarded:
             _progress.before_call(program.rank, symm.release_waits)
         if multi and dist.backend() != "gloo":
-            _lagged.check_and_launch(fingerprint, program.device)
+            _lagged.check_and_launch(fingerprint)
         if cached is None:
             runner = Runner(program)  # creates process groups: after the agreement
             program, runner = tuning.tune(program, runner, inputs)

@@ -170,16 +170,16 @@ def test_identical_fusions_in_opposite_orders(multidevice_test):
 
 @pytest.mark.ranks(2)
 def test_lagged_agreement_raises_on_every_rank_two_calls_later(multidevice_test):
-    """Under NCCL each call is checked by a device all_reduce read two calls later (no host round
-    trip); the same mechanism, driven directly on gloo ranks."""
+    """Under NCCL each call is checked by an asynchronous host-side all_reduce read two calls later;
+    the same mechanism, driven directly."""
     from tp_fusion.runtime.faults import LaggedAgreement
 
-    check, device = LaggedAgreement(), torch.device(multidevice_test.device)
-    check.check_and_launch(7, device)  # call 1: agreed
-    check.check_and_launch(8 + multidevice_test.rank, device)  # call 2: the ranks differ
-    check.check_and_launch(7, device)  # call 3 reads call 1: fine
+    check = LaggedAgreement()
+    check.check_and_launch(7)  # call 1: agreed
+    check.check_and_launch(8 + multidevice_test.rank)  # call 2: the ranks differ
+    check.check_and_launch(7)  # call 3 reads call 1: fine
     with pytest.raises(DefinitionError, match=r"executed different fusions .* at their call 2 .*\(2 calls ago"):
-        check.check_and_launch(7, device)  # call 4 reads call 2
+        check.check_and_launch(7)  # call 4 reads call 2
 
 
 # --- items 10, 11: an empty contraction; strategies lowering can serve ---------------------------

@@ -123,9 +123,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None
     out.copy_(flat.view(out.shape))
 
 
-def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum", async_op: bool = False):
-    """In place; with ``async_op`` returns the work handle (its ``wait()`` orders the current stream)."""
-    return _dist.all_reduce(t, op=_reduce_op(op), group=pg, async_op=async_op)
+def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
+    _dist.all_reduce(t, op=_reduce_op(op), group=pg)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:
@@ -183,9 +182,10 @@ def host_group() -> ProcessGroup | None:
     return _host[token]
 
 
-def host_all_reduce_max(t: torch.Tensor) -> None:
-    """In place, over the world, on the host group."""
-    _dist.all_reduce(t, op=ReduceOp.MAX, group=host_group())
+def host_all_reduce_max(t: torch.Tensor, async_op: bool = False):
+    """In place, over the world, on the host group (with ``async_op``: returns the work; gloo runs
+    it on its own thread)."""
+    return _dist.all_reduce(t, op=ReduceOp.MAX, group=host_group(), async_op=async_op)
 
 
 def gather_from_all(obj) -> list:

@@ -49,29 +49,29 @@ def agree(failed: bool, fingerprint: int) -> tuple[bool, bool]:
 
 
 class LaggedAgreement:
-    """Per-call agreement without a host round trip (used under NCCL, where plans agree at compile).
+    """Per-call agreement without waiting for the peers (used under NCCL, where plans agree at compile).
 
-    Each call launches a tiny all_reduce(MAX) of ``[fp, -fp]`` that the compute stream does not wait
-    for, and copies the result to pinned host memory; the call ``LAG`` calls later reads it (waiting
-    for it if the GPU is that far behind) and raises on every rank if the fingerprints differed. All
-    ranks read the same reduced values at the same call, so they raise together. The call that
-    mismatched has already run: this turns a silent mix-up into an error two calls later.
+    Each call starts an asynchronous host-side all_reduce(MAX) of ``[fp, -fp]`` on the gloo host
+    group (gloo's thread runs it; the GPU is not involved), and the call ``LAG`` calls later reads
+    its result, long since there, and raises on every rank if the fingerprints differed. All ranks
+    read the same values at the same call, so they raise together. The call that mismatched has
+    already run: this turns a silent mix-up into an error two calls later.
     """
 
     LAG = 2
 
     def __init__(self):
         self._world = None
-        self._pending: list[tuple[int, torch.Tensor, object]] = []  # (call number, host values, ready)
+        self._pending: list[tuple[int, torch.Tensor, object]] = []  # (call number, values, work)
         self._calls = 0
 
-    def check_and_launch(self, fingerprint: int, device: torch.device) -> None:
+    def check_and_launch(self, fingerprint: int) -> None:
         if self._world != dist.world_token():  # a new process group: start over
             self._world, self._pending, self._calls = dist.world_token(), [], 0
         self._calls += 1
         if len(self._pending) >= self.LAG:
-            call, values, ready = self._pending.pop(0)
-            ready()
+            call, values, work = self._pending.pop(0)
+            work.wait()
             hi, neg_lo = (int(v) for v in values.tolist())
             if hi != -neg_lo:
                 raise DefinitionError(
@@ -80,20 +80,8 @@ class LaggedAgreement:
                     "calls ago, whose outputs are therefore wrong); every rank must create its "
                     "FusionDefinitions in the same order and execute them in the same order")
         fp = fingerprint & ((1 << _FP_BITS) - 1)
-        t = torch.tensor([fp, -fp], dtype=torch.int64, device=device)
-        work = dist.all_reduce(t, None, op="max", async_op=True)
-        if device.type == "cuda":
-            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-            side = torch.cuda.Stream(device)
-            with torch.cuda.stream(side):
-                work.wait()  # orders the side stream, not the compute stream, after the all_reduce
-                host.copy_(t, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(side)
-            t.record_stream(side)
-            self._pending.append((self._calls, host, done.synchronize))
-        else:
-            self._pending.append((self._calls, t, work.wait))
+        values = torch.tensor([fp, -fp], dtype=torch.int64)
+        self._pending.append((self._calls, values, dist.host_all_reduce_max(values, async_op=True)))
 
 
 class ProgressGuard:
