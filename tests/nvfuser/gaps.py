@@ -49,7 +49,7 @@ SIZE_SHAPE_SLICE = "missing spelling: fd.ops.size, fd.ops.shape, fd.ops.slice"
 DTYPE_METHOD = "missing spelling: tv.dtype() (a method in nvFuser, a property here)"
 NEGATIVE_BROADCAST_DIMS = "missing spelling: negative broadcast_dims in broadcast_in_dim"
 
-# --- ops outside API.md's contract ---
+# --- ops outside tp_fusion's op set ---
 LINEAR_3D_WEIGHT = ("op outside the contract: linear with a weight of more than 2 dims (nvFuser's logical-split "
                     "linear: [d, e, e] weight -> [d, b, s, e] output)")
 GROUPED_MM = "op outside the contract: fd.ops.grouped_mm(x, w, offsets)"

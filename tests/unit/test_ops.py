@@ -1,4 +1,4 @@
-"""Every op of API.md run through ``fd.execute`` on one process, against torch computed here.
+"""Every op of the registry (``tp_fusion.ops``) run through ``fd.execute`` on one process, against torch computed here.
 
 Fusions without meshes need no process group. Each test checks values, output dtype and shape.
 """
