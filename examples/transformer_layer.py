@@ -1,0 +1,406 @@
+"""One GPT-style transformer layer, forward and backward, written with tp_fusion and validated against torch.
+
+    python examples/transformer_layer.py                  # 2 CPU ranks with gloo, both modes
+    python examples/transformer_layer.py --mode sp --nproc 4 --heads 8
+    torchrun --nproc_per_node=2 examples/transformer_layer.py --dtype bf16 --tokens 4096 --seq 2048 \\
+        --hidden 2048 --heads 16
+
+The layer (tokens = batch x seq rows of width hidden; causal attention within each sequence):
+layer_norm -> QKV linear (column-parallel: heads sharded) -> attention (sdpfa_fwd) -> out-projection
+(row-parallel) -> residual add -> layer_norm -> linear (column-parallel) -> tanh-GELU -> linear
+(row-parallel) -> residual add. The forward fusion returns the output and saves what the backward
+fusion needs (layer-norm statistics, the QKV projection, attention's output and logsumexp, ...);
+``tp_fusion.autograd.function`` joins the two, so ``out.backward(grad)`` runs the backward fusion.
+
+``--mode tp``: activations replicated, an allreduce after the out-projection and after the MLP
+(Megatron). ``--mode sp``: activations sharded on tokens (sequence parallel): an allgather before
+the QKV linear and before the MLP, a reduce_scatter after the out-projection and after the MLP, each
+fused with its GEMM on GPUs. Every rank checks its output shard and the gradient shards of the input
+and of every weight against an unsharded torch ``nn.Module`` (``ReferenceLayer``) differentiated by
+torch's autograd in float64.
+
+``--explain`` also prints the plans' summaries (bytes per rank, FLOPs, fused segments);
+``--profile DIR`` writes a torch.profiler Chrome trace per rank of forward+backward
+(``DIR/trace_rank{r}.json``) and a timeline (``DIR/timeline.png``, needs matplotlib) for the sp mode
+(or --mode). Under torchrun the given ranks are used (CUDA with NCCL when there are GPUs); run
+plainly, it spawns CPU ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from examples.cli import add_run_options, parser  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    p.add_argument("--mode", choices=("tp", "sp", "both"), default="both",
+                   help="tp: replicated activations (allreduce); sp: sharded on tokens; or both")
+    p.add_argument("--tokens", type=int, default=16, help="rows of the input: batch x seq")
+    p.add_argument("--seq", type=int, default=8, help="sequence length (attention is causal within a sequence)")
+    p.add_argument("--hidden", type=int, default=32, help="hidden size (the MLP's inner size is 4x)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (head dim = hidden / heads)")
+    add_run_options(p, nproc=2)
+    p.add_argument("--explain", action="store_true", help="also print the plan summaries (bytes, FLOPs)")
+    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
+    args = p.parse_args(argv)
+    if args.tokens % args.seq or args.hidden % args.heads:
+        p.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}, and --hidden {args.hidden} "
+                f"of --heads {args.heads}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import tp_fusion  # noqa: E402
+from examples.common import DTYPES, TOLERANCE  # noqa: E402
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
+from tp_fusion.launch import run_program  # noqa: E402
+from tp_fusion.runtime import dist  # noqa: E402
+
+EPS = 1e-5
+GELU_K, GELU_C = 0.7978845608028654, 0.044715  # sqrt(2/pi) and the cubic coefficient of tanh-GELU
+# The layer's inputs, in the fusions' order (nvFuser's test_transformer uses the same 13).
+INPUTS = ("x", "ln0_w", "ln0_b", "qkv_w", "qkv_b", "out_w", "out_b", "ln1_w", "ln1_b", "fc1_w", "fc1_b",
+          "fc2_w", "fc2_b")
+# The forward fusion's outputs: the layer's output, then what the backward fusion needs.
+OUTPUTS = ("out", "mean0", "rstd0", "qkv", "attn", "logsumexp", "philox_seed", "philox_offset", "res1", "mean1",
+           "rstd1", "fc1")
+SAVED_INPUTS = ("x", "ln0_w", "ln0_b", "qkv_w", "out_w", "ln1_w", "ln1_b", "fc1_w", "fc2_w")
+SAVED_OUTPUTS = OUTPUTS[1:]
+# The dim of each tensor that is sharded on the mesh: ``ROWS`` (tokens) is sharded in sp mode only;
+# qkv_w/qkv_b/fc1_* are column-parallel, out_w/fc2_w row-parallel; heads are sharded inside attention.
+ROWS = "rows"
+SHARDED_DIM = {"x": ROWS, "qkv_w": 0, "qkv_b": 0, "out_w": 1, "fc1_w": 0, "fc1_b": 0, "fc2_w": 1,
+               "out": ROWS, "mean0": ROWS, "rstd0": ROWS, "qkv": 1, "attn": 1, "logsumexp": 1, "res1": ROWS,
+               "mean1": ROWS, "rstd1": ROWS, "fc1": 1, "grad_out": ROWS}
+SUMMED = ("ln0_w", "ln0_b", "qkv_b", "out_b", "ln1_w", "ln1_b", "fc1_b", "fc2_b")  # gradients summed over rows
+EXPECTED_COLLECTIVES = {"tp": ["allreduce", "allreduce"],
+                        "sp": ["allgather", "reduce_scatter", "allgather", "reduce_scatter"]}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The layer's sizes (global) and how it is run."""
+
+    tokens: int
+    seq: int
+    hidden: int
+    heads: int
+    d: int  # ranks
+    mode: str  # "tp" or "sp"
+    dtype: DataType
+
+    @property
+    def batch(self) -> int:
+        return self.tokens // self.seq
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def acc(self) -> DataType:
+        """The type of layer-norm and residual math: float32 for bf16 layers (as nvFuser's fusion does)."""
+        return DataType.Float if self.dtype == DataType.BFloat16 else self.dtype
+
+    def shape(self, name: str) -> list[int]:
+        t, e = self.tokens, self.hidden
+        return {"x": [t, e], "ln0_w": [e], "ln0_b": [e], "qkv_w": [3 * e, e], "qkv_b": [3 * e], "out_w": [e, e],
+                "out_b": [e], "ln1_w": [e], "ln1_b": [e], "fc1_w": [4 * e, e], "fc1_b": [4 * e],
+                "fc2_w": [e, 4 * e], "fc2_b": [e]}[name]
+
+    def schedule(self, tv, name: str, summed_rows: bool = False) -> None:
+        """Put ``tv`` on the mesh, sharded as ``SHARDED_DIM`` says for ``name`` (else replicated).
+        ``summed_rows``: ``tv`` is a sum over dim 0, whose loop domain keeps the reduced axis first
+        (as nvFuser's does), so its dim ``i`` is loop axis ``i + 1``."""
+        tv.set_device_mesh(DeviceMesh(range(self.d)))
+        dim = SHARDED_DIM.get(name)
+        if dim == ROWS:
+            dim = 0 if self.mode == "sp" else None
+        if dim is not None:
+            axis = dim + 1 if summed_rows else dim
+            tv.outer_split(axis, self.d)
+            tv.axis(axis).parallelize(ParallelType.mesh_x)
+
+
+def gathered(fd: FusionDefinition, tv, cfg: Config):
+    """``tv`` (sharded on rows in sp) with all its rows: one allgather, shared by the GEMMs that read it
+    (left alone, each GEMM would gather for itself, or reduce the weight's gradient across ranks instead)."""
+    if cfg.mode != "sp":
+        return tv
+    full = fd.ops.set(tv)
+    full.set_device_mesh(DeviceMesh(range(cfg.d)))
+    return full
+
+
+def cast(fd: FusionDefinition, tv, dtype: DataType):
+    return tv if tv.dtype == dtype else fd.ops.cast(tv, dtype)
+
+
+def layer_norm(fd: FusionDefinition, x, w, b, acc: DataType):
+    """(y, mean, rstd) of layer_norm over the last dim of 2-D ``x`` (in ``acc``); mean, rstd: [t, 1]."""
+    var, mean = fd.ops.var_mean(x, [1], correction=0, keepdim=True)
+    rstd = fd.ops.rsqrt(fd.ops.add(var, EPS))
+    xhat = fd.ops.mul(fd.ops.sub(x, mean), rstd)
+    return fd.ops.add(fd.ops.mul(xhat, cast(fd, w, acc)), cast(fd, b, acc)), mean, rstd
+
+
+def layer_norm_backward(fd: FusionDefinition, grad_y, x, mean, rstd, w, b, acc: DataType):
+    """(grad_x, grad_w, grad_b, y) of ``layer_norm`` from its saved statistics; ``y`` is recomputed."""
+    xhat = fd.ops.mul(fd.ops.sub(x, mean), rstd)
+    y = fd.ops.add(fd.ops.mul(xhat, cast(fd, w, acc)), cast(fd, b, acc))
+    gy = fd.ops.mul(grad_y, cast(fd, w, acc))
+    c1 = fd.ops.mean(gy, [1], keepdim=True)
+    c2 = fd.ops.mean(fd.ops.mul(gy, xhat), [1], keepdim=True)
+    grad_x = fd.ops.mul(fd.ops.sub(fd.ops.sub(gy, c1), fd.ops.mul(xhat, c2)), rstd)
+    return grad_x, fd.ops.sum(fd.ops.mul(grad_y, xhat), [0]), fd.ops.sum(grad_y, [0]), y
+
+
+def gelu_tanh_grad(fd: FusionDefinition, h):
+    """d/dh of 0.5 h (1 + tanh(k (h + c h^3))) with pointwise ops."""
+    h2 = fd.ops.mul(h, h)
+    t = fd.ops.tanh(fd.ops.mul(fd.ops.mul(h, fd.ops.add(fd.ops.mul(h2, GELU_C), 1.0)), GELU_K))
+    du = fd.ops.mul(fd.ops.add(fd.ops.mul(h2, 3 * GELU_C), 1.0), GELU_K)
+    return fd.ops.add(fd.ops.mul(fd.ops.add(t, 1.0), 0.5),
+                      fd.ops.mul(fd.ops.mul(fd.ops.mul(h, 0.5), fd.ops.sub(1.0, fd.ops.mul(t, t))), du))
+
+
+def split_heads(fd: FusionDefinition, qkv, cfg: Config):
+    """q, k, v [batch, heads, seq, head_dim] from the QKV projection [tokens, 3 hidden] (per head: q, k, v)."""
+    b, s, h, dh = cfg.batch, cfg.seq, cfg.heads, cfg.head_dim
+    qkv4 = fd.ops.reshape(qkv, [b, s, h, 3 * dh])
+    return [fd.ops.permute(fd.ops.slice(qkv4, [0, 0, 0, i * dh], [b, s, h, (i + 1) * dh]), [0, 2, 1, 3])
+            for i in range(3)]
+
+
+def merge_heads(fd: FusionDefinition, a, cfg: Config):
+    """[batch, heads, seq, head_dim] -> [tokens, hidden]."""
+    return fd.ops.reshape(fd.ops.permute(a, [0, 2, 1, 3]), [cfg.tokens, cfg.hidden])
+
+
+def define_forward(cfg: Config) -> FusionDefinition:
+    """The layer's forward fusion: inputs ``INPUTS``, outputs ``OUTPUTS``, scheduled for ``cfg.mode``."""
+    acc = cfg.acc
+    with FusionDefinition() as fd:
+        t = {name: fd.define_tensor(cfg.shape(name), dtype=cfg.dtype) for name in INPUTS}
+        x = cast(fd, t["x"], acc)
+        ln0, mean0, rstd0 = layer_norm(fd, x, t["ln0_w"], t["ln0_b"], acc)
+        qkv = fd.ops.linear(cast(fd, ln0, cfg.dtype), t["qkv_w"], t["qkv_b"])
+        q, k, v = split_heads(fd, qkv, cfg)
+        attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=True, scale=None)
+        proj = fd.ops.linear(merge_heads(fd, attn, cfg), t["out_w"], t["out_b"])
+        res1 = fd.ops.add(x, cast(fd, proj, acc))
+        ln1, mean1, rstd1 = layer_norm(fd, res1, t["ln1_w"], t["ln1_b"], acc)
+        fc1 = fd.ops.linear(cast(fd, ln1, cfg.dtype), t["fc1_w"], t["fc1_b"])
+        fc2 = fd.ops.linear(fd.ops.gelu(fc1, approximate="tanh"), t["fc2_w"], t["fc2_b"])
+        out = cast(fd, fd.ops.add(res1, cast(fd, fc2, acc)), cfg.dtype)
+        outputs = dict(zip(OUTPUTS, (out, mean0, rstd0, qkv, attn, lse, seed, offset, res1, mean1, rstd1, fc1)))
+        for tv in outputs.values():
+            fd.add_output(tv)
+        for name, tv in {**t, **outputs}.items():
+            cfg.schedule(tv, name)
+    return fd
+
+
+def define_backward(cfg: Config, forward: FusionDefinition) -> FusionDefinition:
+    """The layer's backward fusion: inputs ``SAVED_INPUTS``, ``SAVED_OUTPUTS`` (typed as in ``forward``)
+    and grad_out; outputs the gradients of ``INPUTS``, each sharded as its input."""
+    acc, dt = cfg.acc, cfg.dtype
+    fwd = forward.fusion
+    out_types = {name: fwd.tensor(i) for name, i in zip(OUTPUTS, fwd.outputs)}
+    with FusionDefinition() as fd:
+        t = {name: fd.define_tensor(cfg.shape(name), dtype=dt) for name in SAVED_INPUTS}
+        t.update({name: fd.define_tensor(out_types[name].shape, dtype=out_types[name].dtype)
+                  for name in SAVED_OUTPUTS})
+        t["grad_out"] = fd.define_tensor([cfg.tokens, cfg.hidden], dtype=dt)
+        for name, tv in t.items():
+            cfg.schedule(tv, name)
+        x, grad_res2 = cast(fd, t["x"], acc), cast(fd, t["grad_out"], acc)
+
+        # MLP: out = res1 + fc2(gelu(fc1(ln1(res1))))
+        grad_fc2_out = gathered(fd, cast(fd, grad_res2, dt), cfg)
+        gelu = fd.ops.gelu(t["fc1"], approximate="tanh")
+        grad_fc2_w = fd.ops.matmul(fd.ops.permute(grad_fc2_out, [1, 0]), gelu)
+        grad_fc2_b = fd.ops.sum(grad_res2, [0])
+        grad_gelu = fd.ops.matmul(grad_fc2_out, t["fc2_w"])
+        grad_fc1 = cast(fd, fd.ops.mul(cast(fd, grad_gelu, acc), gelu_tanh_grad(fd, cast(fd, t["fc1"], acc))), dt)
+        grad_fc1_b = fd.ops.sum(cast(fd, grad_fc1, acc), [0])
+        grad_ln1 = fd.ops.matmul(grad_fc1, t["fc1_w"])  # partial sums over the MLP's columns:
+        cfg.schedule(grad_ln1, "grad_out")  # reduced here (allreduce in tp, reduce_scatter in sp)
+        grad_ln1 = cast(fd, grad_ln1, acc)
+        grad_res1_ln, grad_ln1_w, grad_ln1_b, ln1 = layer_norm_backward(
+            fd, grad_ln1, t["res1"], t["mean1"], t["rstd1"], t["ln1_w"], t["ln1_b"], acc)
+        grad_fc1_w = fd.ops.matmul(fd.ops.permute(grad_fc1, [1, 0]), gathered(fd, cast(fd, ln1, dt), cfg))
+        grad_res1 = fd.ops.add(grad_res2, grad_res1_ln)
+
+        # Attention: res1 = x + out_proj(attention(split_heads(qkv(ln0(x)))))
+        grad_proj = gathered(fd, cast(fd, grad_res1, dt), cfg)
+        attn2d = merge_heads(fd, t["attn"], cfg)
+        grad_out_w = fd.ops.matmul(fd.ops.permute(grad_proj, [1, 0]), attn2d)
+        grad_out_b = fd.ops.sum(grad_res1, [0])
+        grad_attn2d = fd.ops.matmul(grad_proj, t["out_w"])
+        grad_attn = fd.ops.permute(fd.ops.reshape(grad_attn2d, [cfg.batch, cfg.seq, cfg.heads, cfg.head_dim]),
+                                   [0, 2, 1, 3])
+        q, k, v = split_heads(fd, t["qkv"], cfg)
+        grads_qkv = fd.ops.sdpfa_bwd(grad_attn, q, k, v, t["attn"], t["logsumexp"], dropout_p=0.0, is_causal=True,
+                                     philox_seed=t["philox_seed"], philox_offset=t["philox_offset"], scale=None)
+        grad_qkv4 = fd.ops.cat([fd.ops.permute(g, [0, 2, 1, 3]) for g in grads_qkv], 3)
+        grad_qkv = fd.ops.reshape(grad_qkv4, [cfg.tokens, 3 * cfg.hidden])
+        grad_qkv_b = fd.ops.sum(cast(fd, grad_qkv, acc), [0])
+        grad_ln0 = fd.ops.matmul(grad_qkv, t["qkv_w"])  # partial sums over the heads, reduced here
+        cfg.schedule(grad_ln0, "grad_out")
+        grad_ln0 = cast(fd, grad_ln0, acc)
+        grad_x_ln, grad_ln0_w, grad_ln0_b, ln0 = layer_norm_backward(
+            fd, grad_ln0, x, t["mean0"], t["rstd0"], t["ln0_w"], t["ln0_b"], acc)
+        grad_qkv_w = fd.ops.matmul(fd.ops.permute(grad_qkv, [1, 0]), gathered(fd, cast(fd, ln0, dt), cfg))
+        grad_x = fd.ops.add(grad_res1, grad_x_ln)
+
+        grads = dict(zip(INPUTS, (grad_x, grad_ln0_w, grad_ln0_b, grad_qkv_w, grad_qkv_b, grad_out_w, grad_out_b,
+                                  grad_ln1_w, grad_ln1_b, grad_fc1_w, grad_fc1_b, grad_fc2_w, grad_fc2_b)))
+        for name, tv in grads.items():
+            grad = cast(fd, tv, dt)
+            fd.add_output(grad)
+            cfg.schedule(grad, name, summed_rows=grad is tv and name in SUMMED)
+    return fd
+
+
+def transformer_layer_function(cfg: Config):
+    """(the ``torch.autograd.Function`` of the layer, its forward fusion, its backward fusion)."""
+    forward = define_forward(cfg)
+    backward = define_backward(cfg, forward)
+    function = tp_fusion.autograd.function(
+        forward, backward, saved_inputs=[INPUTS.index(n) for n in SAVED_INPUTS],
+        saved_outputs=[OUTPUTS.index(n) for n in SAVED_OUTPUTS], outputs=[0], name="TransformerLayer")
+    return function, forward, backward
+
+
+class ReferenceLayer(torch.nn.Module):
+    """The unsharded layer in plain torch, for the check (its gradients come from torch's autograd)."""
+
+    def __init__(self, full: dict[str, torch.Tensor], seq: int, heads: int):
+        super().__init__()
+        self.seq, self.heads = seq, heads
+        self.weights = torch.nn.ParameterDict({n: torch.nn.Parameter(full[n].clone()) for n in INPUTS[1:]})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        (t, e), h = x.shape, self.heads
+        qkv = F.linear(F.layer_norm(x, (e,), w["ln0_w"], w["ln0_b"], EPS), w["qkv_w"], w["qkv_b"])
+        qkv = qkv.reshape(t // self.seq, self.seq, h, 3 * e // h).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(t, e)
+        res1 = x + F.linear(attn, w["out_w"], w["out_b"])
+        fc1 = F.linear(F.layer_norm(res1, (e,), w["ln1_w"], w["ln1_b"], EPS), w["fc1_w"], w["fc1_b"])
+        return res1 + F.linear(F.gelu(fc1, approximate="tanh"), w["fc2_w"], w["fc2_b"])
+
+
+def reference_tensors(cfg: Config, torch_dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Identical full inputs and grad_out on every rank (seeded); weights scaled to keep activations O(1)."""
+    g = torch.Generator().manual_seed(1234)
+    scale = {"x": 1.0, "qkv_w": cfg.hidden ** -0.5, "out_w": cfg.hidden ** -0.5, "fc1_w": cfg.hidden ** -0.5,
+             "fc2_w": (4 * cfg.hidden) ** -0.5}
+    full = {}
+    for name in INPUTS:
+        r = torch.randn(cfg.shape(name), generator=g)
+        full[name] = 1.0 + 0.1 * r if name in ("ln0_w", "ln1_w") else r * scale.get(name, 0.1)
+    full["grad_out"] = torch.randn(cfg.tokens, cfg.hidden, generator=g)
+    return {n: v.to(torch_dtype).to(device) for n, v in full.items()}
+
+
+def run_mode(rank: int, world: int, args, mode: str, device) -> None:
+    """Forward and backward of the layer on this rank's shards; exits unless every shard matches torch."""
+    torch_dtype, dtype = DTYPES[args.dtype]
+    cfg = Config(args.tokens, args.seq, args.hidden, args.heads, world, mode, dtype)
+    layer, forward, backward = transformer_layer_function(cfg)
+    full = reference_tensors(cfg, torch_dtype, device)
+
+    reference = ReferenceLayer({n: v.double() for n, v in full.items()}, cfg.seq, cfg.heads)
+    x_ref = full["x"].double().requires_grad_()
+    out_ref = reference(x_ref)
+    out_ref.backward(full["grad_out"].double())
+    want = {"out": out_ref.detach(), "x": x_ref.grad, **{n: p.grad for n, p in reference.weights.items()}}
+
+    input_tvs = [forward.fusion.tensor(i) for i in forward.fusion.inputs]
+    x, *params = (torch.nn.Parameter(shard_tensor(full[n], tv.sharding, rank)) for n, tv in zip(INPUTS, input_tvs))
+    out = layer.apply(x, *params)
+    out.backward(shard_tensor(full["grad_out"], forward.output_shardings()[0], rank))
+    got = {"out": out.detach(), **{n: p.grad for n, p in zip(INPUTS, (x, *params))}}
+    shardings = {"out": forward.output_shardings()[0], **{n: tv.sharding for n, tv in zip(INPUTS, input_tvs)}}
+
+    errors = {n: _relative_error(got[n], shard_tensor(want[n], shardings[n], rank)) for n in got}
+    worst = dict(zip(errors, map(max, zip(*dist.gather_from_all(list(errors.values()))))))
+    title = (f"mode {mode}: {world} ranks, tokens {cfg.tokens} (batch {cfg.batch} x seq {cfg.seq}), hidden "
+             f"{cfg.hidden}, heads {cfg.heads}, {args.dtype}")
+    collectives = forward.plan.collectives()
+    if rank == 0:
+        print(f"===== {title}, {out.device.type} =====")
+        for what, fd in (("forward", forward), ("backward", backward)):
+            print(f"--- {what} fusion")
+            print(fd.plan)
+            print(f"{what} collectives: {fd.plan.collectives()}")
+            if getattr(args, "explain", False):
+                print(fd.plan.summary())
+        print("max relative error over ranks vs torch (float64): "
+              + ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
+    if collectives != EXPECTED_COLLECTIVES[mode]:
+        raise SystemExit(f"rank {rank}: {title}: the forward ran {collectives}, expected {EXPECTED_COLLECTIVES[mode]}")
+    # In float64, gradients through attention carry float32 rounding (its logsumexp is float32, as in
+    # nvFuser; measured 5e-8), and so do Python-number operands today (tp_fusion's binary ops round them
+    # to float32: 1e-8 through the GELU and layer-norm constants).
+    tolerance = max(TOLERANCE[torch_dtype], 1e-6)
+    bad = {n: e for n, e in worst.items() if e > tolerance}
+    if bad:
+        raise SystemExit(f"rank {rank}: {title}: errors above {tolerance:.0e}: {bad}")
+    if getattr(args, "profile", None) and mode == ("sp" if args.mode == "both" else args.mode):
+        grad = shard_tensor(full["grad_out"], forward.output_shardings()[0], rank)
+        profile(rank, world, lambda: layer.apply(x, *params).backward(grad), Path(args.profile), mode)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (0 for an empty shard)."""
+    if want.numel() == 0:
+        return 0.0
+    return (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+
+
+def profile(rank: int, world: int, step, out_dir: Path, mode: str) -> None:
+    """A Chrome trace of a few forward+backward iterations per rank, then (rank 0) a timeline PNG."""
+    from tp_fusion import profiling
+
+    profiling.profile_iterations(step, out_dir / f"trace_rank{rank}.json")
+    dist.barrier()  # every rank's trace is written
+    if rank != 0:
+        return
+    traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
+    print(f"profile: wrote {', '.join(map(str, traces))}")
+    try:
+        png = profiling.plot_timeline(traces, out_dir / "timeline.png",
+                                      title=f"transformer_layer --mode {mode}: forward+backward on {world} ranks")
+        print(f"profile: wrote {png}")
+    except ImportError as e:
+        print(f"profile: no timeline.png: {e}", file=sys.stderr)
+
+
+def main_on_rank(rank: int, world: int, args, device=None) -> None:
+    device = device or torch.device("cpu")
+    modes = ("tp", "sp") if args.mode == "both" else (args.mode,)
+    for mode in modes:
+        run_mode(rank, world, args, mode, device)
+    if rank == 0:
+        print(f"OK: {', '.join(modes)}: the output and every gradient shard match torch on every rank")
+
+
+if __name__ == "__main__":
+    run_program(main_on_rank, ARGS, ARGS.nproc)
