@@ -84,7 +84,7 @@ SAVED_OUTPUTS = OUTPUTS[1:]
 ROWS = "rows"
 SHARDED_DIM = {"x": ROWS, "qkv_w": 0, "qkv_b": 0, "out_w": 1, "fc1_w": 0, "fc1_b": 0, "fc2_w": 1,
                "out": ROWS, "mean0": ROWS, "rstd0": ROWS, "qkv": 1, "attn": 1, "logsumexp": 1, "res1": ROWS,
-               "mean1": ROWS, "rstd1": ROWS, "fc1": 1, "grad_out": ROWS}
+               "mean1": ROWS, "rstd1": ROWS, "fc1": 1, "proj": ROWS, "fc2": ROWS, "grad_out": ROWS}
 SUMMED = ("ln0_w", "ln0_b", "qkv_b", "out_b", "ln1_w", "ln1_b", "fc1_b", "fc2_b")  # gradients summed over rows
 EXPECTED_COLLECTIVES = {"tp": ["allreduce", "allreduce"],
                         "sp": ["allgather", "reduce_scatter", "allgather", "reduce_scatter"]}
@@ -209,7 +209,8 @@ def define_forward(cfg: Config) -> FusionDefinition:
         outputs = dict(zip(OUTPUTS, (out, mean0, rstd0, qkv, attn, lse, seed, offset, res1, mean1, rstd1, fc1)))
         for tv in outputs.values():
             fd.add_output(tv)
-        for name, tv in {**t, **outputs}.items():
+        # proj and fc2 too: their partial sums are reduced (scattered in sp) before the bias and the cast.
+        for name, tv in {**t, **outputs, "proj": proj, "fc2": fc2}.items():
             cfg.schedule(tv, name)
     return fd
 

@@ -37,3 +37,33 @@ def test_example_fails_loudly_on_a_bad_mesh():
     assert proc.returncode != 0
     assert "OK" not in proc.stdout
     assert "do not form a mesh" in proc.stderr
+
+
+@pytest.mark.parametrize("mode,collectives", [
+    ("tp", "forward collectives: ['allreduce', 'allreduce']"),
+    ("sp", "forward collectives: ['allgather', 'reduce_scatter', 'allgather', 'reduce_scatter']"),
+])
+def test_transformer_layer_forward_and_backward_validate(mode, collectives):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "examples/transformer_layer.py", "--mode", mode], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert f"OK: {mode}: the output and every gradient shard match torch on every rank" in out, out
+    assert collectives in out and "--- backward fusion" in out and "sdpfa_bwd(" in out, out
+
+
+def test_transformer_layer_sp_plan_fuses_its_four_collectives_on_cuda(monkeypatch):
+    """Compiled for CUDA (no GPU needed), the sp forward's allgathers (before QKV and the MLP) and
+    reduce_scatters (after the out-projection and the MLP) are fused segments with their GEMMs."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from examples.transformer_layer import INPUTS, Config, define_forward
+    from tp_fusion import DataType
+
+    cfg = Config(tokens=256, seq=128, hidden=256, heads=4, d=2, mode="sp", dtype=DataType.BFloat16)
+    plan = str(define_forward(cfg).compile([cfg.shape(n) for n in INPUTS], rank=0, device="cuda"))
+    segments = [line.split(": ", 1)[1] for line in plan.splitlines() if line.lstrip().startswith("segment")]
+    fused = [s.split(" (")[0] for s in segments if s.startswith("fused")]
+    assert fused == ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
+                     "fused linear+reduce_scatter+add"], plan
+    assert not any(s.startswith("communication") for s in segments), plan
