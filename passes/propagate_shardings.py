@@ -70,17 +70,23 @@ def _hint(draft: _Draft, name: int) -> Sharding | None:
 
 
 def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> None:
-    """See ``propagate_shardings``; updates ``draft`` and the producers' strategies in ``ops``."""
-    pinned = set(fusion.inputs) | set(fusion.outputs)
+    """See ``propagate_shardings``; updates ``draft`` and the producers' strategies in ``ops``.
+    Fusion outputs take part (an output may come back sharded, as in nvFuser). A tensor materialized
+    from a pending sum (a row-parallel linear's output) takes a Shard that all its consumers need
+    too: the sum is then a reduce_scatter, not an allreduce and a slice."""
     index = {id(op): i for i, op in enumerate(fusion.ops)}
     for i in reversed(range(len(ops))):
         op = ops[i]
-        if not all(draft.tensor(a).sharding.is_replicated for a in op.tensor_inputs):
+        from_replicated = all(draft.tensor(a).sharding.is_replicated for a in op.tensor_inputs)
+        summed = {o for o, s in zip(op.outputs, op.strategy.outputs) if s.has_partial}
+        if not from_replicated and not summed:
             continue
         changed = False
         for o in op.outputs:
             t = draft.tensor(o)
-            if t.annotated or o in pinned or not t.sharding.is_replicated:
+            if t.annotated or o in fusion.inputs or not t.sharding.is_replicated:
+                continue
+            if not (from_replicated or o in summed):
                 continue
             needs = set()
             for consumer in fusion.consumers(o):
@@ -91,5 +97,5 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
                 if not need.is_replicated and not need.has_partial:
                     draft.set_sharding(o, need)
                     changed = True
-        if changed:
+        if changed and from_replicated:
             ops[i] = op.replace(strategy=choose(op, draft, draft.tensor(op.outputs[0]).sharding, mesh))

@@ -18,6 +18,7 @@ import pytest
 # --- define_tensor layout arguments ---
 LAYOUT = "layout args: define_tensor(contiguity=, stride_order=) raise TypeError"
 ALLOCATION_DOMAIN = "layout: tv.set_allocation_domain(axes, new_contiguity) is missing"
+OUTPUT_LAYOUT = "layout: fusion outputs come back contiguous (an output does not keep its operands' stride order)"
 
 # --- loop domains ---
 REDUCTION_AXES = ("reduction axes: loop domains of linear/matmul/sum outputs lack r{K}, so split(-1)/axis(-2) "

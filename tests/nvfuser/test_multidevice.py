@@ -8,15 +8,27 @@
 
 import pytest
 import torch
+from enum import Enum, auto
+from torch.nn.attention import SDPBackend
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     ALLOCATION_DOMAIN,
+    OUTPUT_LAYOUT,
     SYMBOLIC_MANY,
     SYMBOLIC_UNSPLIT,
     missing,
 )
+
+
+# tp_fusion: python.direct_utils's is_pre_ampere; tests run in bf16 on GPUs and float32 on CPU ranks.
+def is_pre_ampere():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
+
+
+def dtype_for(device):
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 @pytest.mark.mpi
@@ -118,7 +130,253 @@ def test_pointwise_vectorization(multidevice_test):
     torch.testing.assert_close(out, multidevice_test.shard_tensor(out_ref, out_tv))
 
 
-# tp_fusion: test_sdpa and test_sdpa_loop_split (and QkvFormat) are left to the transformer-block port.
+class QkvFormat(Enum):
+    BHSE = auto()
+    BSHE = auto()
+
+
+@pytest.mark.skipif(
+    is_pre_ampere(),
+    reason="Flash Attention is only supported on Ampere and newer devices.",
+)
+@pytest.mark.parametrize(  # tp_fusion: BSHE is an xfail
+    "qkv_format", [QkvFormat.BHSE, pytest.param(QkvFormat.BSHE, marks=missing(OUTPUT_LAYOUT))]  # tp_fusion
+)  # tp_fusion
+@pytest.mark.mpi
+def test_sdpa(multidevice_test, qkv_format: QkvFormat):
+    d, b, s, h, e = multidevice_test.size, 2, 16, 12, 768  # tp_fusion: s was 1024 (small shapes for CPU CI)
+    dtype = dtype_for(multidevice_test.device)  # tp_fusion: bf16 on GPUs, float32 on CPUs
+
+    if h % d != 0:
+        pytest.skip(f"We only support even split, so {h} has to be divisible by {d}.")
+
+    def _definition(fd: FusionDefinition, qkv_format: QkvFormat) -> None:
+        match qkv_format:
+            case QkvFormat.BHSE:
+                stride_order = [4, 3, 2, 1, 0]
+            case QkvFormat.BSHE:
+                stride_order = [4, 3, 1, 2, 0]
+
+        q, k, v, out_grad = [
+            fd.define_tensor(
+                shape=[d, b, h // d, s, e // h],
+                contiguity=True,
+                dtype=DataType.from_torch(dtype),  # tp_fusion: was DataType.BFloat16
+                stride_order=stride_order,
+            )
+            for _ in range(4)
+        ]
+
+        # TODO(#3123): support sharded dropout and change this to a
+        # positive probability.
+        dropout_p = fd.define_scalar(0.0, dtype=DataType.Double)
+        is_causal = fd.define_scalar(True, dtype=DataType.Bool)
+        attn, logsumexp, seed, offset = fd.ops.sdpfa_fwd(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal
+        )
+
+        q_grad, k_grad, v_grad = fd.ops.sdpfa_bwd(
+            out_grad,
+            q,
+            k,
+            v,
+            attn,
+            logsumexp,
+            dropout_p,
+            is_causal,
+            seed,
+            offset,
+            scale=None,
+        )
+
+        fd.add_output(attn)
+        for grad in [q_grad, k_grad, v_grad]:
+            fd.add_output(grad)
+
+    def _multidevice_schedule(fd: FusionDefinition) -> None:
+        mesh = nvfuser.multidevice.DeviceMesh(torch.arange(d))
+        for t in fd.fusion.inputs():
+            t.set_device_mesh(mesh)
+            t.axis(0).parallelize(nvfuser.ParallelType.mesh_x)
+
+    def make_unsharded_tensor() -> torch.Tensor:
+        return torch.randn(b, h, s, e // h, dtype=dtype, device=multidevice_test.device)  # tp_fusion: was bf16, "cuda"
+
+    q, k, v = [make_unsharded_tensor().requires_grad_() for _ in range(3)]
+    out_grad = make_unsharded_tensor()
+
+    with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        expected_out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.0, is_causal=True, scale=None
+        )
+        expected_out.backward(out_grad)
+        expected_q_grad, expected_k_grad, expected_v_grad = q.grad, k.grad, v.grad
+
+    rank = multidevice_test.rank
+
+    # Head-parallelize Q, K, V or the attention output of an SDPA.
+    def head_parallelize(t: torch.Tensor) -> torch.Tensor:
+        assert t.shape == torch.Size([b, h, s, e // h])
+        # The input `t` may require gradient. We .detach() so the new `t`
+        # doesn't require gradient.
+        t = t.detach().view([b, d, h // d, s, e // h]).narrow(1, rank, 1)
+        match qkv_format:
+            case QkvFormat.BHSE:
+                return t.transpose(0, 1).contiguous()
+            case QkvFormat.BSHE:
+                return t.permute(1, 0, 3, 2, 4).contiguous().transpose(2, 3)
+
+    with FusionDefinition() as fd:
+        _definition(fd, qkv_format)
+        _multidevice_schedule(fd)
+
+    out, q_grad, k_grad, v_grad = fd.execute(
+        [
+            head_parallelize(q).requires_grad_(),
+            head_parallelize(k).requires_grad_(),
+            head_parallelize(v).requires_grad_(),
+            head_parallelize(out_grad),
+        ]
+    )
+
+    def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+        match qkv_format:
+            case QkvFormat.BHSE:
+                assert actual.is_contiguous()
+            case QkvFormat.BSHE:
+                assert actual.transpose(2, 3).is_contiguous()
+
+        # Use the default rtol for bfloat16 and a relaxed atol.
+        torch.testing.assert_close(actual, expected, rtol=1.6e-2, atol=1e-2)
+
+    assert_close(out, head_parallelize(expected_out))
+    assert_close(q_grad, head_parallelize(expected_q_grad))
+    assert_close(k_grad, head_parallelize(expected_k_grad))
+    assert_close(v_grad, head_parallelize(expected_v_grad))
+
+
+@pytest.mark.skipif(
+    is_pre_ampere(),
+    reason="Flash Attention is only supported on Ampere and newer devices.",
+)
+@pytest.mark.parametrize(  # tp_fusion: BSHE is an xfail
+    "qkv_format", [QkvFormat.BHSE, pytest.param(QkvFormat.BSHE, marks=missing(OUTPUT_LAYOUT))]  # tp_fusion
+)  # tp_fusion
+@pytest.mark.mpi
+def test_sdpa_loop_split(multidevice_test, qkv_format: QkvFormat):
+    d = multidevice_test.size
+    dtype = dtype_for(multidevice_test.device)  # tp_fusion: bf16 on GPUs, float32 on CPUs
+    mesh = nvfuser.multidevice.DeviceMesh(torch.arange(d))
+    h, e = 12, 768
+    if h % d != 0:
+        pytest.skip(f"We only support even split, so {h} has to be divisible by {d}.")
+
+    def _definition(fd: FusionDefinition, qkv_format: QkvFormat) -> None:
+        match qkv_format:
+            case QkvFormat.BHSE:
+                stride_order = [3, 2, 1, 0]
+            case QkvFormat.BSHE:
+                stride_order = [3, 1, 2, 0]
+
+        q, k, v, out_grad = [
+            fd.define_tensor(
+                shape=[-1, h, -1, e // h],
+                dtype=DataType.from_torch(dtype),  # tp_fusion: was DataType.BFloat16
+                stride_order=stride_order,
+            )
+            for _ in range(4)
+        ]
+
+        # TODO(#3123): support sharded dropout and change this to a
+        # positive probability.
+        dropout_p = fd.define_scalar(0.0, dtype=DataType.Double)
+        is_causal = fd.define_scalar(True, dtype=DataType.Bool)
+        attn, logsumexp, seed, offset = fd.ops.sdpfa_fwd(
+            q, k, v, dropout_p=dropout_p, is_causal=is_causal
+        )
+
+        q_grad, k_grad, v_grad = fd.ops.sdpfa_bwd(
+            out_grad,
+            q,
+            k,
+            v,
+            attn,
+            logsumexp,
+            dropout_p,
+            is_causal,
+            seed,
+            offset,
+            scale=None,
+        )
+
+        fd.add_output(attn)
+        for grad in [q_grad, k_grad, v_grad]:
+            fd.add_output(grad)
+
+    def _multidevice_schedule(fd: FusionDefinition) -> None:
+        for t in fd.fusion.inputs():
+            t.set_device_mesh(mesh)
+            t.outer_split(1, d)
+            t.axis(1).parallelize(nvfuser.ParallelType.mesh_x)
+
+    b, s = 2, 16  # tp_fusion: s was 1024 (small shapes for CPU CI)
+
+    def make_unsharded_tensor() -> torch.Tensor:
+        return torch.randn(b, h, s, e // h, dtype=dtype, device="cpu")  # tp_fusion: was torch.bfloat16
+
+    q, k, v = [make_unsharded_tensor().requires_grad_() for _ in range(3)]
+    out_grad = make_unsharded_tensor()
+    sharded_q, sharded_k, sharded_v, sharded_out_grad = [
+        multidevice_test.shard_tensor_1d(t, 1, mesh) for t in [q, k, v, out_grad]
+    ]
+
+    with torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        expected_out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.0, is_causal=True, scale=None
+        )
+        expected_out.backward(out_grad)
+        expected_q_grad, expected_k_grad, expected_v_grad = q.grad, k.grad, v.grad
+
+    with FusionDefinition() as fd:
+        _definition(fd, qkv_format)
+        _multidevice_schedule(fd)
+
+    def reformat_tensor(t: torch.Tensor) -> torch.Tensor:
+        match qkv_format:
+            case QkvFormat.BHSE:
+                return t
+            case QkvFormat.BSHE:
+                return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    attn, q_grad, k_grad, v_grad = fd.execute(
+        [
+            reformat_tensor(sharded_q).requires_grad_(),
+            reformat_tensor(sharded_k).requires_grad_(),
+            reformat_tensor(sharded_v).requires_grad_(),
+            reformat_tensor(sharded_out_grad),
+        ]
+    )
+
+    def assert_close(actual, expected):
+        match qkv_format:
+            case QkvFormat.BHSE:
+                assert actual.is_contiguous()
+            case QkvFormat.BSHE:
+                assert actual.transpose(1, 2).is_contiguous()
+
+        # Use the default rtol for bfloat16 and a relaxed atol.
+        torch.testing.assert_close(
+            actual,
+            multidevice_test.shard_tensor_1d(expected, 1, mesh),
+            rtol=1.6e-2,
+            atol=1e-2,
+        )
+
+    for actual, expected in zip(
+        [attn, q_grad, k_grad, v_grad],
+        [expected_out, expected_q_grad, expected_k_grad, expected_v_grad],
+    ):
+        assert_close(actual, expected)
 
 
 @pytest.mark.mpi
