@@ -255,3 +255,24 @@ def test_sharded_uniform_is_a_free_slice_of_the_whole_draw():
         x.axis(0).parallelize(ParallelType.mesh_x)
     plan = fd.compile([[8, 6]], rank=1)
     assert plan.collectives() == [] and "local_slice" in str(plan)
+
+
+@pytest.mark.ranks(2, 4)
+def test_sharded_uniform_matches_the_unsharded_draw(multidevice_test):
+    """Every rank's shard of a seeded draw is the matching slice of a 1-rank run's draw."""
+    def dropout_fusion(mesh=None):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([8, 6])
+            keep = fd.ops.lt(fd.ops.uniform(0.0, 1.0, [8, 6], rng_seed=3, rng_offset=1), 0.5)
+            fd.add_output(fd.ops.mul(x, fd.ops.cast(keep, DataType.Float)))
+            if mesh is not None:
+                x.set_device_mesh(mesh)
+                x.outer_split(0, mesh.size)
+                x.axis(0).parallelize(ParallelType.mesh_x)
+        return fd, x
+    full = _rand(0, 8, 6)
+    (whole,) = dropout_fusion()[0].execute([full])
+    fd, x = dropout_fusion(DeviceMesh(range(multidevice_test.size)))
+    (out,) = fd.execute([multidevice_test.shard_tensor(full, x)])
+    torch.testing.assert_close(out, multidevice_test.shard_tensor(whole, x), rtol=0, atol=0)
+    assert fd.plan.collectives() == []
