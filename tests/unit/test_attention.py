@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from tp_fusion import DataType, DefinitionError, DeviceMesh, FusionDefinition, ParallelType
 
 TOL = {torch.float32: {}, torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}  # bf16: nvFuser's test_sdpa tolerances
+# On a GPU, bf16 runs aten's flash kernels and float32 the math path; CPU runs aten's CPU flash kernel
+# without dropout and the math path with it.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def _rand(seed: int, *shape, dtype=torch.float32) -> torch.Tensor:
@@ -41,10 +44,11 @@ def _reference(q, k, v, grad_out, is_causal=False, scale=None):
     return out, q.grad, k.grad, v.grad
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("is_causal, scale", [(False, None), (True, None), (True, 0.3)])
-def test_sdpfa_fwd_bwd_match_torch(dtype, is_causal, scale):
-    q, k, v, g = (_rand(i, 2, 3, 8, 16, dtype=dtype) for i in range(4))
+def test_sdpfa_fwd_bwd_match_torch(dtype, is_causal, scale, device):
+    q, k, v, g = (_rand(i, 2, 3, 8, 16, dtype=dtype).to(device) for i in range(4))
     fd = _attention_fusion([2, 3, 8, 16], [2, 3, 8, 16], DataType.from_torch(dtype), 0.0, is_causal, scale)
     out, lse, seed, offset, *grads = fd.execute([q, k, v, g])
     want = _reference(q, k, v, g, is_causal, scale)
@@ -53,7 +57,7 @@ def test_sdpfa_fwd_bwd_match_torch(dtype, is_causal, scale):
         torch.testing.assert_close(got, ref.to(dtype), **TOL[dtype])
     logits = q.double() @ k.double().transpose(-2, -1) * (16 ** -0.5 if scale is None else scale)
     if is_causal:
-        logits = logits.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+        logits = logits.masked_fill(~torch.ones(8, 8, dtype=torch.bool, device=device).tril(), float("-inf"))
     assert lse.dtype == torch.float32 and lse.shape == (2, 3, 8)
     torch.testing.assert_close(lse, logits.logsumexp(-1).float(), **TOL[dtype])
     assert (seed.shape, seed.dtype, offset.shape, offset.dtype) == ((2,), torch.uint64, (), torch.uint64)
@@ -84,36 +88,40 @@ def test_scaled_dot_product_attention():
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5))
 
 
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), *[(d, torch.bfloat16) for d in DEVICES[1:]]])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_dropout_backward_redraws_the_forward_mask(is_causal):
+def test_dropout_backward_redraws_the_forward_mask(is_causal, device, dtype):
     """With dropout, sdpfa_bwd given sdpfa_fwd's seed and offset uses the same mask: with v = I the
     forward's output is the dropped-out probabilities, which reveal the mask; the backward must then
     equal autograd through attention with that mask."""
     p, n = 0.25, 16
-    q, k = _rand(0, 1, 2, n, n), _rand(1, 1, 2, n, n)
-    eye = torch.eye(n).expand(1, 2, n, n).contiguous()
-    fd = _attention_fusion([1, 2, n, n], [1, 2, n, n], DataType.Float, p, is_causal)
-    probs, lse, seed, offset, *_ = fd.execute([q, k, eye, torch.zeros(1, 2, n, n)])
+    dt = DataType.from_torch(dtype)
+    q, k = _rand(0, 1, 2, n, n, dtype=dtype).to(device), _rand(1, 1, 2, n, n, dtype=dtype).to(device)
+    eye = torch.eye(n, dtype=dtype, device=device).expand(1, 2, n, n).contiguous()
+    fd = _attention_fusion([1, 2, n, n], [1, 2, n, n], dt, p, is_causal)
+    probs, lse, seed, offset, *_ = fd.execute([q, k, eye, torch.zeros_like(eye)])
     keep = probs != 0
-    allowed = torch.ones(n, n, dtype=torch.bool).tril() if is_causal else torch.ones(n, n, dtype=torch.bool)
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device)
+    allowed = allowed.tril() if is_causal else allowed
     assert 0.15 < (~keep & allowed).sum() / (2 * allowed.sum()) < 0.35  # about dropout_p dropped
 
-    v, g = _rand(2, 1, 2, n, n), _rand(3, 1, 2, n, n)
-    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    v, g = _rand(2, 1, 2, n, n, dtype=dtype).to(device), _rand(3, 1, 2, n, n, dtype=dtype).to(device)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     logits = qr @ kr.transpose(-2, -1) / n ** 0.5
     if is_causal:
-        logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        logits = logits.masked_fill(~allowed, float("-inf"))
     out = (logits.softmax(-1) * keep / (1 - p)) @ vr
-    out.backward(g)
+    out.backward(g.double())
     with FusionDefinition() as bwd:
-        tg, tq, tk, tv, to = (bwd.define_tensor([1, 2, n, n]) for _ in range(5))
+        tg, tq, tk, tv, to = (bwd.define_tensor([1, 2, n, n], dtype=dt) for _ in range(5))
         tl = bwd.define_tensor([1, 2, n])
         ts, toff = bwd.define_tensor([2], dtype=DataType.UInt64), bwd.define_tensor([], dtype=DataType.UInt64)
         for t in bwd.ops.sdpfa_bwd(tg, tq, tk, tv, to, tl, p, is_causal, ts, toff, None):
             bwd.add_output(t)
-    grads = bwd.execute([g, q, k, v, out.detach(), lse, seed, offset])
+    grads = bwd.execute([g, q, k, v, out.detach().to(dtype), lse, seed, offset])
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else TOL[dtype]
     for got, ref in zip(grads, (qr.grad, kr.grad, vr.grad)):
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, ref.to(dtype), **tol)
 
 
 def test_attention_errors():
