@@ -67,3 +67,15 @@ def test_transformer_layer_sp_plan_fuses_its_four_collectives_on_cuda(monkeypatc
     assert fused == ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
                      "fused linear+reduce_scatter+add"], plan
     assert not any(s.startswith("communication") for s in segments), plan
+
+
+def test_transformer_layer_benchmark_checks_its_variants_on_cpu():
+    """benchmarks/transformer_layer.py --check: every variant it would time (but the compiled ones)
+    agrees with NCCL-sequential on gloo ranks; tp_fusion and PyTorch TP included."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "benchmarks/transformer_layer.py", "--check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "OK: every variant agrees with nccl_sequential" in proc.stdout, proc.stdout
+    for mode in ("sp fwd", "sp fwd_bwd", "tp fwd", "tp fwd_bwd"):
+        assert f"{mode}: checked against nccl_sequential: pytorch_tp" in proc.stdout, proc.stdout
