@@ -32,7 +32,8 @@ def sharded(fusion: Fusion) -> None:
         for o in (*op.tensor_inputs, *op.outputs):
             assert fusion.tensor(o).sharding is not None, f"T{o} has no sharding"
     for o in fusion.outputs:
-        assert not fusion.tensor(o).sharding.has_partial, f"output T{o} is Partial"
+        t = fusion.tensor(o)
+        assert t.annotated or not t.sharding.has_partial, f"output T{o} is Partial"
 
 
 def resharded(fusion: Fusion) -> None:
@@ -49,6 +50,8 @@ def resharded(fusion: Fusion) -> None:
                 assert fusion.tensor(a).sharding == need, f"{op}: T{a} is {fusion.tensor(a).sharding}, needs {need}"
         for o, got in zip(op.outputs, st.outputs):
             assert fusion.tensor(o).sharding == got, f"{op}: produces {got}, T{o} is {fusion.tensor(o).sharding}"
+    for o in fusion.outputs:
+        assert not fusion.tensor(o).sharding.has_partial, f"output T{o} is Partial"
 
 
 def lowered(fusion: Fusion) -> None:

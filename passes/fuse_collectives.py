@@ -32,7 +32,7 @@ def _plain_gemm(fusion: Fusion, gemm: Op) -> bool:
 def _gathers_rows(fusion: Fusion, ag: Op, gemm: Op) -> bool:
     if not _plain_gemm(fusion, gemm) or gemm.inputs[0] != ag.outputs[0] or ag.outputs[0] in gemm.inputs[1:]:
         return False
-    return ag.attr("dim") < fusion.tensor(ag.outputs[0]).ndim - 1
+    return ag.attr("dim") < fusion.tensor(ag.outputs[0]).ndim - 1 and ag.attr("outer", 1) == 1
 
 
 def _epilogue(fusion: Fusion, ops: tuple[int, ...], result: int) -> list[int]:
@@ -84,7 +84,8 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
             if (_plain_gemm(fusion, gemm) and len(gemm.inputs) == 2 and comm.inputs[0] == gemm.outputs[0]
                     and _single_use(fusion, gemm.outputs[0])
                     and (kind is Collective.ALLREDUCE
-                         or (kind is Collective.REDUCE_SCATTER and comm.attr("dim") < result.ndim - 1))):
+                         or (kind is Collective.REDUCE_SCATTER and comm.attr("dim") < result.ndim - 1
+                             and comm.attr("outer", 1) == 1))):
                 if len(seg.ops) > 1:
                     out.append(Segment("compute", seg.ops[:-1]))
                 taken = [seg.ops[-1], nxt.ops[0]]

@@ -13,7 +13,8 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     """Requires: every tensor has a sharding and every op its ``strategy`` (propagate_shardings).
     Ensures: every op but ``set`` gets its inputs in the shardings its strategy needs and produces
     exactly its outputs' shardings; every change of sharding is a ``set`` of its own (one per tensor
-    and target, reused).
+    and target, reused); no fusion output is Partial (an output the user scheduled with a pending
+    sum is summed by a ``set``, as nvFuser's device-parallel reduction axis finishes its reduction).
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
     (Partial), the resharding of that result, and an add of the bias: the bias is added once.
@@ -62,4 +63,5 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
                 after.append(Op("set", (tmp,), (o,)))
         ops.append(op.replace(inputs=args, outputs=tuple(outs)))
         ops.extend(after)
-    return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))
+    outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
+    return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)

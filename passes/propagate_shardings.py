@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Sharding
+from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.sharding.strategy import Strategy, choose
 
 from tp_fusion.ir import Fusion
@@ -13,10 +13,6 @@ from tp_fusion.ops import is_biased_gemm
 def default_mesh(fusion: Fusion) -> DeviceMesh | None:
     """The mesh of the first tensor that has one (the fusion's mesh for unannotated inputs)."""
     return next((t.sharding.mesh for t in fusion.tensors if t.sharding is not None), None)
-
-
-def _materialized(s: Sharding) -> Sharding:
-    return Sharding(s.mesh, tuple(REPLICATE if isinstance(p, Partial) else p for p in s.placements))
 
 
 class _Draft:
@@ -57,7 +53,7 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
             if draft.tensor(o).annotated:
                 continue
             if o in outputs or is_biased_gemm(op):
-                s = _materialized(s)
+                s = s.materialized()
             draft.set_sharding(o, s)
         ops.append(op.replace(strategy=st))
     _backward(fusion, draft, ops, mesh)

@@ -6,7 +6,8 @@ Per mesh axis (DTensor's redistribute table, nvFuser's ``CommunicationType``):
 Shard(i) -> Replicate         ``ALLGATHER``
 Partial  -> Replicate         ``ALLREDUCE``
 Partial  -> Shard(i)          ``REDUCE_SCATTER``
-Shard(i) -> Shard(j)          ``ALL_TO_ALL``
+Shard(i) -> Shard(j)          ``ALL_TO_ALL`` (i != j; on one dim at another place:
+                              ``ALLGATHER`` then ``LOCAL_SLICE``)
 Replicate -> Shard(i)         ``LOCAL_SLICE`` (no communication)
 Replicate -> Partial          ``TO_PARTIAL`` (the value on mesh index 0, zeros elsewhere; local)
 ============================  =======================================================
@@ -60,19 +61,24 @@ class ReshardStep:
     after: Sharding
     src_mesh: DeviceMesh | None = None
     dst_mesh: DeviceMesh | None = None
+    src_outer: int = 1  # the local ``outer`` of a Shard src before the step (Sharding.local_outer)
+    dst_outer: int = 1  # the same of a Shard dst after it
 
     def attrs(self) -> dict:
-        """The attributes of the op this step lowers to."""
+        """The attributes of the op this step lowers to; ``outer``/``src_outer`` (a strided shard: the
+        collective chunks the dim viewed as [outer, devices, rest]) only where they are not 1."""
         if self.mesh_axis is None:
             return {"src_mesh": self.src_mesh, "dst_mesh": self.dst_mesh}
         out = {"mesh_axis": self.mesh_axis}
         match self.src, self.dst:
             case Shard(), Shard():
                 out |= {"src_dim": self.src.dim, "dim": self.dst.dim}
+                out |= {"src_outer": self.src_outer} if self.src_outer != 1 else {}
+                out |= {"outer": self.dst_outer} if self.dst_outer != 1 else {}
             case Shard(), _:
-                out["dim"] = self.src.dim
+                out |= {"dim": self.src.dim} | ({"outer": self.src_outer} if self.src_outer != 1 else {})
             case _, Shard():
-                out["dim"] = self.dst.dim
+                out |= {"dim": self.dst.dim} | ({"outer": self.dst_outer} if self.dst_outer != 1 else {})
         return out
 
 
@@ -116,18 +122,28 @@ def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep
                     continue
                 if isinstance(b, Shard) and any(cur[o] == b for o in range(len(cur)) if o != axis):
                     continue  # would shard b.dim twice: wait for the other axis to let go of it
+                if isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim:
+                    b = REPLICATE  # another place in the same dim: gather now, slice on the next pass
                 collective = step_collective(a, b)
                 if collective is None:
                     raise LoweringError(f"{what}: cannot reshard {src} -> {dst}: no lowering for {a} -> {b} "
                                         f"on mesh axis {axis}")
-                cur[axis] = b
-                steps.append(ReshardStep(collective, axis, a, b, Sharding(src.mesh, tuple(cur))))
+                steps.append(_step(collective, axis, cur, b, src.mesh))
                 progressed = True
         if not progressed:  # every step waits on another: gather one axis first
             axis = next(a for a in reversed(range(len(cur))) if cur[a] != dst.placements[a])
-            a, cur[axis] = cur[axis], REPLICATE
-            steps.append(ReshardStep(step_collective(a, REPLICATE), axis, a, REPLICATE, Sharding(src.mesh, tuple(cur))))
+            steps.append(_step(step_collective(cur[axis], REPLICATE), axis, cur, REPLICATE, src.mesh))
     return steps
+
+
+def _step(collective: Collective, axis: int, cur: list, b: Placement, mesh: DeviceMesh) -> ReshardStep:
+    """The step that sets mesh axis ``axis`` of ``cur`` to ``b`` (``cur`` is updated)."""
+    before = Sharding(mesh, tuple(cur))
+    a, cur[axis] = cur[axis], b
+    after = Sharding(mesh, tuple(cur))
+    return ReshardStep(collective, axis, a, b, after,
+                       src_outer=before.local_outer(axis) if isinstance(a, Shard) else 1,
+                       dst_outer=after.local_outer(axis) if isinstance(b, Shard) else 1)
 
 
 def reshard_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:

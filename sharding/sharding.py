@@ -18,12 +18,17 @@ from tp_fusion.types import ParallelType
 
 @dataclass(frozen=True, slots=True)
 class Shard:
-    """The tensor dim ``dim`` is split evenly across the mesh axis (outer part = device index)."""
+    """The tensor dim ``dim`` is split evenly across the mesh axis. ``outer`` places the device piece
+    in the dim: the dim is viewed as ``[outer, devices, rest]`` and the device index picks the middle
+    (1: the outermost piece, a plain block shard; more: a strided shard; -1: not known until a
+    symbolic extent is bound). ``outer`` counts the dim's pieces outside this one in the GLOBAL dim,
+    so two mesh axes may shard one dim at different places (e.g. context and tensor parallel)."""
 
     dim: int
+    outer: int = 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.outer == 1 else f"S({self.dim}, outer={self.outer})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,10 @@ class Sharding:
         """Whether some mesh axis holds partial sums."""
         return any(isinstance(p, Partial) for p in self.placements)
 
+    def materialized(self) -> Sharding:
+        """This sharding with every pending sum done (Partial -> Replicate)."""
+        return Sharding(self.mesh, tuple(REPLICATE if isinstance(p, Partial) else p for p in self.placements))
+
     def num_device_axes(self) -> int:
         """How many mesh axes shard or hold partials."""
         return sum(not isinstance(p, Replicate) for p in self.placements)
@@ -95,9 +104,44 @@ class Sharding:
         """How many pieces ``dim`` is split into across the mesh."""
         f = 1
         for extent, p in zip(self.mesh.shape, self.placements):
-            if p == Shard(dim):
+            if isinstance(p, Shard) and p.dim == dim:
                 f *= extent
         return f
+
+    def dim_shards(self, dim: int) -> list[tuple[int, Shard]]:
+        """The (mesh axis, Shard) pairs that shard ``dim``, outermost piece first."""
+        return sorted(((a, p) for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim),
+                      key=lambda ap: (ap[1].outer, ap[0]))
+
+    def dim_view(self, dim: int, n: int) -> list[tuple[int, int | None]]:
+        """``dim`` of global extent ``n`` as pieces ``(extent, mesh axis or None)``, outermost first:
+        each device piece is indexed by its mesh axis' coordinate, the others are kept whole."""
+        view, done = [], 1  # done: the product of the pieces placed so far
+        for axis, p in self.dim_shards(dim):
+            if p.outer < 0:
+                raise ShardingError(f"dim {dim}: the place of its shard on mesh axis {axis} depends on a symbolic "
+                                    "extent; bind it first (shard the TensorView with a full tensor)")
+            m = self.mesh.shape[axis]
+            if p.outer % done != 0:
+                raise ShardingError(f"dim {dim}: mesh axis {axis} shards pieces that another mesh axis already "
+                                    f"shards ({self}); give each mesh axis its own piece of the dim")
+            view += [(p.outer // done, None), (m, axis)]
+            done = p.outer * m
+        if n % done != 0:
+            raise ShardingError(f"dim {dim} of extent {n} does not split into {done} pieces as {self} needs; pad it "
+                                "to a multiple or shard another dim")
+        view.append((n // done, None))
+        return [(e, a) for e, a in view if e != 1 or a is not None]
+
+    def local_outer(self, axis: int) -> int:
+        """The ``outer`` of mesh axis ``axis``'s Shard in the LOCAL tensor, where the other mesh axes that
+        shard pieces outside it have already taken their piece: what a collective on ``axis`` chunks by."""
+        p = self.placements[axis]
+        outer = p.outer
+        for other, q in self.dim_shards(p.dim):
+            if other != axis and q.outer < p.outer:
+                outer //= self.mesh.shape[other]
+        return outer
 
     def local_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """A device's shard shape of a tensor of global ``shape``."""
@@ -120,23 +164,32 @@ class Sharding:
                         f"{what}: dim {p.dim} of extent {n} does not split evenly across "
                         f"{self.dim_factor(p.dim)} devices; pad it to a multiple or shard another dim")
 
-    def local_index(self, rank: int, dim: int) -> tuple[int, int]:
-        """(index, count) of ``rank``'s piece of ``dim``, outer mesh axes outermost."""
+    def local_piece(self, x: torch.Tensor, rank: int, dim: int) -> torch.Tensor:
+        """``rank``'s piece of ``x``'s ``dim`` (global extent); a view where possible."""
+        view = self.dim_view(dim, x.shape[dim])
+        if all(axis is None for _, axis in view):
+            return x
         coords = self.mesh.coords(rank)
-        idx, count = 0, 1
-        for axis, (extent, p) in enumerate(zip(self.mesh.shape, self.placements)):
-            if p == Shard(dim):
-                idx, count = idx * extent + coords[axis], count * extent
-        return idx, count
+        out = x.unflatten(dim, [e for e, _ in view])
+        for i in reversed(range(len(view))):
+            if view[i][1] is not None:
+                out = out.narrow(dim + i, coords[view[i][1]], 1)
+        return out.flatten(dim, dim + len(view) - 1)
 
     def loop_axes_str(self, shape: tuple[int, ...]) -> str:
-        """The loop domain this sharding implies, e.g. ``[16, mesh_x{2}, 32]``."""
+        """The loop domain this sharding implies, e.g. ``[16, mesh_x{2}, 32]``: the device pieces and
+        the local extent of the rest (for a strided shard, the pieces around it)."""
         parts = []
         for d, e in enumerate(shape):
-            axes = [a for a, p in enumerate(self.placements) if p == Shard(d)]
-            for a in axes:
-                parts.append(f"{ParallelType.for_mesh_axis(a, self.mesh.ndim).value}{{{self.mesh.shape[a]}}}")
-            parts.append("?" if e < 0 else str(e // self.dim_factor(d)))
+            shards = self.dim_shards(d)
+            if e < 0 or all(p.outer == 1 for _, p in shards):
+                for a, _ in shards:
+                    parts.append(f"{ParallelType.for_mesh_axis(a, self.mesh.ndim).value}{{{self.mesh.shape[a]}}}")
+                parts.append("?" if e < 0 else str(e // self.dim_factor(d)))
+                continue
+            for extent, a in self.dim_view(d, e):
+                parts.append(str(extent) if a is None else
+                             f"{ParallelType.for_mesh_axis(a, self.mesh.ndim).value}{{{extent}}}")
         return "[" + ", ".join(parts) + "]"
 
     def partial_str(self) -> str:
@@ -149,17 +202,22 @@ class Sharding:
         return f"{self.mesh.short()}({', '.join(map(str, self.placements))})"
 
 
-def _sharding_of(tv_or_sharding) -> Sharding | None:
-    return tv_or_sharding if isinstance(tv_or_sharding, Sharding) else tv_or_sharding.sharding
+def _sharding_of(tv_or_sharding, shape: tuple[int, ...]) -> Sharding | None:
+    """A Sharding as it is; a TensorView's sharding bound to ``shape`` and materialized: what the rank
+    holds of its value once any pending sum is done (what ``execute`` returns for an output)."""
+    if isinstance(tv_or_sharding, Sharding):
+        return tv_or_sharding
+    return tv_or_sharding.bound_sharding(shape)
 
 
 def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) -> torch.Tensor:
     """The local shard of ``full`` that ``rank`` (default: this rank) holds under the sharding of a
-    TensorView or a Sharding. Partial placements hold the full value on mesh index 0 and zeros
-    elsewhere. A rank outside the mesh holds an empty tensor."""
+    TensorView or a Sharding. Given a Sharding, Partial placements hold the full value on mesh index 0
+    and zeros elsewhere; given a TensorView, a pending sum (a device-parallel reduction axis) is done,
+    as in nvFuser. A rank outside the mesh holds an empty tensor."""
     from tp_fusion.runtime import dist
 
-    sharding = _sharding_of(tv_or_sharding)
+    sharding = _sharding_of(tv_or_sharding, tuple(full.shape))
     if sharding is None:
         return full.clone()
     rank = dist.rank() if rank is None else rank
@@ -168,9 +226,7 @@ def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) ->
     sharding.check_divides(tuple(full.shape), "shard_tensor")
     out = full
     for d in range(full.dim()):
-        idx, count = sharding.local_index(rank, d)
-        if count > 1:
-            out = out.chunk(count, dim=d)[idx]
+        out = sharding.local_piece(out, rank, d)
     coords = sharding.mesh.coords(rank)
     if any(isinstance(p, Partial) and coords[a] != 0 for a, p in enumerate(sharding.placements)):
         return torch.zeros_like(out)
@@ -185,17 +241,15 @@ def unshard_tensor(pieces: dict[int, torch.Tensor], sharding: Sharding) -> torch
     out = any_piece.new_zeros(full_shape)
     seen = set()
     for rank in mesh.devices:
-        sl = []
-        for d in range(len(full_shape)):
-            idx, count = sharding.local_index(rank, d)
-            n = full_shape[d] // count
-            sl.append(slice(idx * n, (idx + 1) * n))
-        key = tuple((s.start, s.stop) for s in sl)
         coords = mesh.coords(rank)
+        key = tuple(c for c, p in zip(coords, sharding.placements) if isinstance(p, Shard))
+        target = out
+        for d in range(len(full_shape)):
+            target = sharding.local_piece(target, rank, d)
         if sharding.has_partial:
             if all(c == 0 for c, p in zip(coords, sharding.placements) if isinstance(p, Replicate)):
-                out[tuple(sl)] += pieces[rank]
+                target += pieces[rank].view(target.shape)
         elif key not in seen:
-            out[tuple(sl)] = pieces[rank]
+            target.copy_(pieces[rank].view(target.shape))
         seen.add(key)
     return out

@@ -21,8 +21,9 @@ def shard(tv, mesh, dims: dict | None = None) -> None:
     """Put ``tv`` on ``mesh`` and shard logical dim d on ``dims[d]`` (outer split, then parallelize)."""
     tv.set_device_mesh(mesh)
     for d, ptype in sorted((dims or {}).items(), reverse=True):  # right to left: loop indices stay valid
-        tv.outer_split(d, mesh.shape[ptype.mesh_axis(mesh.ndim)])
-        tv.axis(d).parallelize(ptype)
+        i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)  # past r{} axes
+        tv.outer_split(i, mesh.shape[ptype.mesh_axis(mesh.ndim)])
+        tv.axis(i).parallelize(ptype)
 
 
 def rand(seed: int, *shape, dtype: torch.dtype = torch.float64) -> torch.Tensor:

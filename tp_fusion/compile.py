@@ -9,14 +9,14 @@ communication. The executor calls both on every rank; ``FusionDefinition.compile
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 
 import torch
 
+from tp_fusion import loop as loops
 from tp_fusion.errors import DefinitionError, InputError, ShardingError
-from tp_fusion.ir import Fusion
+from tp_fusion.ir import Fusion, Tensor
 from tp_fusion.ops import TensorType, opdef
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
@@ -112,7 +112,7 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
         return fusion
     tensors = list(fusion.tensors)
     for name, shape in zip(fusion.inputs, input_shapes):
-        tensors[name] = tensors[name].replace(shape=tuple(shape), loop=None)
+        tensors[name] = _bound(tensors[name], tuple(shape))
     for op in fusion.ops:
         args = [TensorType(tensors[a].shape, tensors[a].dtype) if isinstance(a, int) else a.value for a in op.inputs]
         try:
@@ -122,26 +122,19 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
             raise InputError(f"execute: the inputs' sizes do not fit the fusion: {op.kind}: cannot apply to "
                              f"{described}: {e}") from None
         for o, out in zip(op.outputs, outs):
-            tensors[o] = tensors[o].replace(shape=out.shape, loop=None)
+            tensors[o] = _bound(tensors[o], out.shape)
     return fusion.replace(tensors=tuple(tensors))
 
 
-def _check_symbolic_splits(fusion: Fusion, concrete: Fusion) -> None:
-    """A split of a symbolic extent could not be checked when it was scheduled: check it now."""
-    for t in fusion.tensors:
-        if t.loop is None:
-            continue
-        for d, n in enumerate(concrete.tensor(t.name).shape):
-            if t.shape[d] >= 0 or n < 0:
-                continue
-            factors = [a.extent for a in t.loop if a.dim == d and a.extent >= 0]
-            k = math.prod(factors)
-            if n % k != 0:
-                by = f"{' x '.join(map(str, factors))} = {k}"
-                raise ShardingError(
-                    f"T{t.name} {t.type_str()}: dim {d} is symbolic and bound to {n} at execute, but its "
-                    f"schedule splits it by {by}, which does not divide {n}; pass a size that is a multiple "
-                    f"of {k} or change the split")
+def _bound(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t`` with the extents ``shape``: its schedule's symbolic pieces sized (a split of a symbolic extent
+    could not be checked when it was scheduled: ShardingError now if it does not fit), its sharding
+    derived again from them."""
+    if t.loop is None:
+        return t.replace(shape=shape)
+    loop = loops.bind(t.loop, shape, f"T{t.name} {t.type_str()}", " at execute")
+    sharding = t.sharding if t.sharding is None else loops.sharding(loop, t.sharding.mesh, f"T{t.name}")
+    return t.replace(shape=shape, loop=loop, sharding=sharding)
 
 
 def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], rank: int,
@@ -149,7 +142,6 @@ def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], ran
     """This rank's program for inputs of these GLOBAL shapes. Raises the library's errors for
     anything that does not fit; never communicates."""
     concrete = concretize(fusion, input_shapes)
-    _check_symbolic_splits(fusion, concrete)
     for t in concrete.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")

@@ -11,11 +11,15 @@ Translation (both sides index placements by mesh axis 0..n-1, axis 0 outermost):
   same shape; ``Shard(d)`` on mesh axis ``a`` becomes ``outer_split`` of dim ``d`` by the axis's
   size plus ``parallelize`` on the parallel type of axis ``a`` (``mesh_x`` is the LAST axis, so on
   a 2-D mesh axis 1 is ``mesh_x`` and axis 0 is ``mesh_y``); ``Replicate()`` adds nothing.
-- supported: ``Shard(dim)`` and ``Replicate()`` on 1-D, 2-D (and 3-D) meshes, each dim sharded on
-  at most one mesh axis, evenly. ``Partial`` inputs, strided shards and one dim sharded on two mesh
-  axes raise ``UnsupportedPlacementError`` (a ``NotImplementedError``); uneven shards raise
-  ``UnevenShardError`` (a ``ValueError``). Every rank raises the same error, before any
-  communication of the fusion starts.
+- supported: ``Shard(dim)``, ``_StridedShard(dim, split_factor)`` and ``Replicate()`` on 1-D, 2-D
+  (and 3-D) meshes, evenly, a dim on one mesh axis or several. DTensor applies placements left to
+  right (mesh axis 0 first), each on what the axes before it left; ``split_factor`` counts the pieces
+  outside the device piece at that point. tp_fusion's ``Shard(dim, outer)`` counts them in the global
+  dim; the two are translated both ways (``_split_factors``, ``_global_outers``), and a strided shard
+  becomes the matching splits of the input's loop domain. ``Partial`` inputs, and a strided shard
+  that straddles another mesh axis' piece, raise ``UnsupportedPlacementError`` (a
+  ``NotImplementedError``); uneven shards raise ``UnevenShardError`` (a ``ValueError``). Every rank
+  raises the same error, before any communication of the fusion starts.
 - a DTensor on a submesh that differs between ranks (``mesh_2d["tp"]``) is rejected: the fusion
   must be the same on every rank. Pass DTensors on the full mesh instead.
 
@@ -31,6 +35,7 @@ unchanged. Nothing else of ``fd`` changes. Forward only: no autograd through the
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -51,9 +56,10 @@ def _dtensor_api():
 
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return SimpleNamespace(DTensor=DTensor, Shard=Shard, Replicate=Replicate, Partial=Partial,
-                           DeviceMesh=TorchDeviceMesh)
+    return SimpleNamespace(DTensor=DTensor, Shard=Shard, StridedShard=_StridedShard, Replicate=Replicate,
+                           Partial=Partial, DeviceMesh=TorchDeviceMesh)
 
 
 def mesh_from_torch(device_mesh) -> DeviceMesh:
@@ -67,8 +73,8 @@ def sharding_from_dtensor(dt, what: str = "DTensor") -> Sharding:
     mesh = mesh_from_torch(dt.device_mesh)
     placements = []
     for axis, p in enumerate(dt.placements):
-        if type(p) is api.Shard:
-            placements.append(Shard(p.dim % dt.ndim))
+        if isinstance(p, (api.Shard, api.StridedShard)):  # torch 2.13's strided shard is no Shard
+            placements.append(Shard(p.dim % dt.ndim, getattr(p, "split_factor", 1)))
         elif isinstance(p, api.Replicate):
             placements.append(REPLICATE)
         elif p.is_partial():
@@ -80,28 +86,60 @@ def sharding_from_dtensor(dt, what: str = "DTensor") -> Sharding:
             raise UnsupportedPlacementError(
                 f"{what}: mesh axis {axis} holds {p!r}; tp_fusion takes only Shard(dim) and Replicate() "
                 "placements. Redistribute the DTensor to one of those first")
-    sharding = Sharding(mesh, tuple(placements))
+    sharding = Sharding(mesh, _global_outers(placements, mesh, f"{what} ({_fmt(dt.placements)})"))
     for dim in sorted({p.dim for p in placements if isinstance(p, Shard)}):
-        axes = [a for a, p in enumerate(placements) if p == Shard(dim)]
-        if len(axes) > 1:
-            raise UnsupportedPlacementError(
-                f"{what}: dim {dim} is sharded on mesh axes {axes} ({_fmt(dt.placements)}); sharding one dim "
-                "on two mesh axes is not supported. Shard another dim on one of them or Replicate it")
+        axes = [a for a, _ in sharding.dim_shards(dim)]
         n, factor = dt.shape[dim], sharding.dim_factor(dim)
         if n % factor != 0:
             raise UnevenShardError(
                 f"{what}: global shape {list(dt.shape)} shards dim {dim} (extent {n}) across {factor} devices "
-                f"on mesh axis {axes[0]}, which is uneven ({n} % {factor} = {n % factor}). Pad dim {dim} to a "
+                f"on mesh axes {axes}, which is uneven ({n} % {factor} = {n % factor}). Pad dim {dim} to a "
                 f"multiple of {factor}, or Replicate it")
+        sharding.dim_view(dim, n)  # the pieces fit the extent
     return sharding
+
+
+def _global_outers(placements: list, mesh: DeviceMesh, what: str) -> tuple:
+    """DTensor's left-to-right placements (a Shard's ``outer`` holding its local split factor) with each
+    ``outer`` counted in the global dim instead."""
+    out = list(placements)
+    for axis, p in enumerate(placements):
+        if not isinstance(p, Shard):
+            continue
+        placed = sorted((q.outer, mesh.shape[a]) for a, q in enumerate(out[:axis]) if isinstance(q, Shard)
+                        and q.dim == p.dim)
+        outer, m = p.outer, mesh.shape[axis]
+        for o, n in placed:  # restore the pieces taken before, outermost first
+            if outer >= o and outer % o == 0:
+                outer *= n  # inside that piece's rest
+            elif outer * m > o:
+                raise UnsupportedPlacementError(
+                    f"{what}: the shard of dim {p.dim} on mesh axis {axis} straddles the piece another mesh axis "
+                    "took; tp_fusion shards a dim only at places of a split. Redistribute the DTensor first")
+        out[axis] = Shard(p.dim, outer)
+    return tuple(out)
+
+
+def _split_factors(sharding: Sharding) -> list:
+    """Per mesh axis, a Shard's ``outer`` as DTensor's left-to-right split factor (see the docstring)."""
+    out = []
+    for axis, p in enumerate(sharding.placements):
+        if isinstance(p, Shard):
+            taken = [sharding.mesh.shape[a] for a, q in enumerate(sharding.placements[:axis])
+                     if isinstance(q, Shard) and q.dim == p.dim and q.outer < p.outer]
+            out.append(p.outer // math.prod(taken))
+        else:
+            out.append(None)
+    return out
 
 
 def _fmt(placements) -> str:
     return "(" + ", ".join(map(str, placements)) + ")"
 
 
-def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, what: str) -> None:
-    """Give the input ``tv`` ``sharding`` through its schedule methods (a no-op if it has it)."""
+def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, shape, what: str) -> None:
+    """Give the input ``tv`` (of global ``shape``) ``sharding`` through its schedule methods (a no-op if
+    it has it)."""
     if tv.sharding == sharding:
         return
     ours = getattr(fd, "_dtensor_annotated", frozenset())
@@ -112,11 +150,15 @@ def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, what: st
     tv._update(loop=None, sharding=None, annotated=False)
     mesh = sharding.mesh
     tv.set_device_mesh(mesh)
-    for axis, p in enumerate(sharding.placements):
-        if isinstance(p, Shard):
-            i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == p.dim and ax.outermost)
-            tv.outer_split(i, mesh.shape[axis])
-            tv.axis(i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
+    for dim in reversed(range(tv.ndim)):  # right to left: loop indices of the dims before stay valid
+        view = sharding.dim_view(dim, shape[dim])
+        if all(axis is None for _, axis in view):
+            continue
+        for i, (extent, _) in enumerate(view[:-1]):  # [e0, e1, ..., rest]: an outer split per piece but the last
+            tv.outer_split(dim + i, extent)
+        for i, (_, axis) in enumerate(view):
+            if axis is not None:
+                tv.axis(dim + i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
     fd._dtensor_annotated = ours | {tv.name}
 
 
@@ -138,9 +180,9 @@ def _check_same_meshes_on_all_ranks(meshes: list[DeviceMesh | None]) -> None:
 def _torch_placements(sharding: Sharding) -> list:
     api = _dtensor_api()
     out = []
-    for p in sharding.placements:
+    for p, factor in zip(sharding.placements, _split_factors(sharding)):
         if isinstance(p, Shard):
-            out.append(api.Shard(p.dim))
+            out.append(api.Shard(p.dim) if factor == 1 else api.StridedShard(p.dim, split_factor=factor))
         elif isinstance(p, Replicate):
             out.append(api.Replicate())
         else:
@@ -195,7 +237,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
         if tv.ndim != x.ndim or any(e not in (-1, g) for e, g in zip(tv.shape, x.shape)):
             raise InputError(f"{what}: the DTensor's global shape {list(x.shape)} does not match the fusion's "
                              f"{list(tv.shape)} (-1 = any); define_tensor takes the GLOBAL shape")
-        _annotate(fd, tv, sharding, what)
+        _annotate(fd, tv, sharding, tuple(x.shape), what)
 
     outputs = fd.execute(local)
 

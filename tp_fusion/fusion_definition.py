@@ -6,6 +6,7 @@ to the definition, a schedule call replaces one tensor's IR record with a new on
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from collections.abc import Sequence
@@ -13,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tp_fusion import loop as loops
 from tp_fusion import ops as _ops
-from tp_fusion.errors import DefinitionError, InputError, LoweringError, ShardingError, UnknownOpError
+from tp_fusion.errors import DefinitionError, InputError, ShardingError, UnknownOpError
 from tp_fusion.ir import Const, Fusion, LoopAxis, Op, Tensor, freeze
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
+from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.types import DataType, ParallelType
 
 
@@ -105,7 +107,10 @@ class TensorView:
     # --- sharding schedule -------------------------------------------------------------------
 
     def _loop(self) -> tuple[LoopAxis, ...]:
-        return self._ir.loop or tuple(LoopAxis(d, e) for d, e in enumerate(self.shape))
+        if self._ir.loop is not None:
+            return self._ir.loop
+        producer = next((op for op in self._fd._ops if self.name in op.outputs), None)
+        return loops.default_loop(self.shape, producer, lambda name: self._fd._tensors[name].shape)
 
     def set_device_mesh(self, mesh: DeviceMesh) -> None:
         """Place the tensor on ``mesh``, replicated until an axis is parallelized. Tensors left without a
@@ -155,12 +160,51 @@ class TensorView:
             raise ShardingError(
                 f"T{self.name}: split factor {factor} does not divide loop axis {axis} of extent {old.extent} "
                 f"(tensor shape {list(self.shape)}); use a factor that divides {old.extent}")
-        rest = -1 if old.extent < 0 else old.extent // factor
-        outer, inner = (rest, factor) if inner_split else (factor, rest)
-        loop[axis:axis + 1] = [LoopAxis(old.dim, outer, outermost=old.outermost),
-                               LoopAxis(old.dim, inner, outermost=False)]
-        self._set_loop(tuple(loop))
+        self._set_loop(loops.split(tuple(loop), axis, factor, inner_split))
         return self
+
+    def reorder(self, old2new: dict[int, int]) -> TensorView:
+        """nvFuser's ``reorder``: loop axis ``old`` moves to position ``new`` for each item of ``old2new``;
+        the other axes keep their order. Only the loop order changes (not the sharding). Returns the
+        TensorView."""
+        if not isinstance(old2new, dict):
+            raise ShardingError(f"T{self.name}.reorder: expected a dict {{old: new}}, got {old2new!r}")
+        self._set_loop(loops.reorder(self._loop(), old2new, f"T{self.name}"))
+        return self
+
+    def rfactor(self, axes: Sequence[int]) -> TensorView:
+        """nvFuser's manual rfactor of a reduction: a new TensorView ``partial`` takes this tensor's place as
+        its op's output, reducing only ``axes`` (reduction axes of the loop domain); this tensor becomes
+        a ``set`` of ``partial`` that reduces the remaining reduction axes. Parallelizing a remaining axis
+        on ``partial`` leaves it Partial on that mesh axis, and the ``set`` sums it (e.g. an allreduce).
+
+        >>> out.outer_split(-1, d); partial = out.rfactor(axes=[-1]); partial.axis(-2).parallelize(DIDx)
+        """
+        loop = self._loop()
+        picked = {self._check_axis(a, len(loop), "rfactor") for a in axes}
+        if not picked or any(not loop[i].reduction for i in picked):
+            raise ShardingError(f"T{self.name}.rfactor: axes {list(axes)} must name reduction axes of the loop "
+                                f"domain [{', '.join(map(str, loop))}]")
+        fd = self._fd
+        i, producer = next(((i, op) for i, op in enumerate(fd._ops) if self.name in op.outputs), (None, None))
+        if producer is None:
+            raise ShardingError(f"T{self.name}.rfactor: T{self.name} is an input; only an op's output has reduction "
+                                "axes")
+        partial = TensorView(fd, len(fd._tensors))
+        fd._tensors.append(self._ir.replace(name=partial.name, loop=loop))
+        fd._ops[i] = producer.replace(outputs=tuple(partial.name if o == self.name else o for o in producer.outputs))
+        fd._ops.insert(i + 1, Op("set", (partial.name,), (self.name,)))
+        partial._set_loop(loop)
+        self._set_loop(tuple(ax for j, ax in enumerate(loop) if j not in picked))
+        return partial
+
+    def bound_sharding(self, shape: Sequence[int]) -> Sharding | None:
+        """The sharding of a full value of global ``shape`` under this schedule: symbolic extents bound,
+        and any pending sum done (what ``execute`` returns for it as an output; ``shard_tensor``)."""
+        if self.sharding is None or self._ir.loop is None:
+            return self.sharding and self.sharding.materialized()
+        loop = loops.bind(self._ir.loop, tuple(shape), f"T{self.name} {self._ir.type_str()}", "")
+        return loops.sharding(loop, self.mesh, f"T{self.name}").materialized()
 
     def axis(self, index: int) -> IterDomain:
         """Loop axis ``index`` (after splits), to ``parallelize``: ``tv.axis(0).parallelize(ParallelType.mesh_x)``."""
@@ -179,11 +223,14 @@ class TensorView:
             if ptype.mesh_axis(mesh.ndim) < 0:
                 raise ShardingError(f"T{self.name}.axis({index}).parallelize({ptype.value}): the mesh "
                                     f"{list(mesh.shape)} has {mesh.ndim} axis(es); {ptype.value} needs more")
-            used = [i for i, a in enumerate(loop) if a.ptype is ptype and i != index]
+            used = [i for i, a in enumerate(loop) if a.ptype is ptype and i != index and a.reduction == ax.reduction]
             if used:
                 raise ShardingError(f"T{self.name}: {ptype.value} is already bound to loop axis {used[0]}; "
-                                    "a device parallel type may be used once per tensor")
-        loop[index] = LoopAxis(ax.dim, ax.extent, ptype, ax.outermost)
+                                    "a device parallel type may be used once per tensor (once more on a reduction "
+                                    "axis)")
+        # a symbolic axis bound to a mesh axis has its size, as in nvFuser (an unsplit one: local extent 1)
+        extent = self.mesh.shape[ptype.mesh_axis(self.mesh.ndim)] if ptype.is_device and ax.extent < 0 else ax.extent
+        loop[index] = dataclasses.replace(ax, extent=extent, ptype=ptype)
         self._set_loop(tuple(loop))
 
     def _set_loop(self, loop: tuple[LoopAxis, ...]) -> None:
@@ -192,26 +239,7 @@ class TensorView:
         if mesh is None:
             self._update(loop=loop)
             return
-        placements = [REPLICATE] * mesh.ndim
-        for i, ax in enumerate(loop):
-            if not ax.ptype.is_device:
-                continue
-            mesh_axis = ax.ptype.mesh_axis(mesh.ndim)
-            where = f"T{self.name} loop axis {i} ({ax.ptype.value})"
-            if mesh_axis < 0:
-                raise ShardingError(f"{where}: the mesh {list(mesh.shape)} has no such axis")
-            if not ax.outermost:
-                raise LoweringError(f"{where}: only the outermost piece of a dim can be device-parallel; "
-                                    f"use outer_split({i}, {mesh.shape[mesh_axis]}) on dim {ax.dim}")
-            if ax.extent != mesh.shape[mesh_axis]:
-                raise ShardingError(
-                    f"{where}: extent {ax.extent} must equal the mesh axis size {mesh.shape[mesh_axis]}; "
-                    f"use outer_split(axis, {mesh.shape[mesh_axis]})")
-            if any(p == Shard(ax.dim) for p in placements):
-                raise LoweringError(f"{where}: dim {ax.dim} is already sharded on another mesh axis; "
-                                    "sharding one dim on two mesh axes is not supported")
-            placements[mesh_axis] = Shard(ax.dim)
-        self._update(loop=loop, sharding=Sharding(mesh, tuple(placements)))
+        self._update(loop=loop, sharding=loops.sharding(loop, mesh, f"T{self.name}"))
 
     def _check_axis(self, axis: int, n: int, what: str) -> int:
         if not isinstance(axis, int) or not -n <= axis < n:

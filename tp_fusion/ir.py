@@ -17,21 +17,27 @@ from tp_fusion.types import DataType, ParallelType
 
 @dataclass(frozen=True, slots=True)
 class LoopAxis:
-    """One axis of a tensor's loop domain as the user scheduled it.
+    """One axis of a tensor's loop domain (nvFuser's IterDomain) as the user scheduled it.
 
-    ``outermost`` is true when the axis is the outermost piece of logical dim ``dim`` (only such
-    an axis can be bound to a device dim). ``extent`` is -1 when it depends on a symbolic size.
+    ``dim`` is the logical dim the axis is a piece of, or for a ``reduction`` axis (``r{K}``: a dim its
+    op reduced, e.g. a GEMM's contraction) the index of that reduced dim among the op's. ``piece`` is
+    the axis' place in its dim's splits (one 0 for an outer, one 1 for an inner piece per split), so
+    the pieces of a dim sort outermost first whatever the loop order. ``extent`` is -1 when it
+    depends on a symbolic size.
     """
 
     dim: int
     extent: int
     ptype: ParallelType = ParallelType.serial
-    outermost: bool = True
+    reduction: bool = False
+    piece: tuple[int, ...] = ()
 
     def __str__(self) -> str:
+        extent = "?" if self.extent < 0 else str(self.extent)
+        r = "r" if self.reduction else ""
         if self.ptype.is_device:
-            return f"{self.ptype.value}{{{self.extent}}}"
-        return "?" if self.extent < 0 else str(self.extent)
+            return f"{r}{self.ptype.value}{{{extent}}}"
+        return f"r{{{extent}}}" if self.reduction else extent
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +62,7 @@ class Tensor:
     def sharding_str(self) -> str:
         if self.sharding is None:
             return ""
-        if self.loop is not None and not self.sharding.has_partial:
+        if self.loop is not None:
             loop = "[" + ", ".join(map(str, self.loop)) + "]"
         else:
             loop = self.sharding.loop_axes_str(self.shape)

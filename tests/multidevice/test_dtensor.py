@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from tp_fusion.sharding.sharding import Shard as TPShard
 
 import tp_fusion
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, ShardingError
@@ -86,6 +88,19 @@ def _check_1d(rank: int, world: int) -> None:
     with pytest.raises(UnevenShardError, match=r"dim 0 \(extent 9\) across 2 devices"):
         tp_fusion.execute_with_dtensors(_mlp_fusion(t=T + 1), uneven)
     assert isinstance(UnsupportedPlacementError("x"), NotImplementedError)
+
+    # A strided output (the inner piece of a split on mesh_x) comes back as DTensor's _StridedShard.
+    with FusionDefinition() as fd4:
+        a = fd4.define_tensor([T, H])
+        out = fd4.ops.set(a)
+        fd4.add_output(out)
+        out.set_device_mesh(DeviceMesh(range(world)))
+        out.inner_split(0, world)
+        out.axis(1).parallelize(ParallelType.mesh_x)
+    (s,) = tp_fusion.execute_with_dtensors(fd4, [distribute_tensor(full[0], mesh, [Replicate()])])
+    assert tuple(s.placements) == (_StridedShard(0, split_factor=T // world),)
+    torch.testing.assert_close(s.to_local(), full[0].reshape(T // world, world, H)[:, rank])
+    torch.testing.assert_close(s.full_tensor(), full[0])
     assert isinstance(UnevenShardError("x"), ValueError)
     with pytest.raises(tp_fusion.InputError, match="GLOBAL shape"):
         tp_fusion.execute_with_dtensors(_mlp_fusion(t=2 * T), [distribute_tensor(t, mesh, p)
@@ -116,11 +131,16 @@ def _check_2d(rank: int, world: int) -> None:
     assert not any(p.is_partial() for p in z.placements)
     torch.testing.assert_close(z.full_tensor(), want)
 
-    # One dim on both mesh axes is rejected clearly.
-    twice = [distribute_tensor(t, mesh, p) for t, p in zip(full, dp_tp)]
-    twice[0] = distribute_tensor(full[0], mesh, [Shard(0), Shard(0)])
-    with pytest.raises(UnsupportedPlacementError, match="dim 0 is sharded on mesh axes"):
-        tp_fusion.execute_with_dtensors(_mlp_fusion(), twice)
+    # One dim on both mesh axes: DTensor's left-to-right Shard(0), Shard(0), and FSDP2+TP's strided
+    # shard (mesh_x takes the outer piece, mesh_y the one inside it) are two device pieces of dim 0.
+    for placements, outers in (([Shard(0), Shard(0)], (1, 2)), ([_StridedShard(0, split_factor=world // 2), Shard(0)],
+                                                                (world // 2, 1))):
+        nested = [distribute_tensor(t, mesh, p) for t, p in zip(full, dp_tp)]
+        nested[0] = distribute_tensor(full[0], mesh, placements)
+        fd2 = _mlp_fusion()
+        (z,) = tp_fusion.execute_with_dtensors(fd2, nested)
+        assert fd2.fusion.tensor(fd2.fusion.inputs[0]).sharding.placements == tuple(TPShard(0, o) for o in outers)
+        torch.testing.assert_close(z.full_tensor(), want)
 
 
 @pytest.mark.ranks(2)

@@ -16,7 +16,6 @@ from tp_fusion import (
     DeviceMesh,
     FusionDefinition,
     InputError,
-    LoweringError,
     ParallelType,
     ShardingError,
     TPFusionError,
@@ -75,15 +74,13 @@ def _schedule_errors(rank: int, world: int) -> None:
     # Meshes with repeated devices, or empty.
     _raises(ShardingError, r"DeviceMesh \[0, 1, 0\] repeats device\(s\) \[0\]", lambda: DeviceMesh([0, 1, 0]))
     _raises(ShardingError, r"at least one device", lambda: DeviceMesh([]))
-    # A device dim on an inner piece of a split cannot be lowered.
+    # A device dim must have the mesh axis' extent (an inner piece may be one: a strided shard).
     fd2 = FusionDefinition()
     u = fd2.define_tensor([8, 6])
     u.set_device_mesh(mesh)
-    u.split(0, world)  # [4, 2]: the device dim would be the inner piece
+    u.split(0, world)  # [4, 2]
     _raises(ShardingError, r"extent 4 must equal the mesh axis size 2",
             lambda: u.axis(0).parallelize(ParallelType.mesh_x))
-    _raises(LoweringError, r"only the outermost piece of a dim can be device-parallel; use outer_split",
-            lambda: u.axis(1).parallelize(ParallelType.mesh_x), base=NotImplementedError)
 
 
 def _execute_errors(rank: int, world: int) -> None:

@@ -132,7 +132,7 @@ class _Case:
             if not dims or rng.random() < 0.35:
                 continue
             d = rng.choice(dims)
-            loop = d + sum(1 for s in split if s < d)
+            loop = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)  # past r{}
             tv.outer_split(loop, n)
             tv.axis(loop).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
             split.append(d)

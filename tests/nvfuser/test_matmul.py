@@ -13,10 +13,6 @@ import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     GROUPED_MM,
     LINEAR_3D_WEIGHT,
-    REDUCTION_AXES,
-    RFACTOR,
-    SIZE1_MESH,
-    SYMBOLIC_LINEAR_BIAS,
     missing,
 )
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct (PythonProfiler dropped)
@@ -167,7 +163,6 @@ def test_row_parallel_linear_with_bias(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref, rtol=1.3e-6, atol=1e-3)
 
 
-@missing(SYMBOLIC_LINEAR_BIAS, (REDUCTION_AXES, "world > 1"), (SIZE1_MESH, "world == 1"))
 @pytest.mark.mpi
 def test_linear_reduce_scatter(multidevice_test):
     d = multidevice_test.size
@@ -211,7 +206,6 @@ def test_linear_reduce_scatter(multidevice_test):
     )
 
 
-@missing((REDUCTION_AXES, "world > 1"))
 @pytest.mark.mpi
 def test_column_parallel_matmul(multidevice_test):
     d = multidevice_test.size
@@ -251,7 +245,6 @@ def test_column_parallel_matmul(multidevice_test):
     )
 
 
-@missing(REDUCTION_AXES, RFACTOR)
 @pytest.mark.mpi
 def test_row_parallel_matmul(multidevice_test):
     d = multidevice_test.size

@@ -17,7 +17,6 @@ from .gaps import (  # tp_fusion: xfail marks for known gaps
     ALLOCATION_DOMAIN,
     OUTPUT_LAYOUT,
     SYMBOLIC_MANY,
-    SYMBOLIC_UNSPLIT,
     missing,
 )
 
@@ -45,7 +44,6 @@ def test_sizes_and_ranks(multidevice_test):
     assert local_rank >= 0 and local_rank < local_size
 
 
-@missing(SYMBOLIC_UNSPLIT)
 @pytest.mark.mpi
 def test_pointwise(multidevice_test):
     num_devices = multidevice_test.size

@@ -11,18 +11,10 @@ import pytest
 import torch
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
-from .gaps import (  # tp_fusion: xfail marks for known gaps
-    DEVICE_SPLITS,
-    REDUCTION_AXES,
-    REORDER,
-    TWO_MESH_AXES,
-    missing,
-)
 
 
 # Unit tests for multidevice_test.shard_tensor.
 class TestShardTensor:
-    @missing(DEVICE_SPLITS)
     @pytest.mark.mpi
     def test_inner_split(self, multidevice_test):
         d = multidevice_test.size
@@ -42,7 +34,6 @@ class TestShardTensor:
             t.cpu(), t_ref.reshape(3, d)[:, multidevice_test.rank]
         )
 
-    @missing(DEVICE_SPLITS)
     @pytest.mark.mpi
     def test_nonoutermost_split(self, multidevice_test):
         d = multidevice_test.size
@@ -63,7 +54,6 @@ class TestShardTensor:
             t.cpu(), t_ref.reshape(2, d, 3)[:, multidevice_test.rank, :].flatten()
         )
 
-    @missing(REDUCTION_AXES)
     @pytest.mark.mpi
     def test_parallel_reduction(self, multidevice_test):
         d = multidevice_test.size
@@ -127,7 +117,6 @@ class TestShardTensor:
             ],
         )
 
-    @missing(DEVICE_SPLITS, TWO_MESH_AXES)
     @pytest.mark.mpi
     def test_2d_sharded_vector(self, multidevice_test):
         d = multidevice_test.size
@@ -169,7 +158,6 @@ class TestShardTensor:
             ].flatten(),
         )
 
-    @missing(DEVICE_SPLITS, TWO_MESH_AXES, REORDER)
     @pytest.mark.mpi
     def test_context_and_tensor_parallel(self, multidevice_test):
         d = multidevice_test.size

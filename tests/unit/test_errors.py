@@ -259,19 +259,6 @@ def test_parallelize_needs_a_parallel_type():
     _raises(ShardingError, r"expected a ParallelType, got 'mesh_x'", lambda: t.axis(0).parallelize("mesh_x"))
 
 
-def test_unsupported_shardings_are_not_implemented():
-    _, t = _tv()
-    t.split(0, 2)  # [4, 2]: the inner piece cannot be device-parallel
-    _raises(LoweringError, r"T0 loop axis 1 \(mesh_x\): only the outermost piece of a dim can be device-parallel",
-            lambda: t.axis(1).parallelize(ParallelType.mesh_x), base=NotImplementedError)
-    _, t = _tv(shape=(8, 6), mesh=MESH22)
-    t.outer_split(0, 2)
-    t.axis(0).parallelize(ParallelType.mesh_x)
-    t.outer_split(1, 2)  # loop [mesh_x{2}, 2, 2, 6]: axis 1 is an inner piece of dim 0 too
-    _raises(LoweringError, r"only the outermost piece", lambda: t.axis(1).parallelize(ParallelType.mesh_y),
-            base=NotImplementedError)
-
-
 @pytest.mark.parametrize("devices,msg", [
     ([0, 1, 1], r"DeviceMesh \[0, 1, 1\] repeats device\(s\) \[1\]; each rank may appear once"),
     (torch.tensor([[0, 1], [1, 0]]), r"repeats device\(s\) \[0, 1\]"),

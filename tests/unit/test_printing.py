@@ -69,7 +69,7 @@ Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
   T4 = input : bf16[32] @mesh(0 1)[32]
   T5 = linear(T0, T1, T2) : bf16[64, 128]
   T6 = gelu(T5, approximate='tanh') : bf16[64, 128]
-  T7 = linear(T6, T3, T4) : bf16[64, 32] @mesh(0 1)[mesh_x{2}, 32, 32]"""
+  T7 = linear(T6, T3, T4) : bf16[64, 32] @mesh(0 1)[mesh_x{2}, 32, 32, r{128}]"""
 
 MLP_TP_4 = """\
 Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
@@ -80,13 +80,13 @@ Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
   T4 = input : f32[8] @mesh(0 1 2 3)[8]
   T5 = linear(T0, T1, T2) : f32[16, 32]
   T6 = gelu(T5, approximate='tanh') : f32[16, 32]
-  T7 = linear(T6, T3, T4) : f32[16, 8] @mesh(0 1 2 3)[16, 8]"""
+  T7 = linear(T6, T3, T4) : f32[16, 8] @mesh(0 1 2 3)[16, 8, r{32}]"""
 
 MESH_2D = """\
 Fusion(inputs=[T0, T1], outputs=[T2])
   T0 = input : bf16[?, 8] @mesh(2x2: 0 1 2 3)[mesh_y{2}, ?, 8]
   T1 = input : bf16[16, 8] @mesh(2x2: 0 1 2 3)[mesh_x{2}, 8, 2, 4]
-  T2 = linear(T0, T1) : bf16[?, 16] @mesh(2x2: 0 1 2 3)[?, 16]"""
+  T2 = linear(T0, T1) : bf16[?, 16] @mesh(2x2: 0 1 2 3)[?, 16, r{8}]"""
 
 
 def test_small_fusion_golden():
@@ -142,7 +142,7 @@ Fusion(inputs=[T0, T1, T2, T3], outputs=[T6])
   T3 = input : bf16[8, 32] @mesh(0 1)[8, mesh_x{2}, 16]
   T4 = linear(T0, T1, T2) : bf16[?, 32]
   T5 = gelu(T4, approximate='tanh') : bf16[?, 32]
-  T6 = linear(T5, T3) : bf16[?, 8] @mesh(0 1)[?, 8]"""
+  T6 = linear(T5, T3) : bf16[?, 8] @mesh(0 1)[?, 8, r{32}]"""
 
 
 def _mesh_2d_fusion() -> FusionDefinition:

@@ -35,8 +35,9 @@ def shard(tv, mesh, dims: dict[int, ParallelType] | None = None) -> None:
     """Put ``tv`` on ``mesh`` and shard logical dim d on ``dims[d]`` (outer split, then parallelize)."""
     tv.set_device_mesh(mesh)
     for d, ptype in sorted((dims or {}).items(), reverse=True):  # right to left: loop indices stay valid
-        tv.outer_split(d, mesh.shape[ptype.mesh_axis(mesh.ndim)])
-        tv.axis(d).parallelize(ptype)
+        i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)  # past r{} axes
+        tv.outer_split(i, mesh.shape[ptype.mesh_axis(mesh.ndim)])
+        tv.axis(i).parallelize(ptype)
 
 
 def lower(fd: FusionDefinition):
@@ -209,7 +210,7 @@ Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
   T6 = gelu(T5, approximate='tanh') : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
   T8 = linear(T6, T3) : f32[8, 4] @mesh(0 1)[8, 4] partial(sum: mesh_x)
   T9 = allreduce(T8, mesh_axis=0) : f32[8, 4] @mesh(0 1)[8, 4]
-  T7 = add(T9, T4) : f32[8, 4] @mesh(0 1)[8, 4]"""
+  T7 = add(T9, T4) : f32[8, 4] @mesh(0 1)[8, 4, r{16}]"""
 
 SP_MLP_GOLDEN = """\
 Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
@@ -223,7 +224,7 @@ Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
   T6 = gelu(T5, approximate='tanh') : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
   T9 = linear(T6, T3) : f32[8, 4] @mesh(0 1)[8, 4] partial(sum: mesh_x)
   T10 = reduce_scatter(T9, mesh_axis=0, dim=0) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]
-  T7 = add(T10, T4) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]"""
+  T7 = add(T10, T4) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4, r{16}]"""
 
 
 def test_tp_mlp_golden_ir():
@@ -698,30 +699,6 @@ def test_non_divisible_propagated_extent_raises_sharding_error():
     s = Sharding(MESH4, (Shard(1),))
     with pytest.raises(ShardingError, match=r"T3.*dim 1 of extent 6.*4 devices"):
         s.check_divides((8, 6), "T3")
-
-
-def test_sharding_an_inner_split_piece_is_not_implemented():
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([8, 4])
-        fd.add_output(fd.ops.relu(x))
-        x.set_device_mesh(MESH2)
-        x.split(0, 2)  # [4, 2]: the inner piece has the mesh's extent
-        with pytest.raises(LoweringError) as e:
-            x.axis(1).parallelize(X)
-    assert isinstance(e.value, NotImplementedError) and isinstance(e.value, TPFusionError)
-    assert "T0" in str(e.value) and "outer" in str(e.value)
-
-
-def test_sharding_one_dim_on_two_mesh_axes_is_not_implemented():
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([8, 4])
-        fd.add_output(fd.ops.relu(x))
-        x.set_device_mesh(MESH22)
-        x.outer_split(0, 2)
-        x.axis(0).parallelize(X)
-        x.outer_split(1, 2)
-        with pytest.raises(LoweringError):
-            x.axis(1).parallelize(Y)
 
 
 # --- shard_tensor / unshard_tensor -----------------------------------------------------------

@@ -14,28 +14,40 @@ from tp_fusion.program import Communicate, Program
 from tp_fusion.runtime import dist
 
 
-def _stack_chunks(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """[n, ...]: chunk i along ``dim`` of ``x`` becomes row i (contiguous)."""
+def _stack_chunks(x: torch.Tensor, n: int, dim: int, outer: int = 1) -> torch.Tensor:
+    """[n, ...]: chunk i along ``dim`` of ``x`` becomes row i (contiguous). With ``outer`` > 1 (a strided
+    shard) chunk i is ``dim`` viewed as [outer, n, rest] at [:, i]."""
+    if outer != 1:
+        return x.unflatten(dim, (outer, n, -1)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2).contiguous()
     if dim == 0:
         return x.contiguous().view(n, x.shape[0] // n, *x.shape[1:])
     return torch.stack(x.chunk(n, dim)).contiguous()
 
 
-def _unstack(buf: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of ``_stack_chunks``: rows of ``buf`` concatenated along ``dim``."""
+def _unstack(buf: torch.Tensor, dim: int, outer: int = 1) -> torch.Tensor:
+    """Inverse of ``_stack_chunks``: rows of ``buf`` concatenated along ``dim`` (interleaved at ``outer``)."""
+    if outer != 1:
+        return buf.unflatten(dim + 1, (outer, -1)).movedim(0, dim + 1).flatten(dim, dim + 2)
     if dim == 0:
         return buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:])
     return torch.cat(buf.unbind(0), dim)
 
 
-def allgather(x: torch.Tensor, dim: int, pg, n: int) -> torch.Tensor:
+def local_slice(x: torch.Tensor, n: int, dim: int, index: int, outer: int = 1) -> torch.Tensor:
+    """Chunk ``index`` of ``n`` along ``dim`` (viewed as [outer, n, rest]); no communication."""
+    if outer != 1:
+        return x.unflatten(dim, (outer, n, -1)).select(dim + 1, index).flatten(dim, dim + 1)
+    return x.chunk(n, dim)[index]
+
+
+def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1) -> torch.Tensor:
     buf = x.new_empty((n, *x.shape))
     dist.all_gather(buf.view(n * x.shape[0], *x.shape[1:]) if x.dim() else buf, x.contiguous(), pg)
-    return _unstack(buf, dim)
+    return _unstack(buf, dim, outer)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int) -> torch.Tensor:
-    stacked = _stack_chunks(x, n, dim)
+def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1) -> torch.Tensor:
+    stacked = _stack_chunks(x, n, dim, outer)
     out = x.new_empty(stacked.shape[1:])
     dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg)
     return out
@@ -47,12 +59,13 @@ def allreduce(x: torch.Tensor, pg, donate: bool) -> torch.Tensor:
     return out
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, dim: int, pg, n: int) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, src_dim: int, dim: int, pg, n: int, src_outer: int = 1,
+               outer: int = 1) -> torch.Tensor:
     """Sharded on ``src_dim`` in, sharded on ``dim`` out: chunk j along ``dim`` goes to rank j."""
-    inp = _stack_chunks(x, n, dim)
+    inp = _stack_chunks(x, n, dim, outer)
     out = torch.empty_like(inp)
     dist.all_to_all(out, inp, pg)
-    return torch.cat(out.unbind(0), src_dim)
+    return _unstack(out, src_dim, src_outer)
 
 
 def send_recv(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: int, local_shape, dtype, device):
@@ -93,18 +106,18 @@ def step_fn(s: Communicate, program: Program):
     if c is Collective.BROADCAST:
         src, dst, pg = op.attr("src_mesh"), op.attr("dst_mesh"), dist.group(s.group)
         return lambda x: broadcast(x, src, dst, rank, pg, shape, dtype, device)
-    n, index, dim = len(s.group), s.group.index(rank), op.attr("dim")
+    n, index, dim, outer = len(s.group), s.group.index(rank), op.attr("dim"), op.attr("outer", 1)
     if c is Collective.LOCAL_SLICE:
-        return lambda x: x.chunk(n, dim)[index]
+        return lambda x: local_slice(x, n, dim, index, outer)
     if c is Collective.TO_PARTIAL:  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
         return (lambda x: x) if index == 0 else torch.zeros_like
     pg = dist.group(s.group)
     if c is Collective.ALLGATHER:
-        return lambda x: allgather(x, dim, pg, n)
+        return lambda x: allgather(x, dim, pg, n, outer)
     if c is Collective.REDUCE_SCATTER:
-        return lambda x: reduce_scatter(x, dim, pg, n)
+        return lambda x: reduce_scatter(x, dim, pg, n, outer)
     if c is Collective.ALLREDUCE:
         donate = s.donate
         return lambda x: allreduce(x, pg, donate)
-    src_dim = op.attr("src_dim")
-    return lambda x: all_to_all(x, src_dim, dim, pg, n)
+    src_dim, src_outer = op.attr("src_dim"), op.attr("src_outer", 1)
+    return lambda x: all_to_all(x, src_dim, dim, pg, n, src_outer, outer)

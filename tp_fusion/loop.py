@@ -1,0 +1,128 @@
+"""Loop domains, as in nvFuser: the axes a TensorView's schedule splits, reorders and parallelizes,
+and the sharding they give the tensor.
+
+A loop domain is a tuple of ``LoopAxis`` (``tp_fusion.ir``). It starts as the tensor's logical dims
+plus, for the output of a GEMM or a reduction, the reduced dims (``r{K}``): a linear/matmul output
+ends with its contraction, sum/mean/amax/var_mean keep their reduced dims in place. From it:
+
+- a device-parallel piece of a logical dim shards that dim on the piece's mesh axis, at the piece's
+  place in the dim (``Shard(dim, outer)``: outermost, inner or middle);
+- a device-parallel piece of a reduction axis leaves the tensor Partial (a pending sum) on that mesh
+  axis: each device reduced its part (nvFuser's rfactor). With a logical dim sharded on the same mesh
+  axis too, the tensor holds its shard of the finished sum (a reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from tp_fusion.errors import ShardingError
+from tp_fusion.ir import LoopAxis, Op
+from tp_fusion.mesh import DeviceMesh
+from tp_fusion.ops import Trait, opdef
+from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Replicate, Shard, Sharding
+
+Loop = tuple[LoopAxis, ...]
+
+
+def default_loop(shape: tuple[int, ...], producer: Op | None, shape_of: Callable[[int], tuple[int, ...]]) -> Loop:
+    """The unscheduled loop domain of a tensor of ``shape`` made by ``producer`` (None: an input)."""
+    logical = [LoopAxis(d, e) for d, e in enumerate(shape)]
+    if producer is None:
+        return tuple(logical)
+    op = opdef(producer.kind)
+    if op.has(Trait.GEMM):
+        a, b = (shape_of(x) for x in producer.tensor_inputs[:2])
+        k_of_b = b[1] if op.weight_out_in else (b[0] if len(b) == 1 else b[-2])
+        return (*logical, LoopAxis(0, a[-1] if a[-1] >= 0 else k_of_b, reduction=True))
+    if op.has(Trait.REDUCTION) and not producer.attr("keepdim", False):
+        x = shape_of(producer.tensor_inputs[0])
+        dims, loop, out_dim = producer.attr("dims"), [], 0
+        for d, e in enumerate(x):
+            if d in dims:
+                loop.append(LoopAxis(dims.index(d), e, reduction=True))
+            else:
+                loop.append(LoopAxis(out_dim, e))
+                out_dim += 1
+        return tuple(loop)
+    return tuple(logical)
+
+
+def split(loop: Loop, axis: int, factor: int, inner_split: bool) -> Loop:
+    """Axis ``axis`` of extent n becomes [n/factor, factor] (``inner_split``) or [factor, n/factor]."""
+    old = loop[axis]
+    rest = -1 if old.extent < 0 else old.extent // factor
+    outer, inner = (rest, factor) if inner_split else (factor, rest)
+    pieces = (LoopAxis(old.dim, outer, reduction=old.reduction, piece=(*old.piece, 0)),
+              LoopAxis(old.dim, inner, reduction=old.reduction, piece=(*old.piece, 1)))
+    return (*loop[:axis], *pieces, *loop[axis + 1:])
+
+
+def reorder(loop: Loop, old2new: dict[int, int], what: str) -> Loop:
+    """nvFuser's ``reorder``: axis ``old`` moves to position ``new``; the other axes keep their order
+    in the positions left."""
+    n = len(loop)
+    moves = {}
+    for old, new in old2new.items():
+        if not all(isinstance(i, int) and -n <= i < n for i in (old, new)):
+            raise ShardingError(f"{what}: reorder {old2new} names an axis out of range for a loop domain of {n} "
+                                "axes")
+        moves[old % n] = new % n
+    if len(set(moves.values())) != len(moves):
+        raise ShardingError(f"{what}: reorder {old2new} moves two axes to one position")
+    out: list[LoopAxis | None] = [None] * n
+    for old, new in moves.items():
+        out[new] = loop[old]
+    rest = iter(ax for i, ax in enumerate(loop) if i not in moves)
+    return tuple(ax if ax is not None else next(rest) for ax in out)
+
+
+def _pieces(loop: Loop, ax: LoopAxis) -> list[LoopAxis]:
+    """The pieces of ``ax``'s dim, outermost first."""
+    return sorted((a for a in loop if a.dim == ax.dim and a.reduction == ax.reduction), key=lambda a: a.piece)
+
+
+def sharding(loop: Loop, mesh: DeviceMesh, what: str) -> Sharding:
+    """The sharding ``loop`` gives a tensor on ``mesh`` (see the module docstring)."""
+    placements = [REPLICATE] * mesh.ndim
+    for reduction in (False, True):  # a logical dim sharded on a mesh axis wins over a pending sum on it
+        for i, ax in enumerate(loop):
+            if not ax.ptype.is_device or ax.reduction != reduction:
+                continue
+            mesh_axis = ax.ptype.mesh_axis(mesh.ndim)
+            where = f"{what} loop axis {i} ({ax.ptype.value})"
+            if mesh_axis < 0:
+                raise ShardingError(f"{where}: the mesh {list(mesh.shape)} has no such axis")
+            if ax.extent != mesh.shape[mesh_axis]:
+                raise ShardingError(
+                    f"{where}: extent {ax.extent} must equal the mesh axis size {mesh.shape[mesh_axis]}; "
+                    f"use outer_split(axis, {mesh.shape[mesh_axis]})")
+            if reduction:
+                if isinstance(placements[mesh_axis], Replicate):
+                    placements[mesh_axis] = PARTIAL_SUM
+                continue
+            before = [a.extent for a in _pieces(loop, ax) if a.piece < ax.piece]
+            placements[mesh_axis] = Shard(ax.dim, -1 if -1 in before else math.prod(before))
+    return Sharding(mesh, tuple(placements))
+
+
+def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str) -> Loop:
+    """``loop`` with the symbolic piece of each logical dim sized from ``shape`` (the concrete extents);
+    ShardingError where the schedule does not fit them. ``when`` says where they come from."""
+    out = list(loop)
+    for d, n in enumerate(shape):
+        pieces = [i for i, a in enumerate(loop) if a.dim == d and not a.reduction]
+        known = [loop[i].extent for i in pieces if loop[i].extent >= 0]
+        k = math.prod(known)
+        symbolic = [i for i in pieces if loop[i].extent < 0]
+        if n < 0 or (not symbolic and k == n):
+            continue
+        if not symbolic or n % k != 0:
+            fits = f"splits it by {' x '.join(map(str, known))} = {k}, which does not divide {n}" if symbolic else \
+                f"gives it {' x '.join(map(str, known))} = {k}"
+            raise ShardingError(f"{what}: dim {d} is symbolic and bound to {n}{when}, but its schedule {fits}; "
+                                f"pass a size that is a multiple of {k} or change the split")
+        (i,) = symbolic
+        out[i] = LoopAxis(loop[i].dim, n // k, loop[i].ptype, loop[i].reduction, loop[i].piece)
+    return tuple(out)
