@@ -31,11 +31,14 @@ class MLP(torch.nn.Module):
         return F.linear(F.gelu(F.linear(x, self.w1, self.b1), approximate="tanh"), self.w2, self.b2)
 
 
-def _shard(tv, mesh: DeviceMesh, dim: int | None) -> None:
+def _shard(tv, mesh: DeviceMesh, dim: int | None, summed_rows: bool = False) -> None:
+    """``tv`` on ``mesh``, sharded on ``dim`` (None: replicated). ``summed_rows``: ``tv`` is a sum over
+    dim 0, whose loop domain keeps the reduced axis first, so dim ``i`` is loop axis ``i + 1``."""
     tv.set_device_mesh(mesh)
     if dim is not None:
-        tv.outer_split(dim, mesh.size)
-        tv.axis(dim).parallelize(ParallelType.mesh_x)
+        axis = dim + 1 if summed_rows else dim
+        tv.outer_split(axis, mesh.size)
+        tv.axis(axis).parallelize(ParallelType.mesh_x)
 
 
 def define_forward(d: int, sp: bool, scheduled: bool = True) -> FusionDefinition:
@@ -81,8 +84,9 @@ def define_backward(d: int, sp: bool, scheduled: bool = True, grads: tuple[str, 
         if scheduled:
             row = 0 if sp else None
             for tv, dim in ((x, row), (w1, 0), (b1, 0), (w2, 1), (grad_z, row),
-                            (grad_x, row), (grad_w1, 0), (grad_b1, 0), (grad_w2, 1), (grad_b2, None)):
+                            (grad_x, row), (grad_w1, 0), (grad_w2, 1), (grad_b2, None)):
                 _shard(tv, mesh, dim)
+            _shard(grad_b1, mesh, 0, summed_rows=True)
     return fd
 
 
