@@ -1,14 +1,16 @@
 """One GPT-style transformer layer, forward and backward, written with tp_fusion and validated against torch.
 
     python examples/transformer_layer.py                  # 2 CPU ranks with gloo, both modes
-    python examples/transformer_layer.py --mode sp --nproc 4 --heads 8
+    python examples/transformer_layer.py --mode sp --nproc 4 --heads 8 --dropout 0.1
     torchrun --nproc_per_node=2 examples/transformer_layer.py --dtype bf16 --tokens 4096 --seq 2048 \\
         --hidden 2048 --heads 16
 
 The layer (tokens = batch x seq rows of width hidden; causal attention within each sequence):
 layer_norm -> QKV linear (column-parallel: heads sharded) -> attention (sdpfa_fwd) -> out-projection
 (row-parallel) -> residual add -> layer_norm -> linear (column-parallel) -> tanh-GELU -> linear
-(row-parallel) -> residual add. The forward fusion returns the output and saves what the backward
+(row-parallel) -> residual add; with ``--dropout P``, dropout (``rand_like`` < 1 - P from a fixed seed
+and offset, which the backward redraws) on the out-projection and on the MLP's output, before their
+residual adds. The forward fusion returns the output and saves what the backward
 fusion needs (layer-norm statistics, the QKV projection, attention's output and logsumexp, ...);
 ``tp_fusion.autograd.function`` joins the two, so ``out.backward(grad)`` runs the backward fusion.
 
@@ -45,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=8, help="sequence length (attention is causal within a sequence)")
     p.add_argument("--hidden", type=int, default=32, help="hidden size (the MLP's inner size is 4x)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (head dim = hidden / heads)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout probability after the out-projection and after the MLP (0: none)")
     add_run_options(p, nproc=2)
     p.add_argument("--explain", action="store_true", help="also print the plan summaries (bytes, FLOPs)")
     p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
@@ -70,6 +74,7 @@ from tp_fusion.launch import run_program  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
 
 EPS = 1e-5
+DROPOUT_SEED = 2026  # the dropout masks are functions of (seed, offset): the backward redraws them
 GELU_K, GELU_C = 0.7978845608028654, 0.044715  # sqrt(2/pi) and the cubic coefficient of tanh-GELU
 # The layer's inputs, in the fusions' order (nvFuser's test_transformer uses the same 13).
 INPUTS = ("x", "ln0_w", "ln0_b", "qkv_w", "qkv_b", "out_w", "out_b", "ln1_w", "ln1_b", "fc1_w", "fc1_b",
@@ -101,6 +106,7 @@ class Config:
     d: int  # ranks
     mode: str  # "tp" or "sp"
     dtype: DataType
+    dropout: float = 0.0  # after the out-projection and after the MLP, as in nvFuser's block
 
     @property
     def batch(self) -> int:
@@ -177,6 +183,15 @@ def gelu_tanh_grad(fd: FusionDefinition, h):
                       fd.ops.mul(fd.ops.mul(fd.ops.mul(h, 0.5), fd.ops.sub(1.0, fd.ops.mul(t, t))), du))
 
 
+def dropout(fd: FusionDefinition, x, cfg: Config, offset: int):
+    """``x`` times the dropout mask ``offset`` (kept with probability 1 - p) over 1 - p; the mask is
+    ``rand_like(x) < 1 - p`` drawn from (``DROPOUT_SEED``, ``offset``), so ``x`` of the same shape and
+    dtype in the backward fusion (or in ``dropout_masks``) gets the same mask."""
+    keep = 1.0 - cfg.dropout
+    mask = fd.ops.lt(fd.ops.rand_like(x, rng_seed=DROPOUT_SEED, rng_offset=offset), keep)
+    return fd.ops.mul(fd.ops.mul(x, fd.ops.cast(mask, x.dtype)), 1.0 / keep)
+
+
 def split_heads(fd: FusionDefinition, qkv, cfg: Config):
     """q, k, v [batch, heads, seq, head_dim] from the QKV projection [tokens, 3 hidden] (per head: q, k, v)."""
     b, s, h, dh = cfg.batch, cfg.seq, cfg.heads, cfg.head_dim
@@ -201,11 +216,13 @@ def define_forward(cfg: Config) -> FusionDefinition:
         q, k, v = split_heads(fd, qkv, cfg)
         attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=True, scale=None)
         proj = fd.ops.linear(merge_heads(fd, attn, cfg), t["out_w"], t["out_b"])
-        res1 = fd.ops.add(x, cast(fd, proj, acc))
+        proj_acc = cast(fd, proj, acc)
+        res1 = fd.ops.add(x, dropout(fd, proj_acc, cfg, 0) if cfg.dropout else proj_acc)
         ln1, mean1, rstd1 = layer_norm(fd, res1, t["ln1_w"], t["ln1_b"], acc)
         fc1 = fd.ops.linear(cast(fd, ln1, cfg.dtype), t["fc1_w"], t["fc1_b"])
         fc2 = fd.ops.linear(fd.ops.gelu(fc1, approximate="tanh"), t["fc2_w"], t["fc2_b"])
-        out = cast(fd, fd.ops.add(res1, cast(fd, fc2, acc)), cfg.dtype)
+        fc2_acc = cast(fd, fc2, acc)
+        out = cast(fd, fd.ops.add(res1, dropout(fd, fc2_acc, cfg, 1) if cfg.dropout else fc2_acc), cfg.dtype)
         outputs = dict(zip(OUTPUTS, (out, mean0, rstd0, qkv, attn, lse, seed, offset, res1, mean1, rstd1, fc1)))
         for tv in outputs.values():
             fd.add_output(tv)
@@ -230,11 +247,12 @@ def define_backward(cfg: Config, forward: FusionDefinition) -> FusionDefinition:
             cfg.schedule(tv, name)
         x, grad_res2 = cast(fd, t["x"], acc), cast(fd, t["grad_out"], acc)
 
-        # MLP: out = res1 + fc2(gelu(fc1(ln1(res1))))
-        grad_fc2_out = gathered(fd, cast(fd, grad_res2, dt), cfg)
+        # MLP: out = res1 + dropout(fc2(gelu(fc1(ln1(res1)))))
+        grad_fc2_acc = dropout(fd, grad_res2, cfg, 1) if cfg.dropout else grad_res2
+        grad_fc2_out = gathered(fd, cast(fd, grad_fc2_acc, dt), cfg)
         gelu = fd.ops.gelu(t["fc1"], approximate="tanh")
         grad_fc2_w = fd.ops.matmul(fd.ops.permute(grad_fc2_out, [1, 0]), gelu)
-        grad_fc2_b = fd.ops.sum(grad_res2, [0])
+        grad_fc2_b = fd.ops.sum(grad_fc2_acc, [0])
         grad_gelu = fd.ops.matmul(grad_fc2_out, t["fc2_w"])
         grad_fc1 = cast(fd, fd.ops.mul(cast(fd, grad_gelu, acc), gelu_tanh_grad(fd, cast(fd, t["fc1"], acc))), dt)
         grad_fc1_b = fd.ops.sum(cast(fd, grad_fc1, acc), [0])
@@ -246,11 +264,12 @@ def define_backward(cfg: Config, forward: FusionDefinition) -> FusionDefinition:
         grad_fc1_w = fd.ops.matmul(fd.ops.permute(grad_fc1, [1, 0]), gathered(fd, cast(fd, ln1, dt), cfg))
         grad_res1 = fd.ops.add(grad_res2, grad_res1_ln)
 
-        # Attention: res1 = x + out_proj(attention(split_heads(qkv(ln0(x)))))
-        grad_proj = gathered(fd, cast(fd, grad_res1, dt), cfg)
+        # Attention: res1 = x + dropout(out_proj(attention(split_heads(qkv(ln0(x))))))
+        grad_proj_acc = dropout(fd, grad_res1, cfg, 0) if cfg.dropout else grad_res1
+        grad_proj = gathered(fd, cast(fd, grad_proj_acc, dt), cfg)
         attn2d = merge_heads(fd, t["attn"], cfg)
         grad_out_w = fd.ops.matmul(fd.ops.permute(grad_proj, [1, 0]), attn2d)
-        grad_out_b = fd.ops.sum(grad_res1, [0])
+        grad_out_b = fd.ops.sum(grad_proj_acc, [0])
         grad_attn2d = fd.ops.matmul(grad_proj, t["out_w"])
         grad_attn = fd.ops.permute(fd.ops.reshape(grad_attn2d, [cfg.batch, cfg.seq, cfg.heads, cfg.head_dim]),
                                    [0, 2, 1, 3])
@@ -290,10 +309,13 @@ def transformer_layer_function(cfg: Config):
 class ReferenceLayer(torch.nn.Module):
     """The unsharded layer in plain torch, for the check (its gradients come from torch's autograd)."""
 
-    def __init__(self, full: dict[str, torch.Tensor], seq: int, heads: int):
+    def __init__(self, full: dict[str, torch.Tensor], seq: int, heads: int, p: float = 0.0, masks=(None, None)):
         super().__init__()
-        self.seq, self.heads = seq, heads
+        self.seq, self.heads, self.p, self.masks = seq, heads, p, masks
         self.weights = torch.nn.ParameterDict({n: torch.nn.Parameter(full[n].clone()) for n in INPUTS[1:]})
+
+    def dropout(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return x if self.masks[i] is None else x * self.masks[i] / (1.0 - self.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weights
@@ -302,9 +324,20 @@ class ReferenceLayer(torch.nn.Module):
         qkv = qkv.reshape(t // self.seq, self.seq, h, 3 * e // h).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(t, e)
-        res1 = x + F.linear(attn, w["out_w"], w["out_b"])
+        res1 = x + self.dropout(F.linear(attn, w["out_w"], w["out_b"]), 0)
         fc1 = F.linear(F.layer_norm(res1, (e,), w["ln1_w"], w["ln1_b"], EPS), w["fc1_w"], w["fc1_b"])
-        return res1 + F.linear(F.gelu(fc1, approximate="tanh"), w["fc2_w"], w["fc2_b"])
+        return res1 + self.dropout(F.linear(F.gelu(fc1, approximate="tanh"), w["fc2_w"], w["fc2_b"]), 1)
+
+
+def dropout_masks(cfg: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's two full dropout masks, drawn by a fusion without a mesh (one process) from the
+    same seed and offsets, on the same device and in the same dtype as the layer's."""
+    with FusionDefinition() as fd:
+        like = fd.define_tensor([cfg.tokens, cfg.hidden], dtype=cfg.acc)
+        for offset in (0, 1):
+            draw = fd.ops.rand_like(like, rng_seed=DROPOUT_SEED, rng_offset=offset)
+            fd.add_output(fd.ops.lt(draw, 1.0 - cfg.dropout))
+    return tuple(fd.execute([torch.empty(cfg.tokens, cfg.hidden, dtype=cfg.acc.torch, device=device)]))
 
 
 def reference_tensors(cfg: Config, torch_dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
@@ -323,11 +356,12 @@ def reference_tensors(cfg: Config, torch_dtype: torch.dtype, device) -> dict[str
 def run_mode(rank: int, world: int, args, mode: str, device) -> None:
     """Forward and backward of the layer on this rank's shards; exits unless every shard matches torch."""
     torch_dtype, dtype = DTYPES[args.dtype]
-    cfg = Config(args.tokens, args.seq, args.hidden, args.heads, world, mode, dtype)
+    cfg = Config(args.tokens, args.seq, args.hidden, args.heads, world, mode, dtype, args.dropout)
     layer, forward, backward = transformer_layer_function(cfg)
     full = reference_tensors(cfg, torch_dtype, device)
 
-    reference = ReferenceLayer({n: v.double() for n, v in full.items()}, cfg.seq, cfg.heads)
+    masks = dropout_masks(cfg, device) if cfg.dropout else (None, None)
+    reference = ReferenceLayer({n: v.double() for n, v in full.items()}, cfg.seq, cfg.heads, cfg.dropout, masks)
     x_ref = full["x"].double().requires_grad_()
     out_ref = reference(x_ref)
     out_ref.backward(full["grad_out"].double())
@@ -343,7 +377,7 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> None:
     errors = {n: _relative_error(got[n], shard_tensor(want[n], shardings[n], rank)) for n in got}
     worst = dict(zip(errors, map(max, zip(*dist.gather_from_all(list(errors.values()))))))
     title = (f"mode {mode}: {world} ranks, tokens {cfg.tokens} (batch {cfg.batch} x seq {cfg.seq}), hidden "
-             f"{cfg.hidden}, heads {cfg.heads}, {args.dtype}")
+             f"{cfg.hidden}, heads {cfg.heads}, dropout {cfg.dropout}, {args.dtype}")
     collectives = forward.plan.collectives()
     if rank == 0:
         print(f"===== {title}, {out.device.type} =====")

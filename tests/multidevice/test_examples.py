@@ -39,14 +39,14 @@ def test_example_fails_loudly_on_a_bad_mesh():
     assert "do not form a mesh" in proc.stderr
 
 
-@pytest.mark.parametrize("mode,collectives", [
-    ("tp", "forward collectives: ['allreduce', 'allreduce']"),
-    ("sp", "forward collectives: ['allgather', 'reduce_scatter', 'allgather', 'reduce_scatter']"),
+@pytest.mark.parametrize("mode,dropout,collectives", [
+    ("tp", "0", "forward collectives: ['allreduce', 'allreduce']"),
+    ("sp", "0.1", "forward collectives: ['allgather', 'reduce_scatter', 'allgather', 'reduce_scatter']"),
 ])
-def test_transformer_layer_forward_and_backward_validate(mode, collectives):
+def test_transformer_layer_forward_and_backward_validate(mode, dropout, collectives):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "examples/transformer_layer.py", "--mode", mode], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "examples/transformer_layer.py", "--mode", mode, "--dropout", dropout],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout
     assert proc.returncode == 0, f"exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
     assert f"OK: {mode}: the output and every gradient shard match torch on every rank" in out, out
