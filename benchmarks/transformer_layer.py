@@ -239,17 +239,16 @@ class TorchLayer(torch.nn.Module):
 
     def __init__(self, full: dict, s: Shape):
         super().__init__()
-        e = s.hidden
+        e, like = s.hidden, {"device": full["x"].device, "dtype": full["x"].dtype}
         self.s = s
-        self.ln0, self.ln1 = torch.nn.LayerNorm(e, eps=EPS), torch.nn.LayerNorm(e, eps=EPS)
-        self.qkv, self.out = torch.nn.Linear(e, 3 * e), torch.nn.Linear(e, e)
-        self.fc1, self.fc2 = torch.nn.Linear(e, 4 * e), torch.nn.Linear(4 * e, e)
+        self.ln0, self.ln1 = torch.nn.LayerNorm(e, eps=EPS, **like), torch.nn.LayerNorm(e, eps=EPS, **like)
+        self.qkv, self.out = torch.nn.Linear(e, 3 * e, **like), torch.nn.Linear(e, e, **like)
+        self.fc1, self.fc2 = torch.nn.Linear(e, 4 * e, **like), torch.nn.Linear(4 * e, e, **like)
         with torch.no_grad():
             for module, prefix in ((self.ln0, "ln0"), (self.qkv, "qkv"), (self.out, "out"), (self.ln1, "ln1"),
                                    (self.fc1, "fc1"), (self.fc2, "fc2")):
                 module.weight.copy_(full[f"{prefix}_w"])
                 module.bias.copy_(full[f"{prefix}_b"])
-        self.to(full["x"].dtype)
 
     def forward(self, x):
         s = self.s
@@ -289,7 +288,7 @@ def pytorch_tp_layer(full: dict, s: Shape, device):
                 "qkv": ColwiseParallel(input_layouts=rows), "out": RowwiseParallel(output_layouts=rows),
                 "ln1": SequenceParallel(sequence_dim=0, use_local_output=False),
                 "fc1": ColwiseParallel(input_layouts=rows), "fc2": RowwiseParallel(output_layouts=rows)}
-    return parallelize_module(TorchLayer(full, s).to(device), mesh, plan)
+    return parallelize_module(TorchLayer(full, s), mesh, plan)
 
 
 def enable_async_tp() -> str:
