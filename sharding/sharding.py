@@ -176,6 +176,10 @@ class Sharding:
                 out = out.narrow(dim + i, coords[view[i][1]], 1)
         return out.flatten(dim, dim + len(view) - 1)
 
+    def local_indices(self, rank: int, dim: int, n: int) -> torch.Tensor:
+        """The global indices along ``dim`` (of extent ``n``) of ``rank``'s piece."""
+        return self.local_piece(torch.arange(n).view((1,) * dim + (n,)), rank, dim).flatten()
+
     def loop_axes_str(self, shape: tuple[int, ...]) -> str:
         """The loop domain this sharding implies, e.g. ``[16, mesh_x{2}, 32]``: the device pieces and
         the local extent of the rest (for a strided shard, the pieces around it)."""
@@ -239,17 +243,16 @@ def unshard_tensor(pieces: dict[int, torch.Tensor], sharding: Sharding) -> torch
     any_piece = next(iter(pieces.values()))
     full_shape = sharding.global_shape(tuple(any_piece.shape))
     out = any_piece.new_zeros(full_shape)
-    seen = set()
+    seen, nd = set(), len(full_shape)
     for rank in mesh.devices:
         coords = mesh.coords(rank)
         key = tuple(c for c, p in zip(coords, sharding.placements) if isinstance(p, Shard))
-        target = out
-        for d in range(len(full_shape)):
-            target = sharding.local_piece(target, rank, d)
+        index = tuple(sharding.local_indices(rank, d, n).view([-1 if i == d else 1 for i in range(nd)])
+                      for d, n in enumerate(full_shape))
         if sharding.has_partial:
             if all(c == 0 for c, p in zip(coords, sharding.placements) if isinstance(p, Replicate)):
-                target += pieces[rank].view(target.shape)
+                out.index_put_(index, pieces[rank], accumulate=True)
         elif key not in seen:
-            target.copy_(pieces[rank].view(target.shape))
+            out[index] = pieces[rank]
         seen.add(key)
     return out

@@ -27,6 +27,11 @@ class DataType(enum.Enum):
     def __repr__(self) -> str:
         return f"DataType.{self.name}"
 
+    def __call__(self) -> DataType:
+        """The DataType itself: nvFuser's ``tv.dtype()`` is a method, tp_fusion's ``tv.dtype`` a property,
+        and both spellings give the same DataType."""
+        return self
+
     @property
     def torch(self) -> torch.dtype:
         """The torch dtype (``DataType.Float.torch is torch.float32``)."""

@@ -49,6 +49,8 @@ BROADCAST = "missing spelling: fd.ops.broadcast(x, is_broadcast_dim)"
 SIZE_SHAPE_SLICE = "missing spelling: fd.ops.size, fd.ops.shape, fd.ops.slice"
 DTYPE_METHOD = "missing spelling: tv.dtype() (a method in nvFuser, a property here)"
 NEGATIVE_BROADCAST_DIMS = "missing spelling: negative broadcast_dims in broadcast_in_dim"
+EXPANDED_BROADCAST = ("broadcast: a dim that broadcast_in_dim expands (to c_z) does not broadcast against "
+                      "another extent (2 * c_z) in a pointwise op, as nvFuser's expanded broadcast does")
 
 # --- ops outside tp_fusion's op set ---
 LINEAR_3D_WEIGHT = ("op outside the contract: linear with a weight of more than 2 dims (nvFuser's logical-split "

@@ -1,0 +1,115 @@
+"""Schedules of issue 14 items 3-5 executed on gloo ranks: strided shards (inner pieces of a split), two
+mesh axes on one dim, and a split reduction axis (rfactor), against plain torch, with the plan's
+collectives. tests/unit/test_schedule.py covers loop domains, shardings and plans without ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import rand
+
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor
+
+X, Y = ParallelType.mesh_x, ParallelType.mesh_y
+
+
+def _run(fd, tvs, full, out_tv, want, collectives):
+    (out,) = fd.execute([shard_tensor(t, tv) for tv, t in zip(tvs, full)])
+    torch.testing.assert_close(out, shard_tensor(want, out_tv))
+    assert fd.plan.collectives() == collectives
+
+
+def _set_fusion(d: int, schedule_in, schedule_out, shape=(4, 6)):
+    """x -> set(x), each side scheduled by a function of (tv, d)."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([shape[0] * d, shape[1] * d], dtype=DataType.Double)
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    for tv, schedule in ((x, schedule_in), (y, schedule_out)):
+        tv.set_device_mesh(mesh)
+        schedule(tv, d)
+    return fd, x, y
+
+
+def _inner_rows(tv, d):
+    tv.inner_split(0, d).axis(1).parallelize(X)
+
+
+def _middle_rows(tv, d):
+    tv.outer_split(0, 2).outer_split(1, d).axis(1).parallelize(X)
+
+
+def _block_rows(tv, d):
+    tv.outer_split(0, d).axis(0).parallelize(X)
+
+
+def _block_cols(tv, d):
+    tv.outer_split(1, d).axis(1).parallelize(X)
+
+
+@pytest.mark.parametrize("src,dst,collectives", [
+    (_inner_rows, lambda tv, d: None, ["allgather"]),  # gathered, then interleaved locally
+    (_middle_rows, lambda tv, d: None, ["allgather"]),
+    (_inner_rows, _block_rows, ["allgather"]),  # another place in the same dim: gather, then slice
+    (_inner_rows, _block_cols, ["all_to_all"]),
+    (_block_cols, _middle_rows, ["all_to_all"]),
+    (lambda tv, d: None, _inner_rows, []),  # a local slice
+])
+def test_strided_reshardings(multidevice_test, src, dst, collectives):
+    d = multidevice_test.size
+    fd, x, y = _set_fusion(d, src, dst)
+    full = rand(0, 4 * d, 6 * d)
+    _run(fd, [x], [full], y, full, collectives if d > 1 else [])
+
+
+def test_partial_to_strided_is_a_reduce_scatter(multidevice_test):
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2 * d, 3 * d], dtype=DataType.Double), fd.define_tensor([5, 3 * d],
+                                                                                          dtype=DataType.Double)
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    for tv in (x, w):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(-1, d).axis(-2).parallelize(X)  # the contraction
+    y.set_device_mesh(mesh)
+    _inner_rows(y, d)
+    full = [rand(1, 2 * d, 3 * d), rand(2, 5, 3 * d)]
+    _run(fd, [x, w], full, y, F.linear(*full), ["reduce_scatter"] if d > 1 else [])
+
+
+def test_split_reduction_axis_then_relu(multidevice_test):
+    """nvFuser's rfactor through the schedule alone: a device-parallel r{} piece, summed before relu."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        a, b = fd.define_tensor([3, 2 * d], dtype=DataType.Double), fd.define_tensor([2 * d, 4], dtype=DataType.Double)
+        mm = fd.ops.matmul(a, b)
+        out = fd.ops.relu(mm)
+        fd.add_output(out)
+    for tv in (a, b, mm):
+        tv.set_device_mesh(mesh)
+    a.outer_split(1, d).axis(1).parallelize(X)
+    b.outer_split(0, d).axis(0).parallelize(X)
+    mm.outer_split(-1, d).axis(-2).parallelize(X)  # [3, 4, r{d}, r{2}]: partial on mesh_x
+    full = [rand(3, 3, 2 * d), rand(4, 2 * d, 4)]
+    _run(fd, [a, b], full, out, torch.relu(full[0] @ full[1]), ["allreduce"] if d > 1 else [])
+
+
+@pytest.mark.ranks(4)
+def test_context_and_tensor_parallel_execute(multidevice_test):
+    """[b, s, e] with s split on mesh_x (outer) and mesh_y (inner), gathered to a replicated output."""
+    mesh = DeviceMesh(torch.arange(4).reshape(2, 2))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 12, 5], dtype=DataType.Double)
+        y = fd.ops.mul(x, 2.0)
+        fd.add_output(y)
+    for tv in (x, y):
+        tv.set_device_mesh(mesh)
+    x.outer_split(1, 2).axis(1).parallelize(X)
+    x.outer_split(2, 2).axis(2).parallelize(Y)
+    full = rand(5, 2, 12, 5)
+    _run(fd, [x], [full], y, full * 2.0, ["allgather", "allgather"])
