@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tp_fusion.errors import DefinitionError, ExecutionError
+from tp_fusion.errors import DefinitionError, InputError, ShardingError
 from tp_fusion.fusion_definition import FusionDefinition
 
 
@@ -48,7 +48,8 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     ``grad_inputs``: the forward inputs the backward fusion's outputs are the gradients of (default
     all). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
     here (a ``DefinitionError`` says which); dtypes of the returned outputs decide which of them are
-    differentiable. See the module docstring for the conventions.
+    differentiable. A gradient whose local shape is not its input's raises a ``ShardingError`` in
+    backward. See the module docstring for the conventions.
     """
     n_in, n_out = len(forward.fusion.inputs), len(forward.fusion.outputs)
     saved_inputs = _indices(saved_inputs, n_in, "saved_inputs", "input")
@@ -133,10 +134,10 @@ class _FusionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        spec = ctx._spec = _spec_of(ctx)
+        spec = _spec_of(ctx)
         n = len(spec.forward.fusion.inputs)
         if len(inputs) != n:
-            raise ExecutionError(f"{spec.name}.apply: the forward fusion takes {n} inputs, got {len(inputs)}")
+            raise InputError(f"{spec.name}.apply: the forward fusion takes {n} inputs, got {len(inputs)}")
         outs = _run(spec.forward, list(inputs))
         returned = [outs[i] for i in spec.outputs]
         ctx.mark_non_differentiable(*[outs[i] for i in spec.outputs if i not in spec.differentiable])
@@ -147,7 +148,7 @@ class _FusionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        spec = ctx._spec
+        spec = _spec_of(ctx)
         by_output = dict(zip(spec.outputs, grads))
         out_grads = [meta.redistribute(by_output[i]) for i, meta in zip(spec.differentiable, ctx.output_meta)]
         results = _run(spec.backward, [*ctx.saved_tensors, *out_grads])
@@ -158,7 +159,7 @@ class _FusionFunction(torch.autograd.Function):
             inp = ctx.input_meta[i]
             grad = inp.redistribute(grad)
             if grad.shape != inp.shape:
-                raise ExecutionError(
+                raise ShardingError(
                     f"{spec.name}.backward: the backward fusion's output {spec.grad_inputs.index(i)} is the "
                     f"gradient of forward input {i}, which has local shape {list(inp.shape)}, but it came out "
                     f"{list(grad.shape)}; give that backward output the sharding of forward input {i}")
@@ -167,5 +168,6 @@ class _FusionFunction(torch.autograd.Function):
 
 
 def _spec_of(ctx) -> _Spec:
-    """The spec of the Function subclass ``ctx`` belongs to (``ctx`` is an instance of its backward node)."""
+    """The spec of the Function subclass ``ctx`` belongs to (``ctx`` is an instance of its backward node,
+    whose ``_forward_cls`` is that subclass)."""
     return type(ctx)._forward_cls.spec

@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 import tp_fusion
-from tp_fusion import DataType, DefinitionError, DeviceMesh, ExecutionError, FusionDefinition, ParallelType
+from tp_fusion import (
+    DataType,
+    DefinitionError,
+    DeviceMesh,
+    FusionDefinition,
+    InputError,
+    ParallelType,
+    ShardingError,
+)
 
 T, H = 8, 4  # tokens, hidden; the inner size is 4 * H
 F64 = DataType.Double
@@ -224,6 +232,10 @@ def test_backward_with_the_wrong_number_of_gradients_is_a_clear_error():
                                     define_backward(1, False, scheduled=False), saved_inputs=[0, 1])
     with pytest.raises(DefinitionError, match="saved_inputs holds 7, but the forward fusion has 5 inputs"):
         tp_fusion.autograd.function(define_forward(1, False), define_backward(1, False), saved_inputs=[7])
+    mlp = tp_fusion.autograd.function(define_forward(1, False, scheduled=False),
+                                      define_backward(1, False, scheduled=False), saved_inputs=[0, 1, 2, 3])
+    with pytest.raises(InputError, match="the forward fusion takes 5 inputs, got 2"):
+        mlp.apply(*_full()[:2])
 
 
 def test_gradient_of_the_wrong_shape_is_a_clear_error():
@@ -232,6 +244,6 @@ def test_gradient_of_the_wrong_shape_is_a_clear_error():
     mlp = tp_fusion.autograd.function(define_forward(1, False, scheduled=False), backward, saved_inputs=[0, 1, 2, 3])
     x, *weights, _ = _full()
     z = mlp.apply(x.requires_grad_(), *[w.requires_grad_() for w in weights])
-    with pytest.raises(ExecutionError, match=r"gradient of forward input 0, which has local shape \[8, 4\], but it "
+    with pytest.raises(ShardingError, match=r"gradient of forward input 0, which has local shape \[8, 4\], but it "
                                              r"came out \[16, 4\]"):
         z.sum().backward()
