@@ -295,12 +295,22 @@ def _int_list(op: str, values, what: str) -> tuple[int, ...]:
 # --- pointwise ------------------------------------------------------------------------------------
 
 
+def _scalar(value, like: torch.Tensor) -> torch.Tensor:
+    """A Python number as a 0-d CPU tensor that behaves in ``fn(like, value)`` as the number itself
+    would in torch: the result dtype is ``torch.result_type(like, value)``, and a float keeps float32
+    precision or more (a 0-d CPU tensor enters CUDA kernels as a scalar, in their compute type)."""
+    dtype = torch.result_type(like, value)
+    if dtype.is_floating_point:
+        dtype = torch.promote_types(dtype, torch.float32)
+    return torch.tensor(value, dtype=dtype)
+
+
 def _binary(fn):
     def impl(a, b):
         if not isinstance(a, torch.Tensor):
-            a = torch.as_tensor(a, device=b.device)
+            a = _scalar(a, b)
         if not isinstance(b, torch.Tensor):
-            b = torch.as_tensor(b, device=a.device)
+            b = _scalar(b, a)
         return fn(a, b)
     return impl
 

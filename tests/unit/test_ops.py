@@ -554,3 +554,16 @@ def test_property_broadcasting_binary_ops(shapes, name, swap_dtype):
     else:
         _, (out,) = _run(lambda fd, x, y: getattr(fd.ops, name)(x, y), [a, b])
         _check(out, BINARY[name](a, b))
+
+
+@pytest.mark.parametrize("dtype,value", [(DataType.Double, 0.044715), (DataType.BFloat16, 0.044715),
+                                         (DataType.Int, 0.5), (DataType.Float, 3), (DataType.Int, 3)])
+def test_python_numbers_act_as_in_torch(dtype, value):
+    """A number operand gives torch's result dtype and keeps its precision (bitwise torch's values)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4], dtype=dtype)
+        for out in (fd.ops.mul(x, value), fd.ops.sub(value, x), fd.ops.div(x, value)):
+            fd.add_output(out)
+    t = (torch.randn(4, generator=torch.Generator().manual_seed(0)) * 10).to(dtype.torch)
+    for got, want in zip(fd.execute([t]), (t * value, value - t, t / value)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
