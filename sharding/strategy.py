@@ -17,7 +17,7 @@ from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, 
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.ops import opdef
+from tp_fusion.ops import Trait, opdef
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,12 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
+    pointwise = opdef(op.kind).has(Trait.POINTWISE)
     for axis in reversed(range(mesh.ndim)):
-        cands = [c for c in rule(op, fusion, mesh.shape[axis]) if _compatible(c, need_in, need_out)
+        cands = rule(op, fusion, mesh.shape[axis])
+        if pointwise:
+            cands = cands + _strided(cands, [h[axis] for h in have if h is not None])
+        cands = [c for c in cands if _compatible(c, need_in, need_out)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
         pick = None
@@ -102,6 +106,18 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             need_out[j][axis] = p
     return Strategy(mesh, tuple(None if n is None else Sharding(mesh, tuple(n)) for n in need_in),
                     tuple(Sharding(mesh, tuple(n)) for n in need_out))
+
+
+def _strided(cands: list[Candidate], have: list[Placement]) -> list[Candidate]:
+    """For a pointwise op, each candidate that shards dims as blocks again with the strided placement
+    (``Shard(d, outer)``) of an operand: elementwise over dims of one extent, a piece at any place of
+    the dim maps to the same piece of the output."""
+    outers = sorted({p.outer for p in have if isinstance(p, Shard) and p.outer != 1})
+
+    def at(p: Placement | None, outer: int) -> Placement | None:
+        return Shard(p.dim, outer) if isinstance(p, Shard) else p
+    return [Candidate(tuple(at(p, k) for p in c.inputs), tuple(at(p, k) for p in c.outputs))
+            for k in outers for c in cands if any(isinstance(p, Shard) for p in c.outputs)]
 
 
 def _compatible(c: Candidate, need_in, need_out) -> bool:

@@ -64,6 +64,20 @@ def test_strided_reshardings(multidevice_test, src, dst, collectives):
     _run(fd, [x], [full], y, full, collectives if d > 1 else [])
 
 
+def test_pointwise_ops_keep_a_strided_shard(multidevice_test):
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3 * d, 4], dtype=DataType.Double)
+        y = fd.ops.mul(fd.ops.relu(x), 2.0)
+        fd.add_output(y)
+    x.set_device_mesh(DeviceMesh(range(d)))
+    _inner_rows(x, d)
+    full = rand(6, 3 * d, 4)
+    (out,) = fd.execute([shard_tensor(full, x)])
+    assert fd.plan.collectives() == []
+    torch.testing.assert_close(out, shard_tensor(torch.relu(full) * 2.0, fd.output_shardings()[0]))
+
+
 def test_partial_to_strided_is_a_reduce_scatter(multidevice_test):
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Shard, Sharding, unshard_tensor
+from tp_fusion.sharding.sharding import PARTIAL_SUM, Shard, Sharding, unshard_tensor
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, ShardingError, shard_tensor
 from tp_fusion.runtime.collectives import _stack_chunks, _unstack, local_slice
@@ -207,9 +207,8 @@ def test_two_mesh_axes_split_one_dim():
         torch.testing.assert_close(piece, full.reshape(2, 2, 2, 3, 5)[:, x, y])
     torch.testing.assert_close(unshard_tensor(local, t.sharding), full)
     plan = fd.compile([[2, 12, 5]], rank=3)
-    assert plan.collectives() == ["allgather"]  # relu keeps the outer piece (mesh_x), gathers mesh_y's
-    assert plan.output_shardings()[0].placements == (REPLICATE, Shard(1))
-    assert "allgather(T0, mesh_axis=0, dim=1)" in str(plan)  # mesh_x took the pieces outside: locally outermost
+    assert plan.collectives() == []  # a pointwise op keeps both pieces
+    assert plan.output_shardings()[0].placements == (Shard(1, 2), Shard(1))
 
 
 @pytest.mark.parametrize("shape,dim,outer", [((12, 3), 0, 3), ((3, 12), 1, 2), ((2, 12, 2), 1, 1)])
@@ -225,6 +224,20 @@ def test_collective_reorders_match_the_shards(shape, dim, outer):
         torch.testing.assert_close(stacked[r], mine)
         torch.testing.assert_close(local_slice(full, n, dim, r, outer), mine)
     torch.testing.assert_close(_unstack(stacked, dim, outer), full)
+
+
+def test_pointwise_ops_keep_a_strided_shard():
+    with FusionDefinition() as fd:
+        x, b = fd.define_tensor([8, 4]), fd.define_tensor([4])
+        y = fd.ops.add(fd.ops.relu(x), b)  # b broadcasts along the strided dim
+        z = fd.ops.sum(y, [0])  # not pointwise: gathers the strided shard first
+        fd.add_output(y)
+        fd.add_output(z)
+    x.set_device_mesh(MESH2)
+    x.inner_split(0, 2).axis(1).parallelize(X)
+    plan = fd.compile([[8, 4], [4]])
+    assert plan.output_shardings()[0].placements == (Shard(0, 4),)
+    assert plan.collectives() == ["allgather"]
 
 
 def test_strided_shard_plans():
