@@ -77,10 +77,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
-    pointwise = opdef(op.kind).has(Trait.POINTWISE)
+    elementwise = opdef(op.kind).has(Trait.POINTWISE | Trait.REDUCTION)
     for axis in reversed(range(mesh.ndim)):
         cands = rule(op, fusion, mesh.shape[axis])
-        if pointwise:
+        if elementwise:
             cands = cands + _strided(cands, [h[axis] for h in have if h is not None])
         cands = [c for c in cands if _compatible(c, need_in, need_out)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
@@ -109,15 +109,16 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
 
 
 def _strided(cands: list[Candidate], have: list[Placement]) -> list[Candidate]:
-    """For a pointwise op, each candidate that shards dims as blocks again with the strided placement
-    (``Shard(d, outer)``) of an operand: elementwise over dims of one extent, a piece at any place of
-    the dim maps to the same piece of the output."""
+    """For a pointwise op or a reduction, each candidate that shards dims as blocks again at the place
+    (``Shard(d, outer)``) an operand's strided shard has: such an op treats every element of a dim
+    alike (maps it to the same place of the output, or sums it), so any piece of a dim works as the
+    block does."""
     outers = sorted({p.outer for p in have if isinstance(p, Shard) and p.outer != 1})
 
     def at(p: Placement | None, outer: int) -> Placement | None:
         return Shard(p.dim, outer) if isinstance(p, Shard) else p
     return [Candidate(tuple(at(p, k) for p in c.inputs), tuple(at(p, k) for p in c.outputs))
-            for k in outers for c in cands if any(isinstance(p, Shard) for p in c.outputs)]
+            for k in outers for c in cands if any(isinstance(p, Shard) for p in c.inputs)]
 
 
 def _compatible(c: Candidate, need_in, need_out) -> bool:

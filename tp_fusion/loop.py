@@ -78,11 +78,6 @@ def reorder(loop: Loop, old2new: dict[int, int], what: str) -> Loop:
     return tuple(ax if ax is not None else next(rest) for ax in out)
 
 
-def _pieces(loop: Loop, ax: LoopAxis) -> list[LoopAxis]:
-    """The pieces of ``ax``'s dim, outermost first."""
-    return sorted((a for a in loop if a.dim == ax.dim and a.reduction == ax.reduction), key=lambda a: a.piece)
-
-
 def sharding(loop: Loop, mesh: DeviceMesh, what: str) -> Sharding:
     """The sharding ``loop`` gives a tensor on ``mesh`` (see the module docstring)."""
     placements = [REPLICATE] * mesh.ndim
@@ -102,7 +97,7 @@ def sharding(loop: Loop, mesh: DeviceMesh, what: str) -> Sharding:
                 if isinstance(placements[mesh_axis], Replicate):
                     placements[mesh_axis] = PARTIAL_SUM
                 continue
-            before = [a.extent for a in _pieces(loop, ax) if a.piece < ax.piece]
+            before = [a.extent for a in loop if a.dim == ax.dim and not a.reduction and a.piece < ax.piece]
             placements[mesh_axis] = Shard(ax.dim, -1 if -1 in before else math.prod(before))
     return Sharding(mesh, tuple(placements))
 

@@ -64,18 +64,21 @@ def test_strided_reshardings(multidevice_test, src, dst, collectives):
     _run(fd, [x], [full], y, full, collectives if d > 1 else [])
 
 
-def test_pointwise_ops_keep_a_strided_shard(multidevice_test):
+def test_pointwise_ops_and_reductions_keep_a_strided_shard(multidevice_test):
     d = multidevice_test.size
     with FusionDefinition() as fd:
         x = fd.define_tensor([3 * d, 4], dtype=DataType.Double)
         y = fd.ops.mul(fd.ops.relu(x), 2.0)
         fd.add_output(y)
+        fd.add_output(fd.ops.sum(y, [0]))
     x.set_device_mesh(DeviceMesh(range(d)))
     _inner_rows(x, d)
     full = rand(6, 3 * d, 4)
-    (out,) = fd.execute([shard_tensor(full, x)])
-    assert fd.plan.collectives() == []
-    torch.testing.assert_close(out, shard_tensor(torch.relu(full) * 2.0, fd.output_shardings()[0]))
+    y_out, s_out = fd.execute([shard_tensor(full, x)])
+    assert fd.plan.collectives() == (["allreduce"] if d > 1 else [])  # the sum of the pieces' sums only
+    want = torch.relu(full) * 2.0
+    torch.testing.assert_close(y_out, shard_tensor(want, fd.output_shardings()[0]))
+    torch.testing.assert_close(s_out, want.sum(0))
 
 
 def test_partial_to_strided_is_a_reduce_scatter(multidevice_test):

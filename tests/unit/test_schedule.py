@@ -226,18 +226,18 @@ def test_collective_reorders_match_the_shards(shape, dim, outer):
     torch.testing.assert_close(_unstack(stacked, dim, outer), full)
 
 
-def test_pointwise_ops_keep_a_strided_shard():
+def test_pointwise_ops_and_reductions_keep_a_strided_shard():
     with FusionDefinition() as fd:
         x, b = fd.define_tensor([8, 4]), fd.define_tensor([4])
         y = fd.ops.add(fd.ops.relu(x), b)  # b broadcasts along the strided dim
-        z = fd.ops.sum(y, [0])  # not pointwise: gathers the strided shard first
+        z = fd.ops.sum(y, [0])  # sums its pieces: partial, then an allreduce
         fd.add_output(y)
         fd.add_output(z)
     x.set_device_mesh(MESH2)
     x.inner_split(0, 2).axis(1).parallelize(X)
     plan = fd.compile([[8, 4], [4]])
     assert plan.output_shardings()[0].placements == (Shard(0, 4),)
-    assert plan.collectives() == ["allgather"]
+    assert plan.collectives() == ["allreduce"]
 
 
 def test_strided_shard_plans():
