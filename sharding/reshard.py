@@ -13,8 +13,8 @@ Replicate -> Partial          ``TO_PARTIAL`` (the value on mesh index 0, zeros e
 ============================  =======================================================
 
 A change on several mesh axes becomes a sequence: free local steps first (less data to move
-afterwards), then the rest; a step that would shard one dim on two mesh axes waits, and if every
-remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no step at all: every
+afterwards), then the rest; a step that would shard a piece of a dim that another mesh axis shards
+waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no step at all: every
 placement on it holds the whole value. A change of mesh moves the data with ``SEND_RECV`` (meshes of
 one shape, placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device,
 replicated), with same-mesh steps before and after.
@@ -120,10 +120,10 @@ def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep
                 a, b = cur[axis], dst.placements[axis]
                 if a == b or (slices_only and not isinstance(a, Replicate)):
                     continue
-                if isinstance(b, Shard) and any(cur[o] == b for o in range(len(cur)) if o != axis):
-                    continue  # would shard b.dim twice: wait for the other axis to let go of it
                 if isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim:
                     b = REPLICATE  # another place in the same dim: gather now, slice on the next pass
+                if isinstance(b, Shard) and not Sharding(src.mesh, (*cur[:axis], b, *cur[axis + 1:])).nests(b.dim):
+                    continue  # would overlap another axis' piece of b.dim: wait for it to let go
                 collective = step_collective(a, b)
                 if collective is None:
                     raise LoweringError(f"{what}: cannot reshard {src} -> {dst}: no lowering for {a} -> {b} "

@@ -116,22 +116,31 @@ class Sharding:
     def dim_view(self, dim: int, n: int) -> list[tuple[int, int | None]]:
         """``dim`` of global extent ``n`` as pieces ``(extent, mesh axis or None)``, outermost first:
         each device piece is indexed by its mesh axis' coordinate, the others are kept whole."""
+        if any(p.outer < 0 for _, p in self.dim_shards(dim)):
+            raise ShardingError(f"dim {dim}: the place of its shard in {self} depends on a symbolic extent; bind it "
+                                "first (shard the TensorView with a full tensor)")
+        if not self.nests(dim):
+            raise ShardingError(f"dim {dim}: two mesh axes of {self} shard overlapping pieces of it; give each mesh "
+                                "axis its own piece of the dim")
         view, done = [], 1  # done: the product of the pieces placed so far
         for axis, p in self.dim_shards(dim):
-            if p.outer < 0:
-                raise ShardingError(f"dim {dim}: the place of its shard on mesh axis {axis} depends on a symbolic "
-                                    "extent; bind it first (shard the TensorView with a full tensor)")
-            m = self.mesh.shape[axis]
-            if p.outer % done != 0:
-                raise ShardingError(f"dim {dim}: mesh axis {axis} shards pieces that another mesh axis already "
-                                    f"shards ({self}); give each mesh axis its own piece of the dim")
-            view += [(p.outer // done, None), (m, axis)]
-            done = p.outer * m
+            view += [(p.outer // done, None), (self.mesh.shape[axis], axis)]
+            done = p.outer * self.mesh.shape[axis]
         if n % done != 0:
             raise ShardingError(f"dim {dim} of extent {n} does not split into {done} pieces as {self} needs; pad it "
                                 "to a multiple or shard another dim")
         view.append((n // done, None))
         return [(e, a) for e, a in view if e != 1 or a is not None]
+
+    def nests(self, dim: int) -> bool:
+        """Whether the mesh axes that shard ``dim`` take disjoint pieces of it: each piece lies inside
+        the rest of the ones outside it (its ``outer`` is a multiple of theirs times their size)."""
+        done = 1
+        for axis, p in self.dim_shards(dim):
+            if p.outer % done != 0:
+                return False
+            done = p.outer * self.mesh.shape[axis]
+        return True
 
     def local_outer(self, axis: int) -> int:
         """The ``outer`` of mesh axis ``axis``'s Shard in the LOCAL tensor, where the other mesh axes that

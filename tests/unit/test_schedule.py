@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_fusion.sharding.sharding import PARTIAL_SUM, Shard, Sharding, unshard_tensor
+from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Shard, Sharding, unshard_tensor
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, ShardingError, shard_tensor
 from tp_fusion.runtime.collectives import _stack_chunks, _unstack, local_slice
@@ -273,7 +273,7 @@ def test_mesh_y_and_mesh_x_nested_in_a_2d_sharded_vector():
 
 def test_overlapping_shards_are_refused():
     s = Sharding(MESH22, (Shard(0, 1), Shard(0, 1)))
-    with pytest.raises(ShardingError, match="shards pieces that another mesh axis already shards"):
+    with pytest.raises(ShardingError, match="two mesh axes of .* shard overlapping pieces of it"):
         shard_tensor(torch.arange(8.0), s, rank=0)
 
 
@@ -315,3 +315,20 @@ def test_device_type_once_per_logical_and_once_per_reduction_axis():
     y.outer_split(2, 2)
     with pytest.raises(ShardingError, match="mesh_x is already bound to loop axis 0"):
         y.axis(2).parallelize(X)
+
+
+def test_reshard_steps_between_places_of_one_dim():
+    from tp_fusion.sharding.reshard import Collective, reshard_steps
+
+    def kinds(src, dst, mesh):
+        steps = reshard_steps(Sharding(mesh, src), Sharding(mesh, dst), "test")
+        return [(s.collective, s.mesh_axis, s.attrs().get("outer", 1)) for s in steps]
+    # another place on the same mesh axis: gather (interleaving), then slice
+    assert kinds((Shard(0, 4),), (Shard(0),), MESH2) == [(Collective.ALLGATHER, 0, 4), (Collective.LOCAL_SLICE, 0, 1)]
+    # mesh_x wants the piece mesh_y holds: mesh_y lets go first
+    assert kinds((Shard(0), REPLICATE), (REPLICATE, Shard(0)), MESH22) == [
+        (Collective.ALLGATHER, 0, 1), (Collective.LOCAL_SLICE, 1, 1)]
+    # nested pieces (mesh_y outside, mesh_x inside): gathering mesh_x interleaves in the local tensor
+    assert kinds((Shard(0), Shard(0, 2)), (Shard(0), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 1)]
+    assert kinds((Shard(0, 2), Shard(0)), (REPLICATE, Shard(0)), MESH22) == [(Collective.ALLGATHER, 0, 1)]
+    assert kinds((Shard(0, 2), Shard(0, 4)), (Shard(0, 2), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 2)]
