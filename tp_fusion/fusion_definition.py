@@ -22,7 +22,6 @@ from tp_fusion.mesh import DeviceMesh
 from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.types import DataType, ParallelType
 
-
 _creation_order = itertools.count()  # how ranks tell their fusions apart: the n-th one each created
 
 
@@ -42,7 +41,9 @@ class IterDomain:
 
     def parallelize(self, ptype: ParallelType) -> None:
         """Bind this axis to ``ptype``: a device dim (``ParallelType.mesh_x``: one piece per device of
-        the mesh's last axis; the extent must equal that axis' size) or ``serial``.
+        the mesh's last axis; the extent must equal that axis' size, a symbolic one becomes it) or
+        ``serial``. Any piece of a split may be bound (an inner one is a strided shard); a piece of a
+        reduction axis ``r{K}`` leaves the tensor partial on that mesh axis (nvFuser's rfactor).
 
         >>> tv.outer_split(0, d); tv.axis(0).parallelize(ParallelType.mesh_x)
         """
@@ -52,6 +53,11 @@ class IterDomain:
     def extent(self) -> int:
         """The axis' global extent (-1: symbolic)."""
         return self._tv._loop()[self._index].extent
+
+    @property
+    def is_reduction(self) -> bool:
+        """Whether the axis is a reduction axis ``r{K}`` (a dim its op reduced)."""
+        return self._tv._loop()[self._index].reduction
 
     @property
     def parallel_type(self) -> ParallelType:
@@ -207,7 +213,8 @@ class TensorView:
         return loops.sharding(loop, self.mesh, f"T{self.name}").materialized()
 
     def axis(self, index: int) -> IterDomain:
-        """Loop axis ``index`` (after splits), to ``parallelize``: ``tv.axis(0).parallelize(ParallelType.mesh_x)``."""
+        """Loop axis ``index`` (after splits; reduction axes ``r{K}`` count, negative ``index`` too), to
+        ``parallelize``: ``tv.axis(0).parallelize(ParallelType.mesh_x)``."""
         return IterDomain(self, self._check_axis(index, len(self._loop()), "axis"))
 
     def _parallelize(self, index: int, ptype: ParallelType) -> None:
