@@ -92,6 +92,13 @@ def _rank_main(rank, world, workdir, fn, args, timeout_s):
             tp_dist.destroy_process_group()
         elif tdist.is_initialized():
             tdist.destroy_process_group()
+    # The rank's work is done and its group torn down. Objects that outlive ``fn`` in torch's own
+    # caches (a DeviceMesh keeps its process group) would be destroyed at interpreter exit, where
+    # a gloo group's threads abort the process now and then ("terminate called without an active
+    # exception"): so the rank ends here, without interpreter teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _kill(procs) -> None:

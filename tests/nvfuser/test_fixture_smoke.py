@@ -47,4 +47,5 @@ def test_needs_an_even_world(multidevice_test):
     mesh = nvfuser.multidevice.DeviceMesh(torch.arange(multidevice_test.size))
     full = torch.arange(multidevice_test.size * 3.0).reshape(-1, 3)
     shard = multidevice_test.shard_tensor_1d(full, 0, mesh)
-    torch.testing.assert_close(shard, full[multidevice_test.rank : multidevice_test.rank + 1])
+    torch.testing.assert_close(shard.cpu(), full[multidevice_test.rank : multidevice_test.rank + 1])
+    assert shard.device == torch.device(multidevice_test.device)  # on the rank's device (CUDA under NCCL)

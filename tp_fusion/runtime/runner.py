@@ -17,7 +17,7 @@ from tp_fusion.sharding.reshard import Collective
 from tp_fusion.errors import ExecutionError
 from tp_fusion.ops import OPS
 from tp_fusion.program import FUSED, SEQUENTIAL, Communicate, Compute, FusedGemm, Program, ProgramSegment
-from tp_fusion.runtime import collectives, dist, faults, graphs, overlap
+from tp_fusion.runtime import collectives, dist, faults, graphs, overlap, regions
 
 Env = dict[int, torch.Tensor]
 
@@ -29,6 +29,8 @@ class Runner:
         self._multirank = program.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1
         for ranks in program.groups():
             dist.group(ranks)
+        self._readers = _readers(program)
+        self._regions = regions.mode(program.device)
         self._segments = [(seg, self._segment(seg)) for seg in program.segments]
         self.graph: graphs.GraphedRun | None = None
 
@@ -37,7 +39,16 @@ class Runner:
     def _segment(self, seg: ProgramSegment) -> Callable[[Env], None]:
         if seg.fused is not None and seg.fused.runs_here and seg.fused.mode != SEQUENTIAL:
             return _fused(seg.fused, self.program)
-        steps = [self._step(s) for s in seg.steps]
+        steps = []
+        for in_region, run_steps in regions.split(seg.steps) if self._regions else [(False, seg.steps)]:
+            if in_region:
+                inside = {id(s) for s in run_steps}
+
+                def read_later(value, inside=inside) -> bool:
+                    return bool(self._readers.get(value, set()) - inside)
+                steps.append(regions.region(run_steps, read_later, self._regions))
+            else:
+                steps.extend(self._step(s) for s in run_steps)
 
         def run(env):
             for step in steps:
@@ -117,6 +128,23 @@ class Runner:
             return f"rank {self.program.rank} failed in {where}: {error}"
         return faults.report_failure(self.program.rank, where, error, local=local or not isinstance(e, RuntimeError),
                                      exc=e)
+
+
+def _readers(program: Program) -> dict[int, set[int]]:
+    """Per value: the ids of the steps (or fused GEMMs) that read it; -1 marks a program output."""
+    readers: dict[int, set[int]] = {}
+    for seg in program.segments:
+        for s in seg.steps:
+            for a in s.op.inputs:
+                if isinstance(a, int):
+                    readers.setdefault(a, set()).add(id(s))
+        if seg.fused is not None:
+            for a in (seg.fused.x, seg.fused.weight, seg.fused.bias):
+                if a is not None:
+                    readers.setdefault(a, set()).add(id(seg.fused))
+    for o, _ in program.outputs:
+        readers.setdefault(o, set()).add(-1)
+    return readers
 
 
 def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
