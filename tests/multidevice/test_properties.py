@@ -122,7 +122,8 @@ class _Case:
     # --- the schedule -------------------------------------------------------------------------
 
     def _shard(self, tv) -> None:
-        """Replicated on the mesh, or each mesh axis (randomly) sharding a distinct dim it divides."""
+        """Replicated on the mesh, or each mesh axis (randomly) sharding a distinct dim it divides, on the
+        outer piece of a split (a block shard) or the inner one (a strided shard)."""
         rng, mesh = self.rng, self.mesh
         tv.set_device_mesh(mesh)
         split: list[int] = []
@@ -133,8 +134,9 @@ class _Case:
                 continue
             d = rng.choice(dims)
             loop = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)  # past r{}
-            tv.outer_split(loop, n)
-            tv.axis(loop).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
+            strided = rng.random() < 0.3 and tv.shape[d] > n
+            tv.split(loop, n, inner_split=strided)
+            tv.axis(loop + strided).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
             split.append(d)
 
     def _bad_split(self, tv) -> None:
