@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tp_fusion.sharding.sharding import REPLICATE, Shard, Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy
 
 from tp_fusion.ir import Fusion, Op, Tensor
@@ -48,8 +48,8 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
             out, target = op.outputs[0], tensors[op.outputs[0]].sharding
             partial = new_tensor(out, st.outputs[0])
             ops.append(Op("linear", args[:2], (partial,), strategy=Strategy(st.mesh, st.inputs[:2], st.outputs)))
-            bias_target = Sharding(target.mesh, tuple(
-                Shard(0) if p == Shard(len(tensors[out].shape) - 1) else REPLICATE for p in target.placements))
+            bias_target = Sharding(target.mesh, tuple(_bias_placement(p, tensors[out].ndim - 1)
+                                                      for p in target.placements))
             add_args = (reshard(partial, target), reshard(op.inputs[2], bias_target))
             ops.append(Op("add", add_args, (out,), strategy=Strategy(st.mesh, (target, bias_target), (target,))))
             continue
@@ -65,3 +65,11 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         ops.extend(after)
     outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)
+
+
+def _bias_placement(p: Placement, last: int) -> Placement:
+    """How the bias [out] must be placed to be added to a linear output placed ``p`` (``last``: its out
+    dim): sharded as the out dim is, partial (on one device) where the output is a pending sum."""
+    if isinstance(p, Shard) and p.dim == last:
+        return Shard(0, p.outer)
+    return p if isinstance(p, Partial) else REPLICATE

@@ -123,12 +123,19 @@ class _Case:
 
     def _shard(self, tv) -> None:
         """Replicated on the mesh, or each mesh axis (randomly) sharding a distinct dim it divides, on the
-        outer piece of a split (a block shard) or the inner one (a strided shard)."""
+        outer piece of a split (a block shard) or the inner one (a strided shard), or taking the outer
+        piece of a reduction axis r{K} (the tensor is then a pending sum on that mesh axis)."""
         rng, mesh = self.rng, self.mesh
         tv.set_device_mesh(mesh)
         split: list[int] = []
         for axis in reversed(range(mesh.ndim)):
             n = mesh.shape[axis]
+            reduced = [i for i, ax in enumerate(tv._loop()) if ax.reduction and ax.piece == () and ax.extent % n == 0]
+            if reduced and rng.random() < 0.25:
+                i = rng.choice(reduced)
+                tv.outer_split(i, n)
+                tv.axis(i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
+                continue
             dims = [d for d in range(tv.ndim) if d not in split and tv.shape[d] % n == 0]
             if not dims or rng.random() < 0.35:
                 continue

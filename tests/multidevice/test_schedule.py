@@ -130,3 +130,31 @@ def test_context_and_tensor_parallel_execute(multidevice_test):
     x.outer_split(2, 2).axis(2).parallelize(Y)
     full = rand(5, 2, 12, 5)
     _run(fd, [x], [full], y, full * 2.0, ["allgather", "allgather"])
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_biased_linear_with_an_annotated_output(multidevice_test, strided):
+    """The bias is added once: sharded as a strided out dim, or on one device of a pending sum."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([4, 2 * d], dtype=DataType.Double), fd.define_tensor([3 * d, 2 * d],
+                                                                                      dtype=DataType.Double)
+        b = fd.define_tensor([3 * d], dtype=DataType.Double)
+        y = fd.ops.linear(x, w, b)
+        out = fd.ops.mul(y, 2.0) if strided else fd.ops.relu(y)
+        fd.add_output(out)
+    for tv in (x, w, y):
+        tv.set_device_mesh(mesh)
+    for tv in (x, w):
+        tv.outer_split(-1, d).axis(-2).parallelize(X)
+    if strided:
+        y.inner_split(1, d).axis(2).parallelize(X)
+    else:
+        y.outer_split(-1, d).axis(-2).parallelize(X)
+    full = [rand(7, 4, 2 * d), rand(8, 3 * d, 2 * d), rand(9, 3 * d)]
+    ref = F.linear(*full)
+    want = ref * 2.0 if strided else torch.relu(ref)
+    (got,) = fd.execute([shard_tensor(t, tv) for tv, t in zip((x, w, b), full)])
+    torch.testing.assert_close(got, shard_tensor(want, fd.output_shardings()[0]))
+    assert fd.plan.collectives() == ([] if d == 1 else ["reduce_scatter"] if strided else ["allreduce"])

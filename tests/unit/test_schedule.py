@@ -332,3 +332,25 @@ def test_reshard_steps_between_places_of_one_dim():
     assert kinds((Shard(0), Shard(0, 2)), (Shard(0), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 1)]
     assert kinds((Shard(0, 2), Shard(0)), (REPLICATE, Shard(0)), MESH22) == [(Collective.ALLGATHER, 0, 1)]
     assert kinds((Shard(0, 2), Shard(0, 4)), (Shard(0, 2), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 2)]
+
+
+@pytest.mark.parametrize("schedule,placement,collectives", [
+    (lambda y: y.inner_split(1, 2).axis(2), Shard(1, 3), ["reduce_scatter"]),  # out dim strided
+    (lambda y: y.outer_split(-1, 2).axis(-2), PARTIAL_SUM, ["allreduce"]),  # a pending sum: bias once
+])
+def test_biased_linear_with_an_annotated_output(schedule, placement, collectives):
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([4, 8]), fd.define_tensor([6, 8]), fd.define_tensor([6])
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(fd.ops.set(y))
+    for tv in (x, w, y):
+        tv.set_device_mesh(MESH2)
+    for tv in (x, w):
+        tv.outer_split(-1, 2).axis(-2).parallelize(X)  # the contraction: the product is partial
+    schedule(y).parallelize(X)
+    assert y.sharding.placements == (placement,)
+    plan = fd.compile([[4, 8], [6, 8], [6]])
+    assert plan.collectives() == collectives
+    add = next(op for op in plan.fusion.ops if op.kind == "add")
+    bias = plan.fusion.tensor(add.inputs[1]).sharding.placements
+    assert bias == ((Shard(0, 3),) if placement == Shard(1, 3) else (PARTIAL_SUM,))
