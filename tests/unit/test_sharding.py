@@ -16,7 +16,6 @@ from tp_fusion import (
     DataType,
     DeviceMesh,
     FusionDefinition,
-    LoweringError,
     ParallelType,
     ShardingError,
     TPFusionError,
