@@ -1,7 +1,7 @@
 """Regions: the elementwise runs of compute segments that the runner hands to torch.compile
 (tp_fusion/runtime/regions.py). ``TP_FUSION_COMPILE=eager`` traces them with dynamo without
-generating code, so CI checks the cut into regions, their inputs and outputs, and the values; the
-generated (inductor) kernels run on GPUs (tests/gpu)."""
+generating code, so CI checks the cut into regions, their inputs and outputs, and the values
+(``TP_FUSION_COMPILE=1`` ran examples/transformer_layer.py and tests/gpu on 2x H200)."""
 
 from __future__ import annotations
 
@@ -64,15 +64,13 @@ def test_regions_match_op_by_op(monkeypatch):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("setting,device,want", [("0", "cuda", ""), ("1", "cpu", "inductor"),
-                                                 ("eager", "cpu", "eager"), (None, "cpu", ""),
-                                                 (None, "cuda", "inductor")])
-def test_mode(monkeypatch, setting, device, want):
+@pytest.mark.parametrize("setting,want", [("0", ""), ("1", "inductor"), ("eager", "eager"), (None, "")])
+def test_mode(monkeypatch, setting, want):
     if setting is None:
         monkeypatch.delenv("TP_FUSION_COMPILE", raising=False)
     else:
         monkeypatch.setenv("TP_FUSION_COMPILE", setting)
-    assert regions.mode(torch.device(device)) == want
+    assert regions.mode() == want
 
 
 def test_split_keeps_short_runs_op_by_op():

@@ -30,7 +30,7 @@ class Runner:
         for ranks in program.groups():
             dist.group(ranks)
         self._readers = _readers(program)
-        self._regions = regions.mode(program.device)
+        self._regions = regions.mode()
         self._segments = [(seg, self._segment(seg)) for seg in program.segments]
         self.graph: graphs.GraphedRun | None = None
 
