@@ -77,7 +77,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
-    elementwise = opdef(op.kind).has(Trait.POINTWISE | Trait.REDUCTION)
+    elementwise = opdef(op.kind).has(Trait.POINTWISE | Trait.REDUCTION | Trait.GEMM | Trait.NORMALIZATION)
     for axis in reversed(range(mesh.ndim)):
         cands = rule(op, fusion, mesh.shape[axis])
         if elementwise:
@@ -109,10 +109,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
 
 
 def _strided(cands: list[Candidate], have: list[Placement]) -> list[Candidate]:
-    """For a pointwise op or a reduction, each candidate that shards dims as blocks again at the place
-    (``Shard(d, outer)``) an operand's strided shard has: such an op treats every element of a dim
-    alike (maps it to the same place of the output, or sums it), so any piece of a dim works as the
-    block does."""
+    """For a pointwise op, a reduction, a GEMM or a normalization, each candidate that shards dims as
+    blocks again at the place (``Shard(d, outer)``) an operand's strided shard has: such an op treats
+    every index of a sharded dim alike (maps it to the same index of the output, or sums over it), so
+    any piece of a dim works as the block does. (A reshape does not: it regroups a dim's pieces.)"""
     outers = sorted({p.outer for p in have if isinstance(p, Shard) and p.outer != 1})
 
     def at(p: Placement | None, outer: int) -> Placement | None:

@@ -158,3 +158,24 @@ def test_biased_linear_with_an_annotated_output(multidevice_test, strided):
     (got,) = fd.execute([shard_tensor(t, tv) for tv, t in zip((x, w, b), full)])
     torch.testing.assert_close(got, shard_tensor(want, fd.output_shardings()[0]))
     assert fd.plan.collectives() == ([] if d == 1 else ["reduce_scatter"] if strided else ["allreduce"])
+
+
+def test_context_parallel_tokens_through_a_block(multidevice_test):
+    """Tokens on an inner piece (strided) through layer_norm, linear, gelu and a strided contraction."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3 * d, 4 * d], dtype=DataType.Double)
+        w1 = fd.define_tensor([5, 4 * d], dtype=DataType.Double)
+        w2 = fd.define_tensor([4 * d, 5], dtype=DataType.Double)
+        h = fd.ops.linear(fd.ops.layer_norm(x, [4 * d]), w1)
+        fd.add_output(fd.ops.gelu(h))
+        fd.add_output(fd.ops.matmul(x, w2))
+    x.set_device_mesh(mesh)
+    x.inner_split(0, d).axis(1).parallelize(X)
+    full = [rand(10, 3 * d, 4 * d), rand(11, 5, 4 * d), rand(12, 4 * d, 5)]
+    outs = fd.execute([shard_tensor(full[0], x), full[1], full[2]])
+    assert fd.plan.collectives() == []
+    want = [F.gelu(F.linear(F.layer_norm(full[0], [4 * d]), full[1])), full[0] @ full[2]]
+    for got, ref, sharding in zip(outs, want, fd.output_shardings()):
+        torch.testing.assert_close(got, shard_tensor(ref, sharding))

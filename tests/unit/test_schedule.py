@@ -354,3 +354,24 @@ def test_biased_linear_with_an_annotated_output(schedule, placement, collectives
     add = next(op for op in plan.fusion.ops if op.kind == "add")
     bias = plan.fusion.tensor(add.inputs[1]).sharding.placements
     assert bias == ((Shard(0, 3),) if placement == Shard(1, 3) else (PARTIAL_SUM,))
+
+
+def test_gemms_and_normalizations_keep_a_strided_shard():
+    """Context parallel tokens (an inner piece of dim 0) through layer_norm, linear and gelu: no
+    communication; a strided contraction is a partial like a block one."""
+    with FusionDefinition() as fd:
+        x, w1, w2 = fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([4, 6])
+        h = fd.ops.gelu(fd.ops.linear(fd.ops.layer_norm(x, [4]), w1))
+        fd.add_output(h)
+        fd.add_output(fd.ops.linear(h, w2))
+    x.set_device_mesh(MESH2)
+    x.inner_split(0, 2).axis(1).parallelize(X)
+    plan = fd.compile([[8, 4], [6, 4], [4, 6]])
+    assert plan.collectives() == []
+    assert [s.placements for s in plan.output_shardings()] == [(Shard(0, 4),), (Shard(0, 4),)]
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
+        fd.add_output(fd.ops.linear(x, w))
+    x.set_device_mesh(MESH2)
+    x.inner_split(1, 2).axis(2).parallelize(X)  # the contraction, strided
+    assert fd.compile([[8, 4], [6, 4]]).collectives() == ["allreduce"]
