@@ -324,34 +324,8 @@ def _faults_and_retry(rank: int, world: int, workdir: str) -> None:
     torch.testing.assert_close(out, want2)
 
 
-def test_faults_retry_and_reinit(tmp_path):
-    start = time.monotonic()
-    run_on_ranks(_faults_and_retry, 4, str(tmp_path), timeout_s=PG_TIMEOUT_S)
-    assert time.monotonic() - start < PG_TIMEOUT_S
-
-
-def _store_timeout_kept(rank: int, world: int) -> None:
-    """Item 7: a failure report leaves the store's timeout as the user set it."""
-    from tp_fusion.runtime import faults
-
-    store = dist.default_store()
-    before = store.timeout
-    msg = faults.report_failure(rank, "a test", "RuntimeError: injected", local=True, grace_s=1.0)
-    assert msg.startswith("rank "), msg
-    assert store.timeout == before, (store.timeout, before)
-
-
-def test_store_timeout_kept():
-    run_on_ranks(_store_timeout_kept, 2, timeout_s=PG_TIMEOUT_S)
-
-
-def _keyboard_interrupt(rank: int, world: int) -> None:
-    """Item 6: a KeyboardInterrupt on rank 1 in segment 0 is reported to its peers, then re-raised."""
-    os.environ["TP_FUSION_FAULT_GRACE_S"] = "1.5"
-    fd, inputs, want = _fusion_1d(world)
-    (out,) = fd.execute(inputs)
-    torch.testing.assert_close(out, want)
-    _inject_op("relu", 1, KeyboardInterrupt(), [])
+    # Item 6: a KeyboardInterrupt on rank 1 in segment 0 is reported to its peers, then re-raised.
+    original = _inject_op("relu", 1, KeyboardInterrupt(), [])
     start = time.monotonic()
     if rank == 1:
         with pytest.raises(KeyboardInterrupt):
@@ -362,7 +336,21 @@ def _keyboard_interrupt(rank: int, world: int) -> None:
         msg = str(info.value)
         assert msg.startswith("rank 1 failed in segment 0 (compute): KeyboardInterrupt"), msg
     assert time.monotonic() - start < BOUND_S
+    _ops.OPS["relu"] = original
+
+    # Item 7: a failure report leaves the store's timeout as the user set it.
+    from tp_fusion.runtime import faults
+
+    _reinit(workdir, rank, world, "store")
+    store = dist.default_store()
+    before = store.timeout
+    msg = faults.report_failure(rank, "a test", "RuntimeError: injected", local=True, grace_s=1.0)
+    assert msg.startswith("rank "), msg
+    assert store.timeout == before, (store.timeout, before)
 
 
-def test_keyboard_interrupt_is_reported():
-    run_on_ranks(_keyboard_interrupt, 2, timeout_s=PG_TIMEOUT_S)
+def test_faults_retry_and_reinit(tmp_path):
+    """Items 2, 3, 5, 6 and 7 in one world-4 run (each spawn costs seconds)."""
+    start = time.monotonic()
+    run_on_ranks(_faults_and_retry, 4, str(tmp_path), timeout_s=PG_TIMEOUT_S)
+    assert time.monotonic() - start < PG_TIMEOUT_S
