@@ -338,7 +338,7 @@ class FusionDefinition:
         self._outputs: list[int] = []
         self._layouts: dict[int, Layout] = {}  # input name -> declared layout (define_tensor)
         self.ops = _OpsNamespace(self)
-        self.plan = None  # the program of the last execute (None before; see compile())
+        self._plan = None
         self._executor = None
         self._serial = next(_creation_order)  # the same fusion on every rank has the same serial
         self._closed = False
@@ -370,6 +370,14 @@ class FusionDefinition:
 
     def __str__(self) -> str:
         return str(self.fusion)
+
+    @property
+    def plan(self):
+        """The program the last ``execute`` ran on this rank (``print(fd.plan)`` shows its segments,
+        ``fd.plan.collectives()`` its collectives, ``fd.plan.summary()`` bytes and FLOPs); None before
+        the first ``execute``. For a plan without executing, on any machine, call
+        ``fd.compile(global_input_shapes, rank=0, device="cuda")``."""
+        return self._plan
 
     def __repr__(self) -> str:
         counts = ", ".join(_count(n, what) for n, what in
@@ -480,7 +488,7 @@ class FusionDefinition:
         inputs = list(inputs)
         if self._executor is None:
             self._executor = Executor(self.fusion, self._serial)
-        outputs, self.plan = self._executor.run(inputs)
+        outputs, self._plan = self._executor.run(inputs)
         return outputs
 
     def compile(self, input_shapes: Sequence[Sequence[int]], rank: int = 0, device: str | torch.device = "cpu"):
