@@ -8,7 +8,8 @@ execute them in different orders raise instead of running mismatched collectives
 are created (a collective step) only after the ranks agree. Under gloo the ranks agree on every
 call. Under NCCL they agree when a plan is compiled (a host round trip per call would stall the GPU
 at small sizes: 2x H200, 107 us per agreement), and every call is checked by
-``faults.LaggedAgreement``, an asynchronous host-side all_reduce read two calls later.
+``faults.LaggedAgreement``: a digest of every 32 calls goes out in an asynchronous host-side
+all_reduce that the end of the next 32 reads.
 """
 
 from __future__ import annotations

@@ -169,17 +169,19 @@ def test_identical_fusions_in_opposite_orders(multidevice_test):
 
 
 @pytest.mark.ranks(2)
-def test_lagged_agreement_raises_on_every_rank_two_calls_later(multidevice_test):
-    """Under NCCL each call is checked by an asynchronous host-side all_reduce read two calls later;
-    the same mechanism, driven directly."""
+def test_lagged_agreement_raises_on_every_rank_a_batch_later(multidevice_test):
+    """Under NCCL calls are checked in batches by an asynchronous host-side all_reduce read a batch
+    later; the same mechanism, driven directly (batches of 2 calls)."""
     from tp_fusion.runtime.faults import LaggedAgreement
 
-    check = LaggedAgreement()
-    check.check_and_launch(7)  # call 1: agreed
-    check.check_and_launch(8 + multidevice_test.rank)  # call 2: the ranks differ
-    check.check_and_launch(7)  # call 3 reads call 1: fine
-    with pytest.raises(DefinitionError, match=r"executed different fusions .* at their call 2 .*\(2 calls ago"):
-        check.check_and_launch(7)  # call 4 reads call 2
+    check = LaggedAgreement(batch=2)
+    for fp in (7, 8, 7, 8):  # batches 1-2 and 3-4 agree
+        check.check_and_launch(fp)
+    check.check_and_launch(9)
+    check.check_and_launch(10 + multidevice_test.rank)  # calls 5-6: the ranks differ
+    check.check_and_launch(7)
+    with pytest.raises(DefinitionError, match=r"executed different fusions .* calls 5-6 .*\(up to 3 calls ago"):
+        check.check_and_launch(7)  # the end of calls 7-8 reads calls 5-6
 
 
 # --- items 10, 11: an empty contraction; strategies lowering can serve ---------------------------
