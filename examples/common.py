@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 from tp_fusion import DataType, FusionDefinition, shard_tensor
@@ -40,3 +43,20 @@ def execute_and_check(rank: int, fd: FusionDefinition, full: list[torch.Tensor],
     if max(errors) > tolerance:
         raise SystemExit(f"rank {rank}: {title}: error {max(errors):.3e} exceeds {tolerance:.0e}")
     return local, max(errors)
+
+
+def profile(rank: int, world: int, step, out_dir: Path, title: str) -> None:
+    """A Chrome trace of a few calls of ``step`` per rank, then (rank 0) a timeline PNG titled ``title``."""
+    from tp_fusion import profiling
+
+    profiling.profile_iterations(step, out_dir / f"trace_rank{rank}.json")
+    dist.barrier()  # every rank's trace is written
+    if rank != 0:
+        return
+    traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
+    print(f"profile: wrote {', '.join(map(str, traces))}")
+    try:
+        png = profiling.plot_timeline(traces, out_dir / "timeline.png", title=title)
+        print(f"profile: wrote {png}")
+    except ImportError as e:
+        print(f"profile: no timeline.png: {e}", file=sys.stderr)

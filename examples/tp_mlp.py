@@ -43,10 +43,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from examples.common import DTYPES, execute_and_check  # noqa: E402
+from examples.common import DTYPES, execute_and_check, profile  # noqa: E402
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType  # noqa: E402
 from tp_fusion.launch import run_program  # noqa: E402
-from tp_fusion.runtime import dist  # noqa: E402
 
 EXPECTED_COLLECTIVES = {"tp": ["allreduce"], "sp": ["allgather", "reduce_scatter"]}
 
@@ -101,30 +100,13 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> float:
     local, error = execute_and_check(rank, fd, full, reference_mlp(*full), title, EXPECTED_COLLECTIVES[mode],
                                      explain=getattr(args, "explain", False))
     if getattr(args, "profile", None) and mode == profiled_mode(args):
-        profile(rank, world, fd, local, Path(args.profile), mode)
+        profile(rank, world, lambda: fd.execute(local), Path(args.profile),
+                f"tp_mlp --mode {mode}: one iteration on {world} ranks")
     return error
 
 
 def profiled_mode(args) -> str:
     return "sp" if args.mode == "both" else args.mode
-
-
-def profile(rank: int, world: int, fd, local, out_dir: Path, mode: str) -> None:
-    """A Chrome trace of a few iterations per rank, then (rank 0) a timeline PNG of one of them."""
-    from tp_fusion import profiling
-
-    profiling.profile_iterations(lambda: fd.execute(local), out_dir / f"trace_rank{rank}.json")
-    dist.barrier()  # every rank's trace is written
-    if rank != 0:
-        return
-    traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
-    print(f"profile: wrote {', '.join(map(str, traces))}")
-    try:
-        png = profiling.plot_timeline(traces, out_dir / "timeline.png",
-                                      title=f"tp_mlp --mode {mode}: one iteration on {world} ranks")
-        print(f"profile: wrote {png}")
-    except ImportError as e:
-        print(f"profile: no timeline.png: {e}", file=sys.stderr)
 
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:

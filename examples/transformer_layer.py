@@ -68,7 +68,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tp_fusion  # noqa: E402
-from examples.common import DTYPES, TOLERANCE  # noqa: E402
+from examples.common import DTYPES, TOLERANCE, profile  # noqa: E402
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
 from tp_fusion.launch import run_program  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
@@ -401,7 +401,8 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> None:
         raise SystemExit(f"rank {rank}: {title}: errors above {tolerance:.0e}: {bad}")
     if getattr(args, "profile", None) and mode == ("sp" if args.mode == "both" else args.mode):
         grad = shard_tensor(full["grad_out"], forward.output_shardings()[0], rank)
-        profile(rank, world, lambda: layer.apply(x, *params).backward(grad), Path(args.profile), mode)
+        profile(rank, world, lambda: layer.apply(x, *params).backward(grad), Path(args.profile),
+                f"transformer_layer --mode {mode}: forward+backward on {world} ranks")
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -409,24 +410,6 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     if want.numel() == 0:
         return 0.0
     return (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-
-
-def profile(rank: int, world: int, step, out_dir: Path, mode: str) -> None:
-    """A Chrome trace of a few forward+backward iterations per rank, then (rank 0) a timeline PNG."""
-    from tp_fusion import profiling
-
-    profiling.profile_iterations(step, out_dir / f"trace_rank{rank}.json")
-    dist.barrier()  # every rank's trace is written
-    if rank != 0:
-        return
-    traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
-    print(f"profile: wrote {', '.join(map(str, traces))}")
-    try:
-        png = profiling.plot_timeline(traces, out_dir / "timeline.png",
-                                      title=f"transformer_layer --mode {mode}: forward+backward on {world} ranks")
-        print(f"profile: wrote {png}")
-    except ImportError as e:
-        print(f"profile: no timeline.png: {e}", file=sys.stderr)
 
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:
