@@ -4,7 +4,8 @@ every ```python block of README.md (its ```bash blocks are the set-up, not run h
 Conventions (stated at the top of the guide): each ```python block is a complete program, run from
 the repository root in a fresh process; a ```text block right after it is its exact stdout. Each
 line of a ```bash block is run from the repository root unless it ends with
-``# not run by tests: <reason>``.
+``# not run by tests: <reason>``, or with ``# run by tests/<file>.py`` where that test file runs the
+same command (checked here: it names the script and every option of the line).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ GUIDE = ROOT / "docs" / "guide.md"
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 SKIP = re.compile(r"#\s*not run by tests:")
+RUN_BY = re.compile(r"#\s*run by (tests/\S+\.py)")
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,15 @@ def _bash_lines() -> list[tuple[int, str]]:
     for b in _blocks():
         if b.lang == "bash":
             for k, line in enumerate(b.code.splitlines()):
-                if line.strip() and not line.lstrip().startswith("#") and not SKIP.search(line):
+                if line.strip() and not line.lstrip().startswith("#") and not SKIP.search(line) \
+                        and not RUN_BY.search(line):
                     out.append((b.line + 1 + k, line.strip()))
     return out
+
+
+def _lines_run_by_tests() -> list[tuple[str, str]]:
+    return [(line.split("#")[0].split(), RUN_BY.search(line).group(1))
+            for b in _blocks() if b.lang == "bash" for line in b.code.splitlines() if RUN_BY.search(line)]
 
 
 def _env() -> dict:
@@ -99,6 +107,15 @@ def test_python_block(case, tmp_path):
     assert proc.returncode == 0, f"{doc} line {block.line} failed:\n{proc.stdout}\n{proc.stderr}"
     if expected is not None:
         assert _clean(proc.stdout) == _clean(expected), f"{doc} line {block.line}: output differs"
+
+
+def test_lines_run_by_other_tests_are():
+    for words, test_file in _lines_run_by_tests():
+        source = (ROOT / test_file).read_text()
+        script = next(w for w in words if w.endswith(".py"))
+        options = [w for w in words if w.startswith("--")]
+        missing = [w for w in [script, *options] if w.split("/")[-1] not in source]
+        assert not missing, f"{test_file} does not run {' '.join(words)}: {missing} not in it"
 
 
 @pytest.mark.parametrize("case", _bash_lines(), ids=lambda c: f"guide.md:{c[0]}")
