@@ -137,6 +137,19 @@ class RanksFailed(RuntimeError):
         self.exitcodes, self.failures = exitcodes, failures
 
 
+def _start_method() -> str:
+    """``forkserver`` where the platform has it: one server process imports torch and tp_fusion once,
+    and every rank of every later ``run_on_ranks`` forks from it (a fresh ``spawn`` re-imports torch
+    per rank, seconds on a small machine). The server never runs CUDA or joins a process group, so
+    the forked ranks start clean."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "tp_fusion", "tp_fusion.launch"])
+    return "forkserver"
+
+
 def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float = 30.0,
                  deadline_s: float | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``nproc`` spawned CPU ranks joined by gloo.
@@ -155,7 +168,8 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
         run_on_ranks(hello, 2)
     """
     with tempfile.TemporaryDirectory(prefix="tp_fusion_ranks_") as workdir:
-        ctx = mp.start_processes(_rank_main, (nproc, workdir, fn, args, timeout_s), nprocs=nproc, join=False)
+        ctx = mp.start_processes(_rank_main, (nproc, workdir, fn, args, timeout_s), nprocs=nproc, join=False,
+                                 start_method=_start_method())
         procs = ctx.processes
         try:
             killed = _wait(procs, time.monotonic() + (timeout_s + 60 if deadline_s is None else deadline_s), grace_s)
