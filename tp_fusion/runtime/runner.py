@@ -94,14 +94,16 @@ class Runner:
                 return self.graph.replay(inputs)
             return self.run_eager(inputs)
 
-    def run_eager(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run_eager(self, inputs: list[torch.Tensor], report_faults: bool = True) -> list[torch.Tensor]:
+        """This rank's outputs, launched op by op. ``report_faults=False`` (tuning's graph capture)
+        lets an error through as it is, without telling the peers or aborting the process group."""
         program = self.program
         env: Env = dict(zip(program.fusion.inputs, inputs))
         for i, (seg, run) in enumerate(self._segments):
             try:
                 run(env)
             except BaseException as e:
-                if isinstance(e, ExecutionError):
+                if isinstance(e, ExecutionError) or not report_faults:
                     raise
                 where = f"segment {i} ({seg.kind}{' ' + seg.note if seg.note else ''})"
                 message = self._failure(where, e, local=seg.kind == "compute")

@@ -105,17 +105,29 @@ def _graphable(program: Program) -> bool:
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors))
 
 
-def _capture_if_faster(run, inputs: list[torch.Tensor]) -> graphs.GraphedRun | None:
-    """Capture ``run`` and keep the graph if replaying it is faster than running eagerly on every
-    rank (collective: every rank of the world calls it, with the same plan)."""
+def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor]) -> tuple[graphs.GraphedRun | None, str]:
+    """Capture the runner's plan and keep the graph if every rank captured it and replaying is faster
+    than launching eagerly on every rank (collective: every rank of the world calls it, with the same
+    plan). The ranks agree that all captured before anything runs again: a rank left eager while its
+    peers replay would pair collectives wrongly. Returns the graph (or None) and a note."""
     try:
-        graphed = graphs.GraphedRun(run, inputs)
-        times = [time_ms(lambda: run(inputs), TIMED_ITERS, WARMUP),
-                 time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP), 0.0]
-    except RuntimeError:  # this rank could not capture: every rank stays eager
-        graphed, times = None, [0.0, 0.0, 1.0]
-    eager_ms, graph_ms, failed = slowest(times, None, inputs[0].device)
-    return graphed if not failed and graph_ms < eager_ms else None
+        graphed = graphs.GraphedRun(lambda xs: runner.run_eager(xs, report_faults=False), inputs)
+        error = ""
+    except Exception as e:  # not capturable on this rank (no peer is told: the agreement below is)
+        graphed, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    (not_captured,) = slowest([float(graphed is None)], None, inputs[0].device)
+    if not_captured:
+        if graphed is not None:
+            graphed.release()
+        return None, f"cuda graph: not captured on {'this rank' if error else 'a peer'}{': ' + error if error else ''}"
+    eager_ms, graph_ms = slowest([time_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP),
+                                  time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP)],
+                                 None, inputs[0].device)
+    keep = graph_ms < eager_ms
+    if not keep:
+        graphed.release()
+    return (graphed if keep else None), f"cuda graph {graph_ms:.3f} ms, eager {eager_ms:.3f} ms -> " \
+                                        f"{'graph' if keep else 'eager'}"
 
 
 def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
@@ -132,8 +144,7 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     runner = Runner(tuned)
     if _graphable(tuned):
         with torch.no_grad():
-            graphed = _capture_if_faster(runner.run_eager, inputs)
-        if graphed is not None:
-            tuned = tuned.with_choices({}, cuda_graph=True, notes=tuned.notes)
-            runner.program, runner.graph = tuned, graphed
+            graphed, note = _capture_if_faster(runner, inputs)
+        tuned = tuned.with_choices({}, cuda_graph=graphed is not None, notes=(*tuned.notes, note))
+        runner.program, runner.graph = tuned, graphed
     return tuned, runner
