@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 import torch
 from tp_fusion.sharding.reshard import Collective
@@ -112,14 +113,15 @@ def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor]) -> tuple[grap
     peers replay would pair collectives wrongly. Returns the graph (or None) and a note."""
     try:
         graphed = graphs.GraphedRun(lambda xs: runner.run_eager(xs, report_faults=False), inputs)
-        error = ""
     except Exception as e:  # not capturable on this rank (no peer is told: the agreement below is)
-        graphed, error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        graphed = None
+        warnings.warn(f"tp_fusion: this rank could not capture the plan as a CUDA graph, so every rank runs it "
+                      f"eagerly: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
     (not_captured,) = slowest([float(graphed is None)], None, inputs[0].device)
     if not_captured:
         if graphed is not None:
             graphed.release()
-        return None, f"cuda graph: not captured on {'this rank' if error else 'a peer'}{': ' + error if error else ''}"
+        return None, "cuda graph: a rank could not capture the plan -> eager"
     eager_ms, graph_ms = slowest([time_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP),
                                   time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP)],
                                  None, inputs[0].device)
