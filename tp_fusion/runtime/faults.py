@@ -13,6 +13,10 @@ has the lowest number among the records that are not a peer's disconnect. Every 
 records and names that rank and its error; a rank that exits without a record is named as the
 one that stopped responding. Rank 0 hosts the store, so it stays until its peers have read
 (bounded). The store's timeout is restored afterwards.
+
+Under NCCL two more guards run per call, neither waiting for the peers: ``LaggedAgreement`` checks
+in batches that the ranks executed the same fusions, and ``ProgressGuard`` bounds how long a rank
+waits on the GPU for a peer that died.
 """
 
 from __future__ import annotations
