@@ -231,34 +231,28 @@ def test_matmul_sub_strategy_is_lowerable(multidevice_test):
 # --- items 2, 3, 5, 6, 7: faults, retry, re-init (spawned ranks: they abort the group) -----------
 
 
-def _fusion_1d(world: int):
-    """relu on row shards (segment 0) -> allgather over the world (segment 1) -> tanh."""
-    mesh = DeviceMesh(range(world))
+def _fusion(mesh: DeviceMesh, seed: int):
+    """relu on row shards (segment 0) -> allgather along mesh_x (segment 1) -> tanh."""
+    rows = 2 * mesh.size
     with FusionDefinition() as fd:
-        x = fd.define_tensor([2 * world, 3])
+        x = fd.define_tensor([rows, 3])
         a = fd.ops.relu(x)
         c = fd.ops.tanh(fd.ops.set(a))
         fd.add_output(c)
         for tv in (x, a):
             shard(tv, mesh, {0: X})
         shard(c, mesh)
-    full = rand(13, 2 * world, 3, dtype=torch.float32)
+    full = rand(seed, rows, 3, dtype=torch.float32)
     return fd, [shard_tensor(full, x)], torch.tanh(torch.relu(full))
+
+
+def _fusion_1d(world: int):
+    return _fusion(DeviceMesh(range(world)), 13)
 
 
 def _fusion_2d(world: int):
-    """relu on row shards (segment 0) -> allgather over mesh_x sub-groups (segment 1) -> tanh."""
-    mesh = DeviceMesh(torch.arange(world).reshape(2, world // 2))
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([2 * world, 3])
-        a = fd.ops.relu(x)
-        c = fd.ops.tanh(fd.ops.set(a))
-        fd.add_output(c)
-        for tv in (x, a):
-            shard(tv, mesh, {0: X})
-        shard(c, mesh)
-    full = rand(12, 2 * world, 3, dtype=torch.float32)
-    return fd, [shard_tensor(full, x)], torch.tanh(torch.relu(full))
+    """The allgather runs over mesh_x sub-groups."""
+    return _fusion(DeviceMesh(torch.arange(world).reshape(2, world // 2)), 12)
 
 
 def _inject_op(kind: str, fail_rank: int, exc: BaseException, calls: list):
