@@ -29,7 +29,8 @@ written by hand, so ``print(fd)`` shows it and a later ``fd.execute`` with local
 them. An input the user scheduled by hand must agree with its DTensor (else ``ShardingError``);
 annotations made by an earlier ``execute_with_dtensors`` are replaced when the placements change
 (which recompiles, as any schedule change does). Plain ``torch.Tensor`` inputs are passed through
-unchanged. Nothing else of ``fd`` changes. Forward only: no autograd through the fusion.
+unchanged. Nothing else of ``fd`` changes. Forward only, as ``execute``: training with DTensor
+weights goes through ``tp_fusion.autograd.function``.
 """
 
 from __future__ import annotations
