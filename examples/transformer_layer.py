@@ -68,7 +68,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import tp_fusion  # noqa: E402
-from examples.common import DTYPES, TOLERANCE, profile  # noqa: E402
+from examples.common import DTYPES, TOLERANCE, profile, relative_error  # noqa: E402
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, shard_tensor  # noqa: E402
 from tp_fusion.launch import run_program  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
@@ -374,7 +374,7 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> None:
     got = {"out": out.detach(), **{n: p.grad for n, p in zip(INPUTS, (x, *params))}}
     shardings = {"out": forward.output_shardings()[0], **{n: tv.sharding for n, tv in zip(INPUTS, input_tvs)}}
 
-    errors = {n: _relative_error(got[n], shard_tensor(want[n], shardings[n], rank)) for n in got}
+    errors = {n: relative_error(got[n], shard_tensor(want[n], shardings[n], rank)) for n in got}
     worst = dict(zip(errors, map(max, zip(*dist.gather_from_all(list(errors.values()))))))
     title = (f"mode {mode}: {world} ranks, tokens {cfg.tokens} (batch {cfg.batch} x seq {cfg.seq}), hidden "
              f"{cfg.hidden}, heads {cfg.heads}, dropout {cfg.dropout}, {args.dtype}")
@@ -403,13 +403,6 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> None:
         grad = shard_tensor(full["grad_out"], forward.output_shardings()[0], rank)
         profile(rank, world, lambda: layer.apply(x, *params).backward(grad), Path(args.profile),
                 f"transformer_layer --mode {mode}: forward+backward on {world} ranks")
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (0 for an empty shard)."""
-    if want.numel() == 0:
-        return 0.0
-    return (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
 
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:

@@ -31,6 +31,7 @@ output's placements and outgoing ones to their input's placements. Every rank ca
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -88,13 +89,18 @@ def _indices(indices: Sequence[int], n: int, what: str, noun: str) -> tuple[int,
     return out
 
 
+@dataclass(frozen=True)
 class _Spec:
     """What a generated Function runs: its two fusions and which tensors go where."""
 
-    def __init__(self, name, forward, backward, saved_inputs, saved_outputs, outputs, differentiable, grad_inputs):
-        self.name, self.forward, self.backward = name, forward, backward
-        self.saved_inputs, self.saved_outputs = saved_inputs, saved_outputs
-        self.outputs, self.differentiable, self.grad_inputs = outputs, differentiable, grad_inputs
+    name: str
+    forward: FusionDefinition
+    backward: FusionDefinition
+    saved_inputs: tuple[int, ...]
+    saved_outputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    differentiable: tuple[int, ...]
+    grad_inputs: tuple[int, ...]
 
 
 def _is_dtensor(x) -> bool:

@@ -69,9 +69,11 @@ class Executor:
 
     def _run(self, inputs: list) -> tuple[list[torch.Tensor], Program]:
         sig = _signature(inputs)
-        multi = self._sharded and dist.is_initialized() and dist.world_size() > 1
+        world = dist.world_token()
+        multi = self._sharded and world is not None and dist.world_size() > 1
+        backend = dist.backend() if multi else None
         cached = self._cache.get(sig)
-        if cached is not None and cached[1].world != dist.world_token():
+        if cached is not None and cached[1].world != world:
             self._cache.clear()  # the process group these were built under is gone
             cached = None
         error = None
@@ -86,15 +88,15 @@ class Executor:
                 error = e
         else:
             program, runner, fingerprint, detail = cached
-        if multi and (cached is None or dist.backend() == "gloo"):
+        if multi and (cached is None or backend == "gloo"):
             _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
         if error is not None:
             raise error
         guarded = multi and program.device.type == "cuda"
         if guarded:
-            _progress.before_call(program.rank, symm.release_waits)
-        if multi and dist.backend() != "gloo":
-            _lagged.check_and_launch(fingerprint)
+            _progress.before_call(world, program.rank, symm.release_waits)
+        if multi and backend != "gloo":
+            _lagged.check_and_launch(world, fingerprint)
         if cached is None:
             runner = Runner(program)  # creates process groups: after the agreement
             program, runner = tuning.tune(program, runner, inputs)

@@ -174,14 +174,14 @@ def test_lagged_agreement_raises_on_every_rank_a_batch_later(multidevice_test):
     later; the same mechanism, driven directly (batches of 2 calls)."""
     from tp_fusion.runtime.faults import LaggedAgreement
 
-    check = LaggedAgreement(batch=2)
+    check, world = LaggedAgreement(batch=2), dist.world_token()
     for fp in (7, 8, 7, 8):  # batches 1-2 and 3-4 agree
-        check.check_and_launch(fp)
-    check.check_and_launch(9)
-    check.check_and_launch(10 + multidevice_test.rank)  # calls 5-6: the ranks differ
-    check.check_and_launch(7)
+        check.check_and_launch(world, fp)
+    check.check_and_launch(world, 9)
+    check.check_and_launch(world, 10 + multidevice_test.rank)  # calls 5-6: the ranks differ
+    check.check_and_launch(world, 7)
     with pytest.raises(DefinitionError, match=r"executed different fusions .* calls 5-6 .*\(up to 3 calls ago"):
-        check.check_and_launch(7)  # the end of calls 7-8 reads calls 5-6
+        check.check_and_launch(world, 7)  # the end of calls 7-8 reads calls 5-6
 
 
 # --- items 10, 11: an empty contraction; strategies lowering can serve ---------------------------

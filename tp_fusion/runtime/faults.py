@@ -71,9 +71,10 @@ class LaggedAgreement:
         self._pending: tuple[int, torch.Tensor, object] | None = None  # (first call, values, work)
         self._calls, self._digest = 0, 0
 
-    def check_and_launch(self, fingerprint: int) -> None:
-        if self._world != dist.world_token():  # a new process group: start over
-            self._world, self._pending, self._calls, self._digest = dist.world_token(), None, 0, 0
+    def check_and_launch(self, world, fingerprint: int) -> None:
+        """Fold this call's ``fingerprint`` in; ``world`` is ``dist.world_token()`` (a new one starts over)."""
+        if self._world != world:
+            self._world, self._pending, self._calls, self._digest = world, None, 0, 0
         self._calls += 1
         self._digest = hash((self._digest, fingerprint)) & ((1 << _FP_BITS) - 1)
         if self._calls % self.batch:
@@ -114,10 +115,11 @@ class ProgressGuard:
         self._pending: list[tuple[int, torch.cuda.Event]] = []
         self._calls, self._bound_s = 0, 0.0
 
-    def before_call(self, rank: int, release_waits) -> None:
-        """Wait for the call ``LAG`` calls back; ``release_waits()`` unblocks the GPU on timeout."""
-        if self._world != dist.world_token():
-            self._world, self._pending, self._calls = dist.world_token(), [], 0
+    def before_call(self, world, rank: int, release_waits) -> None:
+        """Wait for the call ``LAG`` calls back; ``world`` is ``dist.world_token()`` (a new one starts
+        over); ``release_waits()`` unblocks the GPU on timeout."""
+        if self._world != world:
+            self._world, self._pending, self._calls = world, [], 0
             self._bound_s = _gpu_wait_bound_s()
         self._calls += 1
         while len(self._pending) >= self.LAG:
@@ -228,9 +230,8 @@ def _first(records: dict[int, FaultRecord]) -> FaultRecord | None:
     return min(pool, key=lambda r: r.seq) if pool else None
 
 
-_PEER_SIGNS = ("closed by peer", "connection reset", "connection refused", "broken pipe", "timed out", "timeout",
-               "remote", "peer", "nccl", "aborted", "abort", "socket", "not been initialized",
-               "not registered", "connection closed", "eof")
+_PEER_SIGNS = ("peer", "remote", "connection", "broken pipe", "socket", "eof", "timed out", "timeout", "abort",
+               "nccl", "not been initialized", "not registered")
 
 
 def _peer_failure(error: str) -> bool:

@@ -29,8 +29,8 @@ class Runner:
         self._multirank = program.fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1
         for ranks in program.groups():
             dist.group(ranks)
-        self._readers = _readers(program)
         self._regions = regions.mode()
+        self._readers = _readers(program) if self._regions else {}
         self._segments = [(seg, self._segment(seg)) for seg in program.segments]
         self.graph: graphs.GraphedRun | None = None
 

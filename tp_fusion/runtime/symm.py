@@ -196,6 +196,12 @@ class Mailbox:
         """Once the work before it on ``stream`` is done, raise ``dst``'s ready flag for our piece."""
         driver().write(stream, self._peer_flag_base[dst] + self._flag_offset(self.rank, part), self.epoch)
 
+    def release(self, stream: torch.cuda.Stream) -> None:
+        """Raise every flag of this rank's mailbox for good: its waits pass (after a peer died)."""
+        for src in range(self.n):
+            for part in range(self.parts):
+                driver().write(stream, self._flag_base + self._flag_offset(src, part), 0x7FFFFFFF)
+
     def wait_ready(self, stream: torch.cuda.Stream, src: int, part: int) -> None:
         """Work enqueued after this on ``stream`` waits until ``src`` has pushed ``slot(src, part)``."""
         driver().wait(stream, self._flag_base + self._flag_offset(src, part), self.epoch)
@@ -221,8 +227,6 @@ def release_waits() -> None:
         return
     stream = torch.cuda.Stream()
     for box in _mailboxes.values():
-        for src in range(box.n):
-            for part in range(box.parts):
-                driver().write(stream, box._flag_base + box._flag_offset(src, part), 0x7FFFFFFF)
+        box.release(stream)
     stream.synchronize()
     _mailboxes.clear()
