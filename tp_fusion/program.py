@@ -11,6 +11,7 @@ Nothing here runs anything: ``tp_fusion.runtime.runner`` does.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,8 @@ class Program:
             head = f"  segment {i}: {seg.kind}"
             if seg.fused is not None:
                 head += f" {seg.note} ({seg.fused.mode or 'undecided'})"
+            elif seg.note:
+                head += f" ({seg.note})"
             lines.append(head)
             for s in seg.steps:
                 outs = " ".join(f"{f.tensor(o).type_str()}{f.tensor(o).sharding_str()}" for o in s.op.outputs)
@@ -189,6 +192,25 @@ def _compute(fusion: Fusion, op: Op, rank: int, device: torch.device) -> Compute
     return Compute(op, tuple(attrs.items()), _holds(fusion, op.outputs[0], rank))
 
 
+def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
+    """Indices ``j`` of compute ``steps`` where ``steps[j]`` is a linear with a bias whose result only
+    ``steps[j + 1]``, a tanh-GELU, reads: the pair runs as one GEMM with the bias and the GELU in its
+    epilogue (cuBLASLt GELU_BIAS on CUDA; ``overlap.linear``), saving a pass over the result."""
+    found = set()
+    for j in range(len(steps) - 1):
+        gemm, act = steps[j], steps[j + 1]
+        if not (isinstance(gemm, Compute) and isinstance(act, Compute) and gemm.runs_here and act.runs_here):
+            continue
+        result = gemm.op.outputs[0]
+        if (opdef(gemm.op.kind) is opdef("linear") and len(gemm.op.inputs) == 3
+                and all(isinstance(a, int) for a in gemm.op.inputs)
+                and act.op.kind == "gelu" and dict(act.attrs).get("approximate") == "tanh"
+                and act.op.inputs == (result,) and len(fusion.consumers(result)) == 1
+                and result not in fusion.outputs):
+            found.add(j)
+    return found
+
+
 def _donatable(fusion: Fusion, name: int, i: int, keep: set, last_use: dict) -> bool:
     """Whether op ``i`` may overwrite tensor ``name``: its last use, no fusion input or output,
     and no view of or into another tensor (those may still be read)."""
@@ -234,6 +256,9 @@ def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:
             else:
                 steps.append(_compute(fusion, op, rank, device))
         fused = _fused(fusion, [fusion.ops[i] for i in seg.ops], steps, rank) if seg.kind == "fused" else None
-        segments.append(ProgramSegment(seg.kind, seg.note, tuple(steps), fused))
+        note = seg.note
+        if seg.kind == "compute" and gelu_epilogues(fusion, steps):
+            note = "linear+gelu: bias and GELU in the GEMM's epilogue"
+        segments.append(ProgramSegment(seg.kind, note, tuple(steps), fused))
     outputs = tuple((o, _holds(fusion, o, rank)) for o in fusion.outputs)
     return Program(fusion, rank, device, tuple(segments), outputs)

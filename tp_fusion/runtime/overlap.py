@@ -154,6 +154,13 @@ def linear_allreduce(x, weight, bias=None, *, pg, mode: str,
     return out.view(*x.shape[:-1], -1)
 
 
+def linear(x, weight, bias=None, epilogue=None) -> torch.Tensor:
+    """``epilogue(F.linear(x, weight, bias))`` with no collective: one GEMM whose epilogue adds the bias
+    and, on CUDA, applies a tanh-GELU epilogue (``gelu_tanh``) too."""
+    out = _linear(x.reshape(-1, x.shape[-1]), weight, bias, epilogue)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 # --------------------------------------------------------------------------------------------------
 # Shared helpers
 # --------------------------------------------------------------------------------------------------

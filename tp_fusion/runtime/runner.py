@@ -16,7 +16,16 @@ from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
 from tp_fusion.ops import OPS
-from tp_fusion.program import FUSED, SEQUENTIAL, Communicate, Compute, FusedGemm, Program, ProgramSegment
+from tp_fusion.program import (
+    FUSED,
+    SEQUENTIAL,
+    Communicate,
+    Compute,
+    FusedGemm,
+    Program,
+    ProgramSegment,
+    gelu_epilogues,
+)
 from tp_fusion.runtime import collectives, dist, faults, graphs, overlap, regions
 
 Env = dict[int, torch.Tensor]
@@ -40,7 +49,11 @@ class Runner:
         if seg.fused is not None and seg.fused.runs_here and seg.fused.mode != SEQUENTIAL:
             return _fused(seg.fused, self.program)
         steps = []
-        for in_region, run_steps in regions.split(seg.steps) if self._regions else [(False, seg.steps)]:
+        epilogues = gelu_epilogues(self.program.fusion, seg.steps)
+        fused_away = {id(seg.steps[j + 1]) for j in epilogues}
+        gemms = {id(seg.steps[j]): seg.steps[j + 1] for j in epilogues}
+        for in_region, run_steps in regions.split(seg.steps, _not_in(fused_away)) if self._regions \
+                else [(False, seg.steps)]:
             if in_region:
                 inside = {id(s) for s in run_steps}
 
@@ -48,7 +61,8 @@ class Runner:
                     return bool(self._readers.get(value, set()) - inside)
                 steps.append(regions.region(run_steps, read_later, self._regions))
             else:
-                steps.extend(self._step(s) for s in run_steps)
+                steps.extend(_gemm_gelu(s, gemms[id(s)]) if id(s) in gemms else self._step(s)
+                             for s in run_steps if id(s) not in fused_away)
 
         def run(env):
             for step in steps:
@@ -147,6 +161,21 @@ def _readers(program: Program) -> dict[int, set[int]]:
     for o, _ in program.outputs:
         readers.setdefault(o, set()).add(-1)
     return readers
+
+
+def _not_in(skipped: set[int]) -> Callable:
+    """``regions.fusible``, except for the steps in ``skipped`` (taken into a GEMM's epilogue)."""
+    return lambda step: id(step) not in skipped and regions.fusible(step)
+
+
+def _gemm_gelu(gemm: Compute, act: Compute) -> Callable[[Env], None]:
+    """A linear with a bias and the tanh-GELU of its result as one GEMM (``program.gelu_epilogues``)."""
+    x, w, b = gemm.op.inputs
+    (out,) = act.op.outputs
+
+    def run(env):
+        env[out] = overlap.linear(env[x], env[w], env[b], overlap.gelu_tanh)
+    return run
 
 
 def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:

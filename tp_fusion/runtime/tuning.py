@@ -99,11 +99,13 @@ def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, str]:
 
 def _graphable(program: Program) -> bool:
     """The same answer on every rank: CUDA with NCCL, no segment on the symmetric-memory path,
-    every mesh spanning the whole world."""
+    every mesh spanning the whole world, and no random draw without a seed (its seed is drawn on
+    the host per call, which a replay would freeze)."""
     world = set(range(dist.world_size()))
     return (_measures(program) and graphs.enabled()
             and all(seg.fused is None or seg.fused.mode != FUSED for seg in program.segments)
-            and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors))
+            and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors)
+            and not any(op.kind == "uniform" and op.attr("rng_seed") is None for op in program.fusion.ops))
 
 
 def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor]) -> tuple[graphs.GraphedRun | None, str]:
