@@ -409,7 +409,8 @@ def profile(fns, out_dir, mode, shape):
         if r == 0:
             traces = [trace.format(q) for q in range(n)]
             reports = [profiling.rank_report(t, q) for q, t in enumerate(traces)]
-            lines += [f"\n{name}, {mode} {','.join(map(str, shape))}:", profiling.format_report(reports)]
+            lines += [f"\n{name}, {mode} {','.join(map(str, shape))}:", profiling.format_report(reports),
+                      "rank 0 by kernel:", profiling.kernel_table(profiling.iteration_bars(traces[0], 0))]
             try:
                 profiling.plot_timeline(traces, os.path.join(out_dir, f"timeline_{tag}_{name}.png"),
                                         title=f"{name}: {mode} MLP {shape}, one iteration on {n} GPUs")

@@ -53,7 +53,8 @@ def execute_and_check(rank: int, fd: FusionDefinition, full: list[torch.Tensor],
 
 
 def profile(rank: int, world: int, step, out_dir: Path, title: str) -> None:
-    """A Chrome trace of a few calls of ``step`` per rank, then (rank 0) a timeline PNG titled ``title``."""
+    """A Chrome trace of a few calls of ``step`` per rank; then rank 0 prints where the time goes per rank
+    and by kernel (``tp_fusion.profiling``) and draws a timeline PNG titled ``title``."""
     from tp_fusion import profiling
 
     profiling.profile_iterations(step, out_dir / f"trace_rank{rank}.json")
@@ -62,6 +63,8 @@ def profile(rank: int, world: int, step, out_dir: Path, title: str) -> None:
         return
     traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
     print(f"profile: wrote {', '.join(map(str, traces))}")
+    print(profiling.format_report([profiling.rank_report(t, r) for r, t in enumerate(traces)]))
+    print("profile: rank 0 by kernel\n" + profiling.kernel_table(profiling.iteration_bars(traces[0], 0), top=25))
     try:
         png = profiling.plot_timeline(traces, out_dir / "timeline.png", title=title)
         print(f"profile: wrote {png}")

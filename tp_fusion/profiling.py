@@ -11,6 +11,9 @@ compute runs), the overlap efficiency (the share of communication hidden under c
 gaps on the compute streams (no compute kernel running on any of them). ``format_report`` prints those
 per rank.
 
+``kernel_table(bars)`` lists the iteration's GPU work by kernel (count, total time, share), the
+longest first.
+
 ``plot_timeline(traces, png)`` draws the same iteration per rank as horizontal bars, one row per
 lane named by what it carries: the segments (``record_function`` labels such as
 ``tp_fusion::allgather_linear[fused]``), the main and second compute streams, NCCL, and the copy
@@ -262,6 +265,30 @@ def format_report(reports: Sequence[RankReport], top_gaps: int = 3) -> str:
         lines.append(f"{r.rank:>4} {r.span:8.3f} {r.compute:11.3f} {r.comm:8.3f} {r.exposed_comm:16.3f} "
                      f"{r.overlap_efficiency:12.1%}  {len(r.gaps)} gaps, {r.idle:.3f} ms"
                      + (f" (longest: {longest})" if longest else ""))
+    return "\n".join(lines)
+
+
+def kernel_table(bars: Sequence[Bar], top: int = 12) -> str:
+    """The GPU work of one rank's iteration (``iteration_bars``) grouped by kernel name, longest total
+    first: count, total ms, share of the span, and its lane; the rest summed on one line. It says
+    which kernels a gap over the best compute is made of (an extra pass, a slow GEMM, a copy)."""
+    work = [b for b in bars if not b.row.endswith(" segments")]
+    if not work:
+        return "(no GPU work in the iteration)"
+    span = max(b.end_ms for b in work) - min(b.start_ms for b in work)
+    groups: dict[str, list[Bar]] = defaultdict(list)
+    for b in work:
+        groups[b.name].append(b)
+    ranked = sorted(groups.items(), key=lambda kv: -sum(b.duration_ms for b in kv[1]))
+    lines = ["   count  total ms  share  lane                      kernel"]
+    for name, group in ranked[:top]:
+        total = sum(b.duration_ms for b in group)
+        lane = group[0].row.split(" ", 2)[2]
+        lines.append(f"{len(group):8d} {total:9.3f} {total / span:6.1%}  {lane:25.25s} {name[:90]}")
+    rest = [b for _, group in ranked[top:] for b in group]
+    if rest:
+        total = sum(b.duration_ms for b in rest)
+        lines.append(f"{len(rest):8d} {total:9.3f} {total / span:6.1%}  {'':25s} ({len(ranked) - top} other kernels)")
     return "\n".join(lines)
 
 

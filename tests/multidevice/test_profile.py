@@ -40,3 +40,16 @@ def test_communication_names():
         assert profiling.is_communication(name), name
     for name in ("aten::addmm", "aten::broadcast_to", "aten::gelu", "sm90_xmma_gemm_bf16bf16", "aten::copy_"):
         assert not profiling.is_communication(name), name
+
+
+def test_kernel_table_groups_by_name_longest_first():
+    bars = [profiling.Bar("rank 0 segments", 0.0, 3.0, "tp_fusion::allgather_linear[fused]", False),
+            profiling.Bar("rank 0 compute (main stream)", 0.0, 1.0, "gemm", False),
+            profiling.Bar("rank 0 compute (main stream)", 1.0, 1.0, "gemm", False),
+            profiling.Bar("rank 0 compute (main stream)", 2.0, 0.5, "add", False),
+            profiling.Bar("rank 0 copy engine", 0.5, 0.25, "Memcpy DtoD", True)]
+    rows = profiling.kernel_table(bars, top=2).splitlines()
+    assert rows[1].split()[:4] == ["2", "2.000", "80.0%", "compute"] and rows[1].endswith("gemm")
+    assert rows[2].split()[:3] == ["1", "0.500", "20.0%"] and rows[2].endswith("add")
+    assert rows[3].split()[:3] == ["1", "0.250", "10.0%"] and rows[3].endswith("(1 other kernels)")
+    assert len(rows) == 4  # the segment labels are no kernels
