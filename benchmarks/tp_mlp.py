@@ -269,8 +269,9 @@ def any_rank(flag: bool, device) -> bool:
 
 
 def plan_segments(fd) -> list[str]:
-    """The segment lines of ``str(fd.plan)`` (fused segments name their measured choice)."""
-    return [line.strip() for line in str(getattr(fd, "plan", "")).splitlines() if "segment" in line]
+    """The segment and CUDA-graph lines of ``str(fd.plan)`` (with tuning's measured choices)."""
+    return [line.strip() for line in str(getattr(fd, "plan", "")).splitlines()
+            if "segment" in line or "cuda graph" in line.lower()]
 
 
 def run_shape(mode, tokens, hidden, ffn, args, device):

@@ -32,11 +32,23 @@ class GraphedRun:
     """A plan run captured for fixed input buffers; ``replay(inputs)`` returns fresh outputs."""
 
     def __init__(self, run: Callable[[list], list], inputs: list[torch.Tensor]):
+        """Run the plan once eagerly (lazy initializations, such as a first NCCL collective creating its
+        communicator, cannot happen inside a capture), then capture it. A capture that fails leaves the
+        caching allocator with a capture underway, which aborts the process at exit; its pool is closed
+        and released before the error goes on."""
         self.inputs = [x.clone() for x in inputs]
         self.graph = torch.cuda.CUDAGraph()
+        run(self.inputs)
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph):
-            self.outputs = run(self.inputs)
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = run(self.inputs)
+        except BaseException:
+            _close_pool(pool)
+            torch.cuda.set_stream(stream)  # the capture's stream context is left open when it fails
+            self.graph = None
+            raise
         if not _live:
             dist.before_destroy(release_all)
         _live.add(self)
@@ -55,6 +67,18 @@ class GraphedRun:
             buf.copy_(x)
         self.graph.replay()
         return [out.clone() for out in self.outputs]
+
+
+def _close_pool(pool) -> None:
+    """End allocating into a failed capture's memory pool and release it: torch 2.11's
+    ``capture_end`` raises before it does so when the capture was invalidated (later versions may
+    have done it, then ending raises, which is harmless here)."""
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        pass
+    torch._C._cuda_releasePool(device, pool)
 
 
 def release_all() -> None:

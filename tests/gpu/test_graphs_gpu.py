@@ -1,0 +1,46 @@
+"""CUDA-graph capture of a plan run (tp_fusion/runtime/graphs.py) on one GPU.
+
+Run on a machine with a GPU:  python -m pytest tests/gpu/test_graphs_gpu.py
+A capture that fails (here: a host synchronization inside it) must leave the process healthy: a
+later capture replays right, and the process exits cleanly (torch 2.11 aborted at exit with
+``captures_underway.empty()`` after a failed capture, before graphs.py closed its pool).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SCRIPT = textwrap.dedent("""
+    import torch
+    from tp_fusion.runtime import graphs
+
+    x = torch.arange(8.0, device="cuda")
+
+    def syncs(xs):
+        y = xs[0] * 2
+        torch.cuda.synchronize()  # not allowed while capturing
+        return [y]
+    try:
+        graphs.GraphedRun(syncs, [x])
+        raise SystemExit("the capture should have failed")
+    except RuntimeError:
+        pass
+    graphed = graphs.GraphedRun(lambda xs: [xs[0] * 3 + 1], [x])
+    (out,) = graphed.replay([x + 1])
+    assert torch.equal(out, (x + 1) * 3 + 1), out
+    graphs.release_all()
+    torch.cuda.empty_cache()
+    print("ok")
+""")
+
+
+def test_failed_capture_leaves_the_process_healthy():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
