@@ -90,6 +90,8 @@ class Program:
     segments: tuple[ProgramSegment, ...]
     outputs: tuple[tuple[int, bool], ...]  # (tensor, whether this rank holds a part of it)
     cuda_graph: bool = False  # replay as a CUDA graph (measured faster than launching eagerly)
+    gelu_apart: frozenset[int] = frozenset()  # tanh-GELU outputs whose GELU runs as a pass apart from its
+    #                                           GEMM's epilogue (measured faster; ``gelu_epilogues``)
     notes: tuple[str, ...] = ()  # why tuning chose what it chose (timings, host locality), one line each
 
     def groups(self) -> list[tuple[int, ...]]:
@@ -115,11 +117,20 @@ class Program:
 
         return summarize(self)
 
-    def with_choices(self, modes: dict[int, str], cuda_graph: bool, notes: tuple[str, ...]) -> Program:
-        """The program with tuning's choices recorded: ``modes`` by fused segment index."""
+    def with_choices(self, modes: dict[int, str], cuda_graph: bool, notes: tuple[str, ...],
+                     gelu_apart: frozenset[int] | None = None) -> Program:
+        """The program with tuning's choices recorded: ``modes`` by fused segment index, and (if given)
+        which GELUs run apart from their GEMM."""
         segs = tuple(dataclasses.replace(seg, fused=dataclasses.replace(seg.fused, mode=modes[i]))
                      if i in modes else seg for i, seg in enumerate(self.segments))
-        return dataclasses.replace(self, segments=segs, cuda_graph=cuda_graph, notes=notes)
+        return dataclasses.replace(self, segments=segs, cuda_graph=cuda_graph, notes=notes,
+                                   gelu_apart=self.gelu_apart if gelu_apart is None else gelu_apart)
+
+    def gelu_pairs(self, seg: ProgramSegment) -> dict[int, bool]:
+        """For a segment's GEMM+GELU pairs (``gelu_epilogues``): step index of the GEMM -> whether the
+        GELU runs in the GEMM's epilogue."""
+        return {j: seg.steps[j + 1].op.outputs[0] not in self.gelu_apart
+                for j in sorted(gelu_epilogues(self.fusion, seg.steps))}
 
     def __str__(self) -> str:
         f = self.fusion
@@ -131,6 +142,11 @@ class Program:
                 head += f" {seg.note} ({seg.fused.mode or 'undecided'})"
             elif seg.note:
                 head += f" ({seg.note})"
+            pairs = self.gelu_pairs(seg) if seg.kind == "compute" else {}
+            if pairs:
+                inside = all(pairs.values())
+                head += " (linear+gelu: " + ("bias and GELU in the GEMM's epilogue)" if inside else
+                                             "the GELU apart from the GEMM, measured faster)")
             lines.append(head)
             for s in seg.steps:
                 outs = " ".join(f"{f.tensor(o).type_str()}{f.tensor(o).sharding_str()}" for o in s.op.outputs)
@@ -194,12 +210,13 @@ def _compute(fusion: Fusion, op: Op, rank: int, device: torch.device) -> Compute
 
 def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
     """Indices ``j`` of compute ``steps`` where ``steps[j]`` is a linear with a bias whose result only
-    ``steps[j + 1]``, a tanh-GELU, reads: the pair runs as one GEMM with the bias and the GELU in its
-    epilogue (cuBLASLt GELU_BIAS on CUDA; ``overlap.linear``), saving a pass over the result."""
+    ``steps[j + 1]``, a tanh-GELU, reads: the pair runs as one call (``overlap.linear``), the GEMM with
+    the bias and, unless tuning measured it slower (``Program.gelu_apart``), the GELU in its epilogue
+    (cuBLASLt GELU_BIAS on CUDA), saving a pass over the result."""
     found = set()
     for j in range(len(steps) - 1):
         gemm, act = steps[j], steps[j + 1]
-        if not (isinstance(gemm, Compute) and isinstance(act, Compute) and gemm.runs_here and act.runs_here):
+        if not (isinstance(gemm, Compute) and isinstance(act, Compute)):
             continue
         result = gemm.op.outputs[0]
         if (opdef(gemm.op.kind) is opdef("linear") and len(gemm.op.inputs) == 3
@@ -256,9 +273,6 @@ def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:
             else:
                 steps.append(_compute(fusion, op, rank, device))
         fused = _fused(fusion, [fusion.ops[i] for i in seg.ops], steps, rank) if seg.kind == "fused" else None
-        note = seg.note
-        if seg.kind == "compute" and gelu_epilogues(fusion, steps):
-            note = "linear+gelu: bias and GELU in the GEMM's epilogue"
-        segments.append(ProgramSegment(seg.kind, note, tuple(steps), fused))
+        segments.append(ProgramSegment(seg.kind, seg.note, tuple(steps), fused))
     outputs = tuple((o, _holds(fusion, o, rank)) for o in fusion.outputs)
     return Program(fusion, rank, device, tuple(segments), outputs)

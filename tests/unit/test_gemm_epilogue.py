@@ -1,5 +1,6 @@
 """A linear with a bias followed by a tanh-GELU of its result alone runs as one GEMM with both in its
-epilogue (``program.gelu_epilogues``; cuBLASLt GELU_BIAS on CUDA), and the plan says so."""
+epilogue (``program.gelu_epilogues``; cuBLASLt GELU_BIAS on CUDA), or with the GELU as a pass apart
+where tuning measured that faster (``Program.gelu_apart``), and the plan says which."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from tp_fusion import DataType, FusionDefinition
 from tp_fusion.runtime import overlap
+from tp_fusion.runtime.runner import Runner
 
 
 def _mlp(keep_hidden: bool = False, approximate: str = "tanh"):
@@ -29,9 +31,9 @@ def _count_fused_gemms(monkeypatch) -> list:
     calls = []
     real = overlap.linear
 
-    def spy(*args, **kwargs):
-        calls.append(args[3] if len(args) > 3 else kwargs.get("epilogue"))
-        return real(*args, **kwargs)
+    def spy(x, w, b, epilogue, gelu_in_gemm=True):
+        calls.append((epilogue, gelu_in_gemm))
+        return real(x, w, b, epilogue, gelu_in_gemm)
     monkeypatch.setattr(overlap, "linear", spy)
     return calls
 
@@ -41,7 +43,7 @@ def test_linear_gelu_runs_as_one_gemm(monkeypatch):
     fd, (x, w1, b1, w2) = _mlp(), _inputs()
     (got,) = fd.execute([x, w1, b1, w2])
     torch.testing.assert_close(got, F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2))
-    assert calls == [overlap.gelu_tanh]
+    assert calls == [(overlap.gelu_tanh, True)]
     assert "compute (linear+gelu: bias and GELU in the GEMM's epilogue)" in str(fd.plan)
 
 
@@ -56,3 +58,15 @@ def test_no_epilogue_when_the_gemm_result_is_read_elsewhere_or_the_gelu_is_exact
     (got,) = fd.execute([x, w1, b1, w2])
     torch.testing.assert_close(got, F.linear(F.gelu(F.linear(x, w1, b1)), w2))
     assert calls == [] and "epilogue" not in str(fd.plan)
+
+
+def test_gelu_apart_where_tuning_measured_it_faster(monkeypatch):
+    calls = _count_fused_gemms(monkeypatch)
+    x, w1, b1, w2 = _inputs()
+    program = _mlp().compile([t.shape for t in (x, w1, b1, w2)])
+    (gelu,) = [op.outputs[0] for op in program.fusion.ops if op.kind == "gelu"]
+    apart = program.with_choices({}, cuda_graph=False, notes=(), gelu_apart=frozenset({gelu}))
+    (got,) = Runner(apart).run([x, w1, b1, w2])
+    torch.testing.assert_close(got, F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2))
+    assert calls == [(overlap.gelu_tanh, False)]
+    assert "(linear+gelu: the GELU apart from the GEMM, measured faster)" in str(apart)

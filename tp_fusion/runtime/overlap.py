@@ -57,6 +57,9 @@ class Tuning:
     #                      second stream, issued after the peers' partials, to fill their tail wave
     #                      (measured 2% slower on 2x H200: the two GEMMs contend and delay the pushes)
     ar_subchunks: int = 2  # GEMM+AR: row pieces per reducing rank (sums of piece k travel during k+1)
+    gelu_in_gemm: bool = True  # bias + tanh-GELU in the cuBLASLt epilogue, or the GELU as a pass apart:
+    #                            the epilogue kernel is slower on some shapes (3072x12288x49152: 2.5%),
+    #                            so tuning measures both
 
     def __post_init__(self):
         if self.ag_streams not in (1, 2) or self.rs_streams not in (1, 2) \
@@ -86,14 +89,14 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
     x2 = x_rows.reshape(-1, x_rows.shape[-1]).contiguous()
     tuning = tuning or DEFAULT_TUNING
     if n == 1:
-        out = _linear(x2, weight, bias, epilogue)
+        out = _linear(x2, weight, bias, epilogue, gelu_in_gemm=tuning.gelu_in_gemm)
     else:
         mode = _resolve("allgather_linear", mode, x2, weight, bias, epilogue, pg, tuning)
         with _label(f"tp_fusion::allgather_linear[{mode}]"):
             if mode == SEQUENTIAL:
                 gathered = x2.new_empty((n * x2.shape[0], x2.shape[1]))
                 dist.all_gather(gathered, x2, pg)
-                out = _linear(gathered, weight, bias, epilogue)
+                out = _linear(gathered, weight, bias, epilogue, gelu_in_gemm=tuning.gelu_in_gemm)
             elif x2.is_cuda:
                 out = _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning)
             else:
@@ -154,10 +157,10 @@ def linear_allreduce(x, weight, bias=None, *, pg, mode: str,
     return out.view(*x.shape[:-1], -1)
 
 
-def linear(x, weight, bias=None, epilogue=None) -> torch.Tensor:
+def linear(x, weight, bias=None, epilogue=None, gelu_in_gemm: bool = True) -> torch.Tensor:
     """``epilogue(F.linear(x, weight, bias))`` with no collective: one GEMM whose epilogue adds the bias
-    and, on CUDA, applies a tanh-GELU epilogue (``gelu_tanh``) too."""
-    out = _linear(x.reshape(-1, x.shape[-1]), weight, bias, epilogue)
+    and, on CUDA with ``gelu_in_gemm``, applies a tanh-GELU epilogue (``gelu_tanh``) too."""
+    out = _linear(x.reshape(-1, x.shape[-1]), weight, bias, epilogue, gelu_in_gemm=gelu_in_gemm)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -194,20 +197,23 @@ def _non_last_dim(dim: int, t: torch.Tensor, name: str) -> int:
     return dim
 
 
-def _linear(x2, weight, bias, epilogue, out=None) -> torch.Tensor:
-    """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2``, written into ``out`` if given. On CUDA
-    the bias, and a tanh-GELU after it, run in the GEMM's epilogue."""
+def _linear(x2, weight, bias, epilogue, out=None, gelu_in_gemm: bool = True) -> torch.Tensor:
+    """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2``, written into ``out`` if given. The bias
+    runs in the GEMM's epilogue; on CUDA with ``gelu_in_gemm`` a tanh-GELU after it too, else the
+    GELU is one in-place pass."""
     wt = weight.t()
     if out is None:
         out = x2.new_empty((x2.shape[0], weight.shape[0]))
-    if epilogue is gelu_tanh and bias is not None and x2.is_cuda and out.is_contiguous():
+    if epilogue is gelu_tanh and gelu_in_gemm and bias is not None and x2.is_cuda and out.is_contiguous():
         torch._addmm_activation(bias, x2, wt, use_gelu=True, out=out)
         return out
     if bias is None:
         torch.mm(x2, wt, out=out)
     else:
         torch.addmm(bias, x2, wt, out=out)
-    if epilogue is not None:
+    if epilogue is gelu_tanh:
+        torch.ops.aten.gelu_(out, approximate="tanh")
+    elif epilogue is not None:
         out.copy_(epilogue(out))
     return out
 
@@ -295,7 +301,8 @@ def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tens
     symm.stream_wait(comm, main)  # x2 is written, and this rank's reads of the last call are issued
     if side is not main:
         symm.stream_wait(side, main)
-    _linear(x2, weight, bias, epilogue, out=out[r])  # issued before the pushes: the GPU starts at once
+    # The local GEMM is issued before the pushes, so the GPU starts computing at once.
+    _linear(x2, weight, bias, epilogue, out=out[r], gelu_in_gemm=tuning.gelu_in_gemm)
     for step in range(1, n):
         box.push(comm, (r - step) % n, 0, x2)
     for step in range(1, n):
@@ -303,7 +310,7 @@ def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tens
         stream = side if step % 2 else main
         box.wait_ready(stream, src, 0)
         with _on(stream, main):
-            _linear(box.slot(src, 0), weight, bias, epilogue, out=out[src])
+            _linear(box.slot(src, 0), weight, bias, epilogue, out=out[src], gelu_in_gemm=tuning.gelu_in_gemm)
     symm.stream_wait(main, comm)
     if side is not main:
         symm.stream_wait(main, side)

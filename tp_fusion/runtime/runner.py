@@ -24,7 +24,6 @@ from tp_fusion.program import (
     FusedGemm,
     Program,
     ProgramSegment,
-    gelu_epilogues,
 )
 from tp_fusion.runtime import collectives, dist, faults, graphs, overlap, regions
 
@@ -49,9 +48,9 @@ class Runner:
         if seg.fused is not None and seg.fused.runs_here and seg.fused.mode != SEQUENTIAL:
             return _fused(seg.fused, self.program)
         steps = []
-        epilogues = gelu_epilogues(self.program.fusion, seg.steps)
-        fused_away = {id(seg.steps[j + 1]) for j in epilogues}
-        gemms = {id(seg.steps[j]): seg.steps[j + 1] for j in epilogues}
+        pairs = self.program.gelu_pairs(seg)
+        fused_away = {id(seg.steps[j + 1]) for j in pairs}
+        gemms = {id(seg.steps[j]): (seg.steps[j + 1], in_gemm) for j, in_gemm in pairs.items()}
         for in_region, run_steps in regions.split(seg.steps, _not_in(fused_away)) if self._regions \
                 else [(False, seg.steps)]:
             if in_region:
@@ -61,7 +60,7 @@ class Runner:
                     return bool(self._readers.get(value, set()) - inside)
                 steps.append(regions.region(run_steps, read_later, self._regions))
             else:
-                steps.extend(_gemm_gelu(s, gemms[id(s)]) if id(s) in gemms else self._step(s)
+                steps.extend(_gemm_gelu(s, *gemms[id(s)]) if id(s) in gemms else self._step(s)
                              for s in run_steps if id(s) not in fused_away)
 
         def run(env):
@@ -168,27 +167,33 @@ def _not_in(skipped: set[int]) -> Callable:
     return lambda step: id(step) not in skipped and regions.fusible(step)
 
 
-def _gemm_gelu(gemm: Compute, act: Compute) -> Callable[[Env], None]:
-    """A linear with a bias and the tanh-GELU of its result as one GEMM (``program.gelu_epilogues``)."""
+def _gemm_gelu(gemm: Compute, act: Compute, in_gemm: bool) -> Callable[[Env], None]:
+    """A linear with a bias and the tanh-GELU of its result as one call (``program.gelu_epilogues``): the
+    GELU in the GEMM's epilogue, or as an in-place pass after it (``in_gemm`` False)."""
+    if not gemm.runs_here:
+        return lambda env: None
     x, w, b = gemm.op.inputs
     (out,) = act.op.outputs
 
     def run(env):
-        env[out] = overlap.linear(env[x], env[w], env[b], overlap.gelu_tanh)
+        env[out] = overlap.linear(env[x], env[w], env[b], overlap.gelu_tanh, gelu_in_gemm=in_gemm)
     return run
 
 
-def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
-    """``run(env)`` for a fused segment through ``tp_fusion.runtime.overlap``, in ``f.mode``."""
+def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None) -> Callable[[Env], None]:
+    """``run(env)`` for a fused segment through ``tp_fusion.runtime.overlap``, in ``f.mode``, with a
+    tanh-GELU epilogue in the GEMM unless ``program.gelu_apart`` (or ``gelu_in_gemm``) says otherwise."""
     pg = dist.group(f.group)
     mode = f.mode or FUSED
     epilogue = _epilogue(f.epilogue)
+    in_gemm = f.out not in program.gelu_apart if gelu_in_gemm is None else gelu_in_gemm
+    tuning = overlap.DEFAULT_TUNING if in_gemm else overlap.Tuning(gelu_in_gemm=False)
     x_name, w_name, b_name, out, dim, transpose = f.x, f.weight, f.bias, f.out, f.dim, f.transpose_weight
 
     def operands(env):
         w = env[w_name].t() if transpose else env[w_name]
         return env[x_name], w, None if b_name is None else env[b_name]
-    inner = _fused_run(f, pg, mode, epilogue, operands)
+    inner = _fused_run(f, pg, mode, epilogue, operands, tuning)
     n = dist.group_size(pg)
 
     def run(env):
@@ -208,12 +213,13 @@ def _fused(f: FusedGemm, program: Program) -> Callable[[Env], None]:
     return run
 
 
-def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands) -> Callable[[Env], None]:
+def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands, tuning) -> Callable[[Env], None]:
     out, dim = f.out, f.dim
     if f.collective is Collective.ALLGATHER:
         def run(env):
             x, w, b = operands(env)
-            env[out] = overlap.allgather_linear(x, w, b, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode)
+            env[out] = overlap.allgather_linear(x, w, b, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode,
+                                                tuning=tuning)
     elif f.collective is Collective.REDUCE_SCATTER:
         def run(env):
             x, w, b = operands(env)

@@ -7,12 +7,15 @@
   on CUDA under NCCL both are timed on this segment's own operand shapes, bias and epilogue included
   (what actually runs), and the group takes the max over its ranks; elsewhere (gloo, CPU) ``fused``,
   so the decomposition is what CI exercises;
+- for each linear+bias followed by a tanh-GELU (a fused segment's epilogue, or a pair in a compute
+  segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
+  timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
 - whether the whole program replays as a CUDA graph: timed against eager launches where it can be
-  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world).
+  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no unseeded draw).
 The choices and why they were made are recorded in the program (``str(fd.plan)`` shows them); the kernels
 take the mode they are given and never decide. ``TP_FUSION_TUNE=0`` skips the timings: fused
-segments on one host run ``fused`` and nothing is captured. ``TP_FUSION_CUDA_GRAPHS=1`` turns graphs on (off by
-default, see ``graphs.enabled``).
+segments on one host run ``fused``, GELUs stay in their GEMM's epilogue and nothing is captured.
+``TP_FUSION_CUDA_GRAPHS=0`` turns graphs off (``graphs.enabled``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import torch
 from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
-from tp_fusion.runtime import dist, graphs, symm
-from tp_fusion.runtime.runner import Runner, _fused
+from tp_fusion.runtime import dist, graphs, overlap, symm
+from tp_fusion.runtime.runner import Runner, _epilogue, _fused
 
 TIMED_ITERS, WARMUP, ROUNDS = 8, 2, 3
 
@@ -58,11 +61,11 @@ def _measures(program: Program) -> bool:
             and os.environ.get("TP_FUSION_TUNE", "1") != "0")
 
 
-def _random_env(f: FusedGemm, program: Program) -> dict[int, torch.Tensor]:
-    """Random operands of the segment's local shapes (a rank's own data is not needed to time it)."""
+def _random_env(program: Program, *names: int | None) -> dict[int, torch.Tensor]:
+    """Random operands of these tensors' local shapes (a rank's own data is not needed to time it)."""
     gen = torch.Generator(program.device).manual_seed(0)
     env = {}
-    for name in (f.x, f.weight, f.bias):
+    for name in names:
         if name is not None:
             t = program.fusion.tensor(name)
             shape = local_shape(program.fusion, name)
@@ -71,30 +74,66 @@ def _random_env(f: FusedGemm, program: Program) -> dict[int, torch.Tensor]:
     return env
 
 
-def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, str]:
-    """(mode, why) for fused segment ``i``, whose group's ranks are on ``hosts``."""
+def _has_gelu_epilogue(f: FusedGemm) -> bool:
+    return f.collective is Collective.ALLGATHER and f.bias is not None and _epilogue(f.epilogue) is overlap.gelu_tanh
+
+
+def _fastest(runs: dict, env: dict, pg, device) -> dict:
+    """Each run's ms (the min of interleaved rounds, so clock drift hits all alike), max over ``pg``."""
+    rounds = {key: [] for key in runs}
+    for _ in range(ROUNDS):
+        for key, run in runs.items():
+            rounds[key].append(time_ms(lambda run=run: run(dict(env)), TIMED_ITERS, WARMUP))
+    return dict(zip(runs, slowest([min(r) for r in rounds.values()], pg, device)))
+
+
+def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool, str]:
+    """(mode, whether a tanh-GELU epilogue runs apart from the GEMM, why) for fused segment ``i``,
+    whose group's ranks are on ``hosts``."""
     seg = program.segments[i]
     f = seg.fused
     if f.runs_here and len(hosts) > 1:
-        return SEQUENTIAL, (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
-                            f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
+        return SEQUENTIAL, False, (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
+                                   f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
     if f.runs_here and f.collective is Collective.ALLREDUCE and \
             math.prod(local_shape(program.fusion, f.x)[:-1]) % len(f.group):
-        return SEQUENTIAL, ""  # rows that do not split over the ranks: nothing to pipeline
+        return SEQUENTIAL, False, ""  # rows that do not split over the ranks: nothing to pipeline
     if not _measures(program) or not f.runs_here:
-        return FUSED, ""
+        return FUSED, False, ""
     if symm.driver() is None:
-        return SEQUENTIAL, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}"
-    env = _random_env(f, program)
-    runs = {mode: _fused(dataclasses.replace(f, mode=mode), program) for mode in (FUSED, SEQUENTIAL)}
-    rounds = {mode: [] for mode in runs}
-    for _ in range(ROUNDS):  # interleaved: clock drift hits both modes alike
-        for mode, run in runs.items():
-            rounds[mode].append(time_ms(lambda run=run: run(dict(env)), TIMED_ITERS, WARMUP))
-    fused_ms, sequential_ms = slowest([min(rounds[FUSED]), min(rounds[SEQUENTIAL])], dist.group(f.group),
-                                      program.device)
-    mode = FUSED if fused_ms <= sequential_ms else SEQUENTIAL
-    return mode, f"segment {i} {seg.note}: fused {fused_ms:.3f} ms, sequential {sequential_ms:.3f} ms -> {mode}"
+        return SEQUENTIAL, False, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}"
+    gelu_choices = (True, False) if _has_gelu_epilogue(f) else (True,)
+    runs = {(mode, in_gemm): _fused(dataclasses.replace(f, mode=mode), program, gelu_in_gemm=in_gemm)
+            for mode in (FUSED, SEQUENTIAL) for in_gemm in gelu_choices}
+    ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias), dist.group(f.group), program.device)
+    mode, in_gemm = min(ms, key=ms.get)
+    timings = ", ".join(f"{m} {ms[m, True]:.3f} ms" + (f" (GELU apart {ms[m, False]:.3f})" if len(gelu_choices) > 1
+                                                        else "") for m in (FUSED, SEQUENTIAL))
+    return mode, not in_gemm, f"segment {i} {seg.note}: {timings} -> {mode}" + ("" if in_gemm else ", GELU apart")
+
+
+def _linear_gelu(x: int, w: int, b: int, in_gemm: bool):
+    return lambda env: overlap.linear(env[x], env[w], env[b], overlap.gelu_tanh, gelu_in_gemm=in_gemm)
+
+
+def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
+    """The compute segments' GEMM+GELU pairs whose GELU runs faster apart from the GEMM's epilogue
+    (collective over the world: every rank times every pair, as the sizes are global), with notes."""
+    apart, notes = set(), []
+    if not _measures(program):
+        return apart, notes
+    for i, seg in enumerate(program.segments):
+        if seg.kind != "compute":
+            continue
+        for j in program.gelu_pairs(seg):
+            x, w, b = seg.steps[j].op.inputs
+            runs = {in_gemm: _linear_gelu(x, w, b, in_gemm) for in_gemm in (True, False)}
+            ms = _fastest(runs, _random_env(program, x, w, b), None, program.device)
+            if ms[False] < ms[True]:
+                apart.add(seg.steps[j + 1].op.outputs[0])
+            notes.append(f"segment {i} linear+gelu: GELU in the GEMM's epilogue {ms[True]:.3f} ms, apart "
+                         f"{ms[False]:.3f} ms -> {'in the epilogue' if ms[True] <= ms[False] else 'apart'}")
+    return apart, notes
 
 
 def _graphable(program: Program) -> bool:
@@ -139,12 +178,16 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     of the world calls it for the same program)."""
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
-    modes, notes = {}, []
+    modes, apart, notes = {}, set(), []
     for i, seg_hosts in zip(fused, hosts):
-        modes[i], note = _choose_mode(i, program, seg_hosts)
+        modes[i], gelu_apart, note = _choose_mode(i, program, seg_hosts)
+        if gelu_apart:
+            apart.add(program.segments[i].fused.out)
         if note:
             notes.append(note)
-    tuned = program.with_choices(modes, cuda_graph=False, notes=tuple(notes))
+    compute_apart, compute_notes = _choose_gelus(program)
+    tuned = program.with_choices(modes, cuda_graph=False, notes=(*notes, *compute_notes),
+                                 gelu_apart=frozenset(apart | compute_apart))
     runner = Runner(tuned)
     if _graphable(tuned):
         with torch.no_grad():
