@@ -194,15 +194,36 @@ def _broadcast_in_dim_spec(op: Op, fusion: Fusion) -> LabelSpec:
 
 
 def normalization(whole_dims: Callable[[Op, int], tuple[int, ...]]) -> Rule:
-    """layer_norm, softmax: the normalized dims ``whole_dims(op, ndim)`` stay whole; parameters
-    (weight, bias) span the trailing normalized dims."""
+    """layer_norm, softmax, native_layer_norm: the normalized dims ``whole_dims(op, ndim)`` stay whole;
+    parameters (weight, bias) span the trailing normalized dims. Every output is labeled as the input:
+    native_layer_norm's statistics (mean, rstd: [rows..., 1...]) have extent 1 on the whole dims and
+    follow a shard of the other dims."""
     def build(op: Op, fusion: Fusion) -> LabelSpec:
-        ins, _ = _shapes(op, fusion)
+        ins, outs = _shapes(op, fusion)
         x = ins[0]
         whole = whole_dims(op, len(x))
         labels = tuple(range(len(x)))
         params = tuple(None if s is None else whole[len(whole) - len(s):] for s in ins[1:])
-        return LabelSpec((labels, *params), (labels,), whole=frozenset(whole))
+        return LabelSpec((labels, *params), (labels,) * len(outs), whole=frozenset(whole))
+    return from_spec(build)
+
+
+def normalization_backward(whole_dims: Callable[[Op, int], tuple[int, ...]], stats: int) -> Rule:
+    """native_layer_norm_backward(grad_y, x, *stats, *params) -> (grad_x, *grad_params): grad_y, x, the
+    ``stats`` statistics (labeled as x; extent 1 on the whole dims) and grad_x share the labels; the
+    normalized dims ``whole_dims(op, ndim)`` stay whole; the parameters and their gradients span the
+    trailing normalized dims. A parameter's gradient is a sum over the other dims (the rows), so where
+    a row dim is sharded it is Partial, as a ``sum``'s. The gradients are linear in grad_y, which may be
+    Partial (then all are)."""
+    def build(op: Op, fusion: Fusion) -> LabelSpec:
+        ins, outs = _shapes(op, fusion)
+        x = ins[1]
+        whole = whole_dims(op, len(x))
+        labels = tuple(range(len(x)))
+        params = tuple(None if s is None else whole[len(whole) - len(s):] for s in ins[2 + stats:])
+        return LabelSpec((labels, labels, *(labels,) * stats, *params), (labels, *params[:len(outs) - 1]),
+                         summed=frozenset(labels) - frozenset(whole), whole=frozenset(whole),
+                         partial_sets=(frozenset({0}),))
     return from_spec(build)
 
 

@@ -388,6 +388,25 @@ register("gelu", impl=_gelu, infer=_pointwise_infer(_gelu), traits=Trait.POINTWI
          rule=rules.pointwise(), flops=_flops_output, front=_gelu_front)
 
 
+def _gelu_backward(grad, x, approximate="none"):
+    if grad.shape != x.shape:  # aten's CPU kernel (oneDNN) fails on a broadcast grad: expand it first
+        grad, x = torch.broadcast_tensors(grad, x)
+    return torch.ops.aten.gelu_backward(grad, x, approximate=approximate)
+
+
+def _gelu_backward_front(rec, grad, x, approximate: str = "none"):
+    """``torch.ops.aten.gelu_backward(grad, x, approximate=...)``: the gradient of ``gelu(x, approximate)``
+    given the gradient ``grad`` of its output (``grad * gelu'(x)``, one aten kernel); ``approximate``
+    is ``"none"`` or ``"tanh"``. Elementwise with torch's broadcasting; linear in ``grad``."""
+    if approximate not in ("none", "tanh"):
+        _fail("gelu_backward", f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    return rec(rec.tv(grad, "grad"), rec.tv(x, "x"), approximate=approximate)
+
+
+register("gelu_backward", impl=_gelu_backward, infer=_pointwise_infer(_gelu_backward), traits=Trait.POINTWISE,
+         rule=rules.pointwise(rules.linear_in_first), flops=_flops_output, front=_gelu_backward_front)
+
+
 def _cast(x, dtype):
     return x.to(dtype.torch)
 
@@ -843,6 +862,121 @@ def _layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: flo
 register("layer_norm", impl=_layer_norm, infer=_layer_norm_infer, traits=Trait.NORMALIZATION,
          rule=rules.normalization(lambda op, n: tuple(range(n - len(op.attr("normalized_shape")), n))),
          flops=_flops_input, front=_layer_norm_front)
+
+
+def _normalized_dims(op, n: int) -> tuple[int, ...]:
+    """The dims a layer norm normalizes: the trailing ``normalized_shape``."""
+    return tuple(range(n - len(op.attr("normalized_shape")), n))
+
+
+def _normalized_shape(op: str, normalized_shape) -> tuple[int, ...]:
+    return (normalized_shape,) if isinstance(normalized_shape, int) else _int_list(op, normalized_shape,
+                                                                                   "normalized_shape")
+
+
+def _stats_dtype(dtype: DataType) -> DataType:
+    """The dtype of aten's layer-norm statistics (mean, rstd): float32 for half-precision inputs (as
+    aten's CUDA kernels return them), else the input's."""
+    return DataType.Float if dtype in (DataType.BFloat16, DataType.Half) else dtype
+
+
+def _half_on_cpu(x: torch.Tensor, stats_dtype: torch.dtype) -> bool:
+    """Whether aten would keep a half-precision CPU layer norm's statistics in the input's dtype (its CPU
+    kernels do, its CUDA kernels keep float32): then the op runs in float32 and rounds its results."""
+    return x.device.type == "cpu" and x.dtype != stats_dtype
+
+
+def _native_layer_norm(x, *params, normalized_shape=(), eps=1e-5, affine=()):
+    given = dict(zip(affine, params))
+    w, b = given.get("weight"), given.get("bias")
+    stats = _stats_dtype(DataType.from_torch(x.dtype)).torch
+    if _half_on_cpu(x, stats):
+        y, mean, rstd = torch.native_layer_norm(x.to(stats), normalized_shape, None if w is None else w.to(stats),
+                                                None if b is None else b.to(stats), eps)
+        return y.to(x.dtype), mean, rstd
+    return torch.native_layer_norm(x, normalized_shape, w, b, eps)
+
+
+def _stats_shape(x: TensorType, ns: tuple[int, ...]) -> tuple[int, ...]:
+    return (*x.shape[:x.ndim - len(ns)], *(1 for _ in ns))
+
+
+def _native_layer_norm_infer(args, attrs):
+    (y,) = _layer_norm_infer(args, attrs)
+    stats = TensorType(_stats_shape(y, attrs["normalized_shape"]), _stats_dtype(y.dtype))
+    return [y, stats, stats]
+
+
+def _native_layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
+    """``torch.native_layer_norm(x, normalized_shape, weight, bias, eps)`` -> (y, mean, rstd): the layer
+    norm of ``layer_norm`` in one aten kernel, with the statistics its backward needs. mean and rstd
+    (1 / sqrt(var + eps)) are [..., 1] with a 1 per normalized dim, float32 for half-precision ``x``
+    (as aten's CUDA kernels return them; on the CPU too), else ``x``'s dtype. The leading (row) dims
+    may be sharded; the normalized ones stay whole. Pass mean and rstd to ``native_layer_norm_backward``.
+    """
+    x = rec.tv(x, "x")
+    ns = _normalized_shape("native_layer_norm", normalized_shape)
+    given = {k: rec.tv(v, k) for k, v in (("weight", weight), ("bias", bias)) if v is not None}
+    return rec(x, *given.values(), normalized_shape=ns, eps=float(eps), affine=tuple(given))
+
+
+register("native_layer_norm", impl=_native_layer_norm, infer=_native_layer_norm_infer, traits=Trait.NORMALIZATION,
+         rule=rules.normalization(_normalized_dims), flops=_flops_input, num_outputs=3,
+         front=_native_layer_norm_front)
+
+
+def _native_layer_norm_backward(grad_y, x, mean, rstd, *params, normalized_shape=(), affine=()):
+    given = dict(zip(affine, params))
+    w, b = given.get("weight"), given.get("bias")
+    mask = [True, w is not None, b is not None]
+    if _half_on_cpu(x, mean.dtype):
+        up = [None if t is None else t.to(mean.dtype) for t in (grad_y, x, w, b)]
+        grads = torch.ops.aten.native_layer_norm_backward(up[0], up[1], normalized_shape, mean, rstd, up[2], up[3],
+                                                          mask)
+        grads = [None if g is None else g.to(x.dtype) for g in grads]
+    else:
+        grads = torch.ops.aten.native_layer_norm_backward(grad_y, x, normalized_shape, mean, rstd, w, b, mask)
+    grads = tuple(g for g in grads if g is not None)
+    return grads if len(grads) > 1 else grads[0]
+
+
+def _native_layer_norm_backward_infer(args, attrs):
+    grad_y, x, mean, rstd, *params = args
+    ns = attrs["normalized_shape"]
+    (gx,) = _layer_norm_infer([x, *params], attrs)
+    if grad_y.dtype != x.dtype or len(grad_y.shape) != x.ndim:
+        _bad(f"grad_y {grad_y} must have the shape and dtype of x {x}")
+    for a, b in zip(grad_y.shape, x.shape):
+        _match(a, b, f"grad_y {grad_y} must have the shape and dtype of x {x}")
+    want = TensorType(_stats_shape(x, ns), _stats_dtype(x.dtype))
+    for t, what in ((mean, "mean"), (rstd, "rstd")):
+        if t.dtype != want.dtype or t.ndim != want.ndim or any(
+                a != b and -1 not in (a, b) for a, b in zip(t.shape, want.shape)):
+            _bad(f"{what} must be {want}, as native_layer_norm returns it for x {x}, got {t}")
+    return [gx, *params]
+
+
+def _native_layer_norm_backward_front(rec, grad_y, x, normalized_shape, mean, rstd, weight=None, bias=None):
+    """``torch.ops.aten.native_layer_norm_backward``: (grad_x, grad_weight, grad_bias) of
+    ``native_layer_norm(x, normalized_shape, weight, bias)`` from the gradient ``grad_y`` of its y and
+    the ``mean`` and ``rstd`` it returned, in one aten kernel. grad_weight (grad_bias) is None where
+    ``weight`` (``bias``) is. The row dims may be sharded (grad_x follows them); grad_weight and
+    grad_bias are sums over the rows, so rows sharded on a mesh axis leave them partial (summed) on
+    it, as a ``sum`` over a sharded dim does: an allreduce gives the full gradient.
+    """
+    x = rec.tv(x, "x")
+    ns = _normalized_shape("native_layer_norm_backward", normalized_shape)
+    given = {k: rec.tv(v, k) for k, v in (("weight", weight), ("bias", bias)) if v is not None}
+    outs = rec(rec.tv(grad_y, "grad_y"), x, rec.tv(mean, "mean"), rec.tv(rstd, "rstd"), *given.values(),
+               normalized_shape=ns, affine=tuple(given))
+    grads = iter(outs if isinstance(outs, tuple) else (outs,))
+    grad_x = next(grads)
+    return grad_x, *(next(grads) if k in given else None for k in ("weight", "bias"))
+
+
+register("native_layer_norm_backward", impl=_native_layer_norm_backward, infer=_native_layer_norm_backward_infer,
+         traits=Trait.NORMALIZATION, rule=rules.normalization_backward(_normalized_dims, stats=2),
+         flops=lambda ins, outs: 2 * math.prod(ins[0]), num_outputs=3, front=_native_layer_norm_backward_front)
 
 
 def _softmax(x, dim):
