@@ -16,7 +16,7 @@ import torch
 
 from tp_fusion import loop as loops
 from tp_fusion.errors import DefinitionError, InputError, ShardingError
-from tp_fusion.ir import Fusion, Tensor
+from tp_fusion.ir import Fusion, Tensor, resolve_sizes
 from tp_fusion.ops import TensorType, opdef
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
@@ -113,7 +113,10 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
     tensors = list(fusion.tensors)
     for name, shape in zip(fusion.inputs, input_shapes):
         tensors[name] = _bound(tensors[name], tuple(shape))
+    ops = []
     for op in fusion.ops:
+        op = op.replace(attrs=resolve_sizes(op.attrs, lambda name: tensors[name].shape))  # fd.ops.size scalars
+        ops.append(op)
         args = [TensorType(tensors[a].shape, tensors[a].dtype) if isinstance(a, int) else a.value for a in op.inputs]
         try:
             outs = opdef(op.kind).infer(args, dict(op.attrs))
@@ -123,7 +126,7 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
                              f"{described}: {e}") from None
         for o, out in zip(op.outputs, outs):
             tensors[o] = _bound(tensors[o], out.shape)
-    return fusion.replace(tensors=tuple(tensors))
+    return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))
 
 
 def _bound(t: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -137,11 +140,27 @@ def _bound(t: Tensor, shape: tuple[int, ...]) -> Tensor:
     return t.replace(shape=shape, loop=loop, sharding=sharding)
 
 
+def resolve_layouts(fusion: Fusion) -> Fusion:
+    """Each op output's memory layout (``Tensor.stride_order``): the one the user fixed
+    (``set_allocation_domain``), else the one its op gives from its operands' (``OpDef.out_layout``),
+    else row-major. The runner returns fusion outputs in these layouts, as nvFuser does."""
+    tensors = list(fusion.tensors)
+    for op in fusion.ops:
+        rule = opdef(op.kind).out_layout
+        if rule is None:
+            continue
+        orders = rule([tensors[a].stride_order if isinstance(a, int) else None for a in op.inputs], dict(op.attrs))
+        for o, order in zip(op.outputs, orders):
+            if tensors[o].stride_order is None and order is not None:
+                tensors[o] = tensors[o].replace(stride_order=order)
+    return fusion.replace(tensors=tuple(tensors))
+
+
 def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], rank: int,
                     device: torch.device) -> Program:
     """This rank's program for inputs of these GLOBAL shapes. Raises the library's errors for
     anything that does not fit; never communicates."""
-    concrete = concretize(fusion, input_shapes)
+    concrete = resolve_layouts(concretize(fusion, input_shapes))
     for t in concrete.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")

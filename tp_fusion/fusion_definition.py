@@ -17,7 +17,7 @@ import torch
 from tp_fusion import loop as loops
 from tp_fusion import ops as _ops
 from tp_fusion.errors import DefinitionError, InputError, ShardingError, UnknownOpError
-from tp_fusion.ir import Const, Fusion, LoopAxis, Op, Tensor, freeze
+from tp_fusion.ir import Const, Fusion, LoopAxis, Op, SymbolicSize, Tensor, freeze
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.types import DataType, ParallelType
@@ -142,6 +142,24 @@ class TensorView:
         """An input's declared stride order (``define_tensor``), or None when none was given."""
         layout = self._fd._layouts.get(self.name)
         return layout.stride_order if layout else None
+
+    def set_allocation_domain(self, new_allocation_domain: Sequence[IterDomain], new_contiguity: bool) -> None:
+        """nvFuser's allocation domain: the tensor's memory layout, as its loop axes (``tv.axis(i)``, each
+        once) outermost first; ``new_contiguity`` True: dense in that order. An input must come in that
+        layout (else ``execute`` raises InputError); an output comes back in it. Device-parallel and
+        reduction axes hold no memory; the other pieces of a dim must stay adjacent (one stride per dim).
+        """
+        what = f"T{self.name}.set_allocation_domain"
+        axes = list(new_allocation_domain)
+        if not all(isinstance(a, IterDomain) and a._tv._fd is self._fd and a._tv.name == self.name for a in axes):
+            raise ShardingError(f"{what}: expected this tensor's loop axes (T{self.name}.axis(i)), got {axes!r}")
+        if not isinstance(new_contiguity, bool):
+            raise ShardingError(f"{what}: new_contiguity must be a bool, got {new_contiguity!r}")
+        order = loops.allocation_order(self._loop(), [a._index for a in axes], self.ndim, what)
+        if self.name in self._fd._inputs:
+            contiguity = tuple(None if e == 1 else new_contiguity for e in self.shape)
+            self._fd._layouts[self.name] = Layout(contiguity, order if order != tuple(range(self.ndim))[::-1] else None)
+        self._update(stride_order=order)
 
     def outer_split(self, axis: int, factor: int) -> TensorView:
         """Loop axis ``axis`` of extent n becomes [factor, n/factor]. Returns the TensorView."""
@@ -420,6 +438,7 @@ class FusionDefinition:
         tv = self._new_tensor(shape, dtype)
         self._inputs.append(tv.name)
         self._layouts[tv.name] = layout
+        tv._update(stride_order=layout.stride_order)
         return tv
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
@@ -456,6 +475,8 @@ class FusionDefinition:
             else:
                 raise DefinitionError(f"{kind}: unsupported operand {x!r}; pass a TensorView or a number")
         attrs = {k: None if v is DataType.Null else freeze(v) for k, v in attrs.items()}  # Null: no dtype
+        if op.has(_ops.Trait.POINTWISE):
+            args = [self._rebroadcast(a, args) for a in args]
         try:
             outs = op.infer([self._operand_type(a) for a in args], attrs)
         except DefinitionError as e:
@@ -465,6 +486,38 @@ class FusionDefinition:
         tvs = [self._new_tensor(t.shape, t.dtype) for t in outs]
         self._ops.append(Op(kind, tuple(args), tuple(tv.name for tv in tvs), tuple(attrs.items())))
         return tvs[0] if len(tvs) == 1 else tuple(tvs)
+
+    def _rebroadcast(self, a, args: list):
+        """Operand ``a`` of a pointwise op on ``args``, as nvFuser's expanded broadcast: a dim that
+        ``broadcast_in_dim`` made new with an extent other than 1 still broadcasts, so where another
+        operand's extent there differs (or is symbolic), ``a`` is broadcast again from its source to it."""
+        new_dims = self._new_broadcast_dims(a)
+        if not new_dims:
+            return a
+        producer = next(op for op in self._ops if a in op.outputs)
+        mine, shape = self._tensors[a].shape, list(producer.attr("shape"))
+        for d in new_dims:
+            for b in args:
+                other = self._tensors[b].shape if isinstance(b, int) and b != a else ()
+                db = d - len(mine) + len(other)
+                if db < 0 or db in self._new_broadcast_dims(b):
+                    continue
+                theirs = other[db]
+                if theirs != 1 and theirs != mine[d] and (theirs >= 0 or mine[d] >= 0):
+                    shape[d] = theirs if theirs >= 0 else SymbolicSize(b, db)
+                    break
+        if tuple(shape) == producer.attr("shape"):
+            return a
+        return self._record("broadcast_in_dim", [TensorView(self, producer.inputs[0])], shape=tuple(shape),
+                            broadcast_dims=producer.attr("broadcast_dims")).name
+
+    def _new_broadcast_dims(self, a) -> list[int]:
+        """The dims of tensor ``a`` that a ``broadcast_in_dim`` made new with an extent other than 1."""
+        producer = next((op for op in self._ops if a in op.outputs), None) if isinstance(a, int) else None
+        if producer is None or producer.kind != "broadcast_in_dim":
+            return []
+        bdims = producer.attr("broadcast_dims")
+        return [d for d, e in enumerate(self._tensors[a].shape) if d not in bdims and e != 1]
 
     def _operand_type(self, a):
         if isinstance(a, Const):

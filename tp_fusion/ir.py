@@ -48,6 +48,9 @@ class Tensor:
     sharding: Sharding | None = None
     annotated: bool = False  # the user scheduled it: propagation never changes it
     loop: tuple[LoopAxis, ...] | None = None  # the user's loop domain, when scheduled
+    # memory layout (nvFuser's allocation domain) as define_tensor's stride_order: dim i has the
+    # stride_order[i]-th smallest stride; None: not fixed (row-major, or what the producer's op gives)
+    stride_order: tuple[int, ...] | None = None
 
     @property
     def ndim(self) -> int:
@@ -81,6 +84,28 @@ class Const:
 
     def __str__(self) -> str:
         return repr(self.value)
+
+
+@dataclass(frozen=True, slots=True)
+class SymbolicSize:
+    """nvFuser's symbolic scalar of ``fd.ops.size``/``shape``: the global extent of dim ``dim`` of tensor
+    ``tensor``, known once execute binds the inputs' sizes. Ops take it where they take an extent
+    (broadcast_in_dim's shape, slice's bounds); compiling replaces it with the extent."""
+
+    tensor: int
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"T{self.tensor}.size({self.dim})"
+
+
+def resolve_sizes(value, shape_of):
+    """An attribute with each SymbolicSize replaced by its extent, ``shape_of(tensor)[dim]``."""
+    if isinstance(value, SymbolicSize):
+        return shape_of(value.tensor)[value.dim]
+    if isinstance(value, tuple):
+        return tuple(resolve_sizes(v, shape_of) for v in value)
+    return value
 
 
 Arg = int | Const  # an op input: a tensor name or a constant

@@ -121,3 +121,28 @@ def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str) -> Loop:
         (i,) = symbolic
         out[i] = LoopAxis(loop[i].dim, n // k, loop[i].ptype, loop[i].reduction, loop[i].piece)
     return tuple(out)
+
+
+def allocation_order(loop: Loop, order: list[int], ndim: int, what: str) -> tuple[int, ...]:
+    """The stride order (as ``define_tensor``'s) of an allocation domain that lists the loop axes
+    ``order`` outermost first. Device-parallel axes (local extent 1) and reduction axes hold no memory;
+    the other pieces of a dim must be adjacent and outer first, since a torch tensor has one stride per
+    dim (ShardingError otherwise)."""
+    if sorted(order) != list(range(len(loop))):
+        raise ShardingError(f"{what}: an allocation domain lists every loop axis once; got axes {order} of "
+                            f"[{', '.join(map(str, loop))}]")
+    stored = [i for i in order if not loop[i].reduction and not loop[i].ptype.is_device]
+    dims = [loop[i].dim for i in stored]
+    for d in set(dims):
+        at = [j for j, e in enumerate(dims) if e == d]
+        pieces = [loop[stored[j]].piece for j in at]
+        if at != list(range(at[0], at[0] + len(at))) or pieces != sorted(pieces):
+            raise ShardingError(f"{what}: the allocation domain [{', '.join(str(loop[i]) for i in order)}] splits "
+                                f"dim {d} around other dims or puts an inner piece first; a tensor has one stride "
+                                "per dim, so its pieces must be adjacent, outer first")
+
+    def place(d: int) -> int:  # a dim stored in no piece (all device-parallel) goes where its first piece is
+        pieces = [j for j, i in enumerate(order) if loop[i].dim == d and not loop[i].reduction]
+        return ([j for j in pieces if order[j] in stored] or pieces)[0]
+    outer_first = sorted(range(ndim), key=place)
+    return tuple(ndim - 1 - outer_first.index(d) for d in range(ndim))

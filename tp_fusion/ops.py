@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tp_fusion.errors import DefinitionError, LoweringError
-from tp_fusion.ir import Const
+from tp_fusion.errors import DefinitionError
+from tp_fusion.ir import Const, SymbolicSize
 from tp_fusion.sharding import rules
 from tp_fusion.types import DataType
 
@@ -80,6 +80,9 @@ class OpDef:
     num_outputs: int = 1
     front: Callable | None = None  # the fd.ops function (first argument: a Recorder); None: internal op
     weight_out_in: bool = False  # GEMM: the right operand is [out, in] (linear), not [in, out] (matmul)
+    # the outputs' memory layouts (stride orders, None: row-major) from the operands' (None: row-major
+    # or a scalar) and the attributes; None: every output is row-major (nvFuser's allocation domains)
+    out_layout: Callable[[list[tuple[int, ...] | None], dict], list[tuple[int, ...] | None]] | None = None
 
     def has(self, trait: Trait) -> bool:
         return bool(self.traits & trait)
@@ -290,6 +293,19 @@ def _int_list(op: str, values, what: str) -> tuple[int, ...]:
     if isinstance(values, int) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         _fail(op, f"{what} must be a list of ints, got {values!r}")
     return tuple(values)
+
+
+def _extents(op: str, values, what: str) -> tuple:
+    """Ints and symbolic ``fd.ops.size`` scalars (``SymbolicSize``), as a tuple."""
+    if isinstance(values, int) or not all(isinstance(v, SymbolicSize) or (isinstance(v, int) and
+                                                                          not isinstance(v, bool)) for v in values):
+        _fail(op, f"{what} must be a list of ints or fd.ops.size scalars, got {values!r}")
+    return tuple(values)
+
+
+def _known(values) -> tuple[int, ...]:
+    """``values`` with each symbolic size as -1 (not known before execute)."""
+    return tuple(-1 if isinstance(v, SymbolicSize) else v for v in values)
 
 
 # --- pointwise ------------------------------------------------------------------------------------
@@ -620,7 +636,7 @@ def _transpose_front(rec, x, dim0: int, dim1: int):
 SPELLINGS["transpose"] = _transpose_front
 
 
-def _with_stride_order(x: torch.Tensor, stride_order: tuple[int, ...]) -> torch.Tensor:
+def with_stride_order(x: torch.Tensor, stride_order: tuple[int, ...]) -> torch.Tensor:
     """``x``'s values in memory laid out by nvFuser's ``stride_order`` (dim i has the
     ``stride_order[i]``-th smallest stride); no copy when ``x`` is laid out so already."""
     outer_first = sorted(range(x.ndim), key=lambda d: -stride_order[d])
@@ -630,8 +646,8 @@ def _with_stride_order(x: torch.Tensor, stride_order: tuple[int, ...]) -> torch.
 
 def _stride_order_front(rec, x, stride_order):
     """nvFuser's ``stride_order``: ``x`` with the memory layout ``stride_order`` (dim i has the
-    ``stride_order[i]``-th smallest stride); the values and the logical shape are ``x``'s. Fusion
-    outputs come back contiguous whatever their layout inside the fusion."""
+    ``stride_order[i]``-th smallest stride); the values and the logical shape are ``x``'s. As a fusion
+    output it comes back in that layout (nvFuser's allocation domain)."""
     x = rec.tv(x, "x")
     order = _int_list("stride_order", stride_order, "stride_order")
     if sorted(order) != list(range(x.ndim)):
@@ -640,8 +656,9 @@ def _stride_order_front(rec, x, stride_order):
     return rec(x, stride_order=order)
 
 
-register("stride_order", impl=_with_stride_order, infer=_same_as_input, traits=Trait.VIEW,
-         rule=rules.pointwise(rules.linear_in_first), front=_stride_order_front)
+register("stride_order", impl=with_stride_order, infer=_same_as_input, traits=Trait.VIEW,
+         rule=rules.pointwise(rules.linear_in_first), front=_stride_order_front,
+         out_layout=lambda orders, attrs: [attrs["stride_order"]])
 
 
 def _broadcast_in_dim(x, shape, broadcast_dims):
@@ -653,22 +670,23 @@ def _broadcast_in_dim(x, shape, broadcast_dims):
 
 def _broadcast_in_dim_infer(args, attrs):
     (x,), shape, bdims = args, attrs["shape"], attrs["broadcast_dims"]
-    out = list(shape)
+    out = list(_known(shape))
     for i, d in enumerate(bdims):
-        if out[d] == -1:
+        if shape[d] == -1 or (isinstance(shape[d], SymbolicSize) and x.shape[i] != 1):
             out[d] = x.shape[i]
     return [TensorType(tuple(out), x.dtype)]
 
 
 def _broadcast_in_dim_front(rec, x, shape, broadcast_dims):
     """``x`` broadcast to ``shape``: input dim i becomes output dim ``broadcast_dims[i]`` (negative
-    dims wrap); every other output dim is new. -1 in ``shape`` keeps the input's extent."""
+    dims wrap); every other output dim is new. -1 in ``shape`` keeps the input's extent; an extent may
+    be a symbolic ``fd.ops.size`` scalar."""
     x = rec.tv(x, "x")
-    shape, bdims = _int_list("broadcast_in_dim", shape, "shape"), _int_list("broadcast_in_dim", broadcast_dims,
-                                                                            "broadcast_dims")
+    shape, bdims = _extents("broadcast_in_dim", shape, "shape"), _int_list("broadcast_in_dim", broadcast_dims,
+                                                                           "broadcast_dims")
     bdims = tuple(d % len(shape) if -len(shape) <= d < 0 else d for d in bdims)
     ok = len(bdims) == x.ndim and list(bdims) == sorted(set(bdims)) and all(0 <= d < len(shape) for d in bdims)
-    ok = ok and all(shape[d] in (-1, x.shape[i]) or x.shape[i] in (1, -1) for i, d in enumerate(bdims))
+    ok = ok and all(_known(shape)[d] in (-1, x.shape[i]) or x.shape[i] in (1, -1) for i, d in enumerate(bdims))
     if not ok:
         _fail("broadcast_in_dim", f"T{x.name} {x._ir.type_str()} cannot broadcast to {list(shape)} with "
                                   f"broadcast_dims {list(bdims)} (one increasing output dim per input dim, extents "
@@ -698,30 +716,19 @@ def _broadcast_front(rec, x, is_broadcast_dim):
 SPELLINGS["broadcast"] = _broadcast_front
 
 
-def _symbolic_extent(op: str, x, dim: int):
-    raise LoweringError(f"{op}: dim {dim} of T{x.name} {x._ir.type_str()} is symbolic (-1); tp_fusion gives "
-                        "extents as Python ints only where the global extent is defined (symbolic scalars are "
-                        "not supported yet); define the tensor with concrete extents")
-
-
-def _size_front(rec, x, dim: int) -> int:
-    """nvFuser's ``size``: the GLOBAL extent of dim ``dim`` of ``x`` (negative dims wrap), a Python int.
-    Records no op. A symbolic (-1) extent raises LoweringError (a NotImplementedError)."""
+def _size_front(rec, x, dim: int):
+    """nvFuser's ``size``: the GLOBAL extent of dim ``dim`` of ``x`` (negative dims wrap), a Python int;
+    for a symbolic (-1) extent a ``SymbolicSize`` scalar, which broadcast_in_dim's shape and slice's
+    bounds take. Records no op."""
     x = rec.tv(x, "x")
     (d,) = rec.dims(x, dim)
-    if x.shape[d] < 0:
-        _symbolic_extent("size", x, d)
-    return x.shape[d]
+    return x.shape[d] if x.shape[d] >= 0 else SymbolicSize(x.name, d)
 
 
-def _shape_front(rec, x) -> list[int]:
-    """nvFuser's ``shape``: the GLOBAL extents of ``x``, a list of Python ints. Records no op. A symbolic
-    (-1) extent raises LoweringError (a NotImplementedError)."""
+def _shape_front(rec, x) -> list:
+    """nvFuser's ``shape``: ``[fd.ops.size(x, d) for each dim d]``. Records no op."""
     x = rec.tv(x, "x")
-    for d, e in enumerate(x.shape):
-        if e < 0:
-            _symbolic_extent("shape", x, d)
-    return list(x.shape)
+    return [e if e >= 0 else SymbolicSize(x.name, d) for d, e in enumerate(x.shape)]
 
 
 SPELLINGS["size"] = _size_front
@@ -769,22 +776,34 @@ def _slice(x, starts, ends, strides):
 
 def _slice_infer(args, attrs):
     (x,) = args
-    return [TensorType(tuple(e if e < 0 else len(range(s, min(end, e), k)) for e, s, end, k in
-                             zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"])), x.dtype)]
+    out = []
+    for d, (n, s, end, k) in enumerate(zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"])):
+        if n < 0 or isinstance(s, SymbolicSize) or isinstance(end, SymbolicSize):
+            out.append(-1)  # known once execute binds the sizes
+            continue
+        if not 0 <= s <= end <= n:  # a bound that was a symbolic size, now bound
+            _bad(f"dim {d} of {x}: [{s}:{end}:{k}] needs 0 <= start <= end <= extent")
+        out.append(len(range(s, min(end, n), k)))
+    return [TensorType(tuple(out), x.dtype)]
 
 
 def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normalization: bool = False):
     """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Indices must
-    lie in [0, extent]; ``manual_normalization`` (nvFuser's promise that they do) changes nothing then."""
+    lie in [0, extent] (a symbolic ``fd.ops.size`` scalar is checked at execute); ``manual_normalization``
+    (nvFuser's promise that they do) changes nothing then."""
     x = rec.tv(x, "x")
-    starts = _int_list("slice", start_indices, "start_indices")
-    ends = _int_list("slice", end_indices, "end_indices")
+    starts = _extents("slice", start_indices, "start_indices")
+    ends = _extents("slice", end_indices, "end_indices")
     strides = (1,) * x.ndim if strides is None else _int_list("slice", strides, "strides")
     if not len(starts) == len(ends) == len(strides) == x.ndim:
         _fail("slice", f"start_indices, end_indices and strides need one entry per dim of T{x.name} "
                        f"{x._ir.type_str()}")
     for d, (s, e, k, n) in enumerate(zip(starts, ends, strides, x.shape)):
-        if k < 1 or s < 0 or e < s or (n >= 0 and e > n) or (n < 0 and (s, e) != (0, n) and e != -1):
+        if isinstance(s, SymbolicSize) or isinstance(e, SymbolicSize):
+            bad = k < 1 or (isinstance(s, int) and s < 0)
+        else:
+            bad = k < 1 or s < 0 or e < s or (n >= 0 and e > n) or (n < 0 and (s, e) != (0, n) and e != -1)
+        if bad:
             _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
                            "extent and a stride >= 1")
     return rec(x, starts=starts, ends=ends, strides=strides)
@@ -1269,12 +1288,14 @@ def _sdpfa_bwd_front(rec, grad_output, query, key, value, output, logsumexp, dro
     return rec(*tensors, **_sdpa_attrs("sdpfa_bwd", dropout_p, is_causal, scale))
 
 
+# As nvFuser (and aten's flash kernels): the output takes the query's layout, each gradient its operand's.
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1)), flops=_flops_attention(2, query=0),
-         num_outputs=4, front=_sdpfa_fwd_front)
+         num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None])
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
-         flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front)
+         flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front,
+         out_layout=lambda orders, attrs: orders[1:4])
 
 
 def _sdpa_front(rec, query, key, value, is_causal: bool = False, scale: float | None = None):

@@ -16,11 +16,6 @@ from enum import Enum, auto
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import FusionDefinition, DataType, TensorView  # tp_fusion: was nvfuser_direct
-from .gaps import (  # tp_fusion: xfail marks for known gaps
-    EXPANDED_BROADCAST,
-    SYMBOLIC_SCALARS,
-    missing,
-)
 
 
 @dataclass
@@ -77,7 +72,6 @@ def gating(
 # prediction with AlphaFold. Nature 596, 583–589 (2021).
 # https://doi.org/10.1038/s41586-021-03819-2
 # (see Supplementary Methods 1.6.5 for details)
-@missing(SYMBOLIC_SCALARS, EXPANDED_BROADCAST)
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "direction", [Direction.OUTGOING, Direction.INCOMING], ids=lambda d: d.name.lower()

@@ -13,12 +13,6 @@ from torch.nn.attention import SDPBackend
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct
-from .gaps import (  # tp_fusion: xfail marks for known gaps
-    ALLOCATION_DOMAIN,
-    OUTPUT_LAYOUT,
-    SYMBOLIC_MANY,
-    missing,
-)
 
 
 # tp_fusion: python.direct_utils's is_pre_ampere; tests run in bf16 on GPUs and float32 on CPU ranks.
@@ -68,7 +62,6 @@ def test_pointwise(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref)
 
 
-@missing(SYMBOLIC_MANY, ALLOCATION_DOMAIN)
 @pytest.mark.mpi
 def test_pointwise_vectorization(multidevice_test):
     # Repro for https://github.com/NVIDIA/Fuser/issues/5920
@@ -137,9 +130,7 @@ class QkvFormat(Enum):
     is_pre_ampere(),
     reason="Flash Attention is only supported on Ampere and newer devices.",
 )
-@pytest.mark.parametrize(  # tp_fusion: BSHE is an xfail
-    "qkv_format", [QkvFormat.BHSE, pytest.param(QkvFormat.BSHE, marks=missing(OUTPUT_LAYOUT))]  # tp_fusion
-)  # tp_fusion
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
 @pytest.mark.mpi
 def test_sdpa(multidevice_test, qkv_format: QkvFormat):
     d, b, s, h, e = multidevice_test.size, 2, 16, 12, 768  # tp_fusion: s was 1024 (small shapes for CPU CI)
@@ -257,9 +248,7 @@ def test_sdpa(multidevice_test, qkv_format: QkvFormat):
     is_pre_ampere(),
     reason="Flash Attention is only supported on Ampere and newer devices.",
 )
-@pytest.mark.parametrize(  # tp_fusion: BSHE is an xfail
-    "qkv_format", [QkvFormat.BHSE, pytest.param(QkvFormat.BSHE, marks=missing(OUTPUT_LAYOUT))]  # tp_fusion
-)  # tp_fusion
+@pytest.mark.parametrize("qkv_format", [QkvFormat.BHSE, QkvFormat.BSHE])
 @pytest.mark.mpi
 def test_sdpa_loop_split(multidevice_test, qkv_format: QkvFormat):
     d = multidevice_test.size

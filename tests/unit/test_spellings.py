@@ -1,12 +1,14 @@
 """nvFuser spellings (issue 14): define_tensor's layout arguments, DataType.Null, fd.fusion.inputs(),
-inner_split and chained splits, negative broadcast_dims, fd.ops.size/shape; checked against torch."""
+inner_split and chained splits, negative broadcast_dims, fd.ops.size/shape and their symbolic scalars,
+expanded broadcasts, output layouts and allocation domains; checked against torch."""
 
 import pytest
 import torch
 
 import tp_fusion
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
-from tp_fusion.errors import DefinitionError, InputError, LoweringError
+from tp_fusion.errors import DefinitionError, InputError
+from tp_fusion.ir import SymbolicSize
 
 
 def _add_fusion(**layout):
@@ -159,18 +161,188 @@ def test_size_and_shape_are_ints():
     torch.testing.assert_close(fd.execute([t])[0], t.reshape(5, 3))
 
 
-def test_size_of_a_symbolic_extent_is_not_implemented():
+def test_size_and_shape_of_symbolic_extents_are_symbolic_scalars():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 5])
         assert fd.ops.size(x, 1) == 5
-        with pytest.raises(LoweringError, match="dim 0 .* symbolic") as e:
-            fd.ops.size(x, 0)
-        assert isinstance(e.value, NotImplementedError)
-        with pytest.raises(LoweringError):
-            fd.ops.shape(x)
+        rows = fd.ops.size(x, 0)
+        assert isinstance(rows, SymbolicSize) and str(rows) == "T0.size(0)"
+        assert fd.ops.shape(x) == [rows, 5]
+        y = fd.ops.broadcast_in_dim(x, shape=[3, rows, 5], broadcast_dims=[1, 2])  # a new dim of extent 3
+        fd.add_output(fd.ops.slice(y, [0, 1, 0], [2, rows, 5]))  # rows 1.. of every one
+    assert "shape=[3, T0.size(0), 5]" in str(fd)
+    for n in (4, 7):
+        t = torch.randn(n, 5)
+        (out,) = fd.execute([t])
+        torch.testing.assert_close(out, t.expand(3, n, 5)[:2, 1:])
+
+
+def test_layer_norm_weight_broadcast_to_a_symbolic_shape():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, 8])
+        w = fd.define_tensor([8])
+        var, mean = fd.ops.var_mean(x, dims=[-1], correction=0, keepdim=True)
+        y = fd.ops.mul(fd.ops.sub(x, mean), fd.ops.rsqrt(fd.ops.add(var, 1e-5)))
+        fd.add_output(fd.ops.mul(y, fd.ops.broadcast_in_dim(w, shape=fd.ops.shape(x), broadcast_dims=[-1])))
+    t, wt = torch.randn(2, 3, 8), torch.randn(8)
+    torch.testing.assert_close(fd.execute([t, wt])[0], torch.nn.functional.layer_norm(t, [8], wt), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_a_symbolic_slice_bound_is_checked_at_execute():
+    with FusionDefinition() as fd:
+        x, y = fd.define_tensor([-1]), fd.define_tensor([-1])
+        fd.add_output(fd.ops.slice(x, [0], [fd.ops.size(y, 0)]))  # x[:len(y)]
+    a = torch.randn(6)
+    torch.testing.assert_close(fd.execute([a, torch.randn(4)])[0], a[:4])
+    with pytest.raises(InputError, match=r"slice: .*\[0:8:1\] needs 0 <= start <= end <= extent"):
+        fd.execute([a, torch.randn(8)])
+
+
+def test_symbolic_scalars_only_where_extents_go():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        with pytest.raises(DefinitionError, match="new_shape must be a list of ints"):
+            fd.ops.reshape(x, [fd.ops.size(x, 0), 4])
+        with pytest.raises(DefinitionError, match="shape must be a list of ints or fd.ops.size scalars"):
+            fd.ops.broadcast_in_dim(x, shape=[2.0, 4], broadcast_dims=[0, 1])
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_an_expanded_broadcast_broadcasts_against_another_extent(symbolic):
+    """nvFuser's triangle update: a [b, n] mask broadcast_in_dim to [b, n, c] masks a [b, n, 2c] tensor."""
+    c = 4
+    with FusionDefinition() as fd:
+        z = fd.define_tensor([-1, -1, 2 * c] if symbolic else [3, 5, 2 * c])
+        m = fd.define_tensor([-1, -1] if symbolic else [3, 5], dtype=DataType.Bool)
+        b, n = fd.ops.size(z, 0), fd.ops.size(z, 1)
+        mask = fd.ops.broadcast_in_dim(m, shape=[b, n, c], broadcast_dims=[0, 1])
+        fd.add_output(fd.ops.where(mask, z, 0.0))
+        fd.add_output(fd.ops.add(mask, z))
+        fd.add_output(mask)  # as defined: c wide
+    t, mt = torch.randn(3, 5, 2 * c), torch.rand(3, 5) > 0.5
+    masked, added, mask_out = fd.execute([t, mt])
+    torch.testing.assert_close(masked, torch.where(mt[..., None], t, 0.0))
+    torch.testing.assert_close(added, mt[..., None] + t)
+    assert torch.equal(mask_out, mt[..., None].expand(3, 5, c))
+
+
+def test_an_expanded_broadcast_against_a_symbolic_extent():
+    with FusionDefinition() as fd:
+        x, v = fd.define_tensor([-1, -1]), fd.define_tensor([-1])
+        wide = fd.ops.broadcast_in_dim(v, shape=[fd.ops.size(v, 0), 1], broadcast_dims=[0])
+        fd.add_output(fd.ops.mul(fd.ops.broadcast_in_dim(v, shape=[fd.ops.size(v, 0), 3], broadcast_dims=[0]), x))
+        fd.add_output(fd.ops.mul(wide, x))
+    t, vt = torch.randn(2, 7), torch.randn(2)
+    a, b = fd.execute([t, vt])
+    torch.testing.assert_close(a, vt[:, None] * t)
+    torch.testing.assert_close(b, vt[:, None] * t)
 
 
 def test_multidevice_module():
     import tp_fusion.multidevice as md
 
     assert md.DeviceMesh is tp_fusion.DeviceMesh and md.shard_tensor is tp_fusion.shard_tensor
+
+
+# --- output layouts (nvFuser's allocation domains) -----------------------------------------------
+
+
+def _bshe(t):
+    """[B, H, S, E] values laid out in memory as [B, S, H, E]."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def test_sdpa_outputs_follow_their_operands_layout():
+    b, h, s, e = 2, 3, 5, 8
+    with FusionDefinition() as fd:
+        q, k, v, grad = (fd.define_tensor([b, h, s, e], contiguity=True, stride_order=[3, 1, 2, 0]) for _ in range(4))
+        attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, is_causal=True)
+        grads = fd.ops.sdpfa_bwd(grad, q, k, v, attn, lse, 0.0, True, seed, offset, None)
+        for t in (attn, lse, *grads):
+            fd.add_output(t)
+    ref = [torch.randn(b, h, s, e, requires_grad=True) for _ in range(3)]
+    g = torch.randn(b, h, s, e)
+    want = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True)
+    want.backward(g)
+    out, lse_out, *got = fd.execute([_bshe(t.detach()) for t in (*ref, g)])
+    for actual, expected in zip((out, *got), (want, *(t.grad for t in ref))):
+        assert actual.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    assert lse_out.is_contiguous()  # as nvFuser: the logsumexp is [B, H, S] whatever the query's layout
+
+
+def test_stride_order_output_keeps_its_layout_and_never_aliases_an_input():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 3, 4])
+        fd.add_output(fd.ops.stride_order(x, [0, 2, 1]))
+        fd.add_output(fd.ops.stride_order(fd.ops.neg(x), [2, 1, 0]))
+    a = torch.randn(2, 3, 4)
+    laid_out = a.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # already in stride_order [0, 2, 1]
+    ordered, negated = fd.execute([laid_out])
+    assert ordered.stride() == (1, 8, 2) and ordered.data_ptr() != laid_out.data_ptr()
+    torch.testing.assert_close(ordered, a)
+    assert negated.is_contiguous()
+    torch.testing.assert_close(negated, -a)
+
+
+def _alloc_fusion(order, contiguity=True, split=False):
+    """x [4, 6, 2] -> y = x * 2; y's allocation domain lists its loop axes in ``order``."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6, 2])
+        y = fd.ops.mul(x, 2.0)
+        fd.add_output(y)
+        if split:
+            y.set_device_mesh(DeviceMesh([0]))
+            y.outer_split(1, 1).axis(1).parallelize(ParallelType.mesh_x)  # [4, x{1}, 6, 2]
+            y.outer_split(2, 3)  # [4, x{1}, 3, 2, 2]
+        y.set_allocation_domain([y.axis(i) for i in order], contiguity)
+    return fd, y
+
+
+@pytest.mark.parametrize("order, split, strides", [
+    ((1, 0, 2), False, (2, 8, 1)),  # [6, 4, 2] in memory
+    ((2, 0, 1), False, (6, 1, 24)),
+    ((2, 3, 1, 0, 4), True, (2, 8, 1)),  # the pieces of dim 1 adjacent, the device axis anywhere
+    ((0, 1, 2, 3, 4), True, (12, 2, 1)),
+])
+def test_allocation_domain_of_an_output(order, split, strides):
+    fd, y = _alloc_fusion(order, split=split)
+    t = torch.randn(4, 6, 2)
+    (out,) = fd.execute([t])
+    assert out.stride() == strides
+    torch.testing.assert_close(out, t * 2)
+
+
+@pytest.mark.parametrize("order, match", [
+    ((2, 0, 1, 3, 4), "splits dim 1 around other dims"),
+    ((0, 1, 3, 2, 4), "inner piece first"),
+    ((0, 2, 3, 4), "every loop axis once"),
+])
+def test_allocation_domain_that_has_no_strides(order, match):
+    with pytest.raises(tp_fusion.ShardingError, match=match):
+        _alloc_fusion(order, split=True)
+
+
+def test_allocation_domain_arguments():
+    with FusionDefinition() as fd:
+        x, z = fd.define_tensor([2, 3]), fd.define_tensor([2, 3])
+        fd.add_output(fd.ops.add(x, z))
+    with pytest.raises(tp_fusion.ShardingError, match="this tensor's loop axes"):
+        x.set_allocation_domain([z.axis(1), z.axis(0)], True)
+    with pytest.raises(tp_fusion.ShardingError, match="new_contiguity must be a bool"):
+        x.set_allocation_domain([x.axis(1), x.axis(0)], [True, True])
+
+
+def test_allocation_domain_of_an_input_is_checked():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        fd.add_output(fd.ops.neg(x))
+        x.set_allocation_domain([x.axis(1), x.axis(0)], True)  # column-major
+    assert x.stride_order == (0, 1) and x.contiguity == (True, True)
+    t = torch.randn(6, 4).t()
+    torch.testing.assert_close(fd.execute([t])[0], -t)
+    with pytest.raises(InputError, match=r"stride_order \[0, 1\].*dim 1 must have a larger stride than dim 0"):
+        fd.execute([t.contiguous()])
+    with pytest.raises(InputError, match="dim 0 is declared contiguous, so its stride must be 1, got 2"):
+        fd.execute([torch.randn(6, 8).t()[::2]])

@@ -15,7 +15,7 @@ import torch
 from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
-from tp_fusion.ops import OPS
+from tp_fusion.ops import OPS, with_stride_order
 from tp_fusion.program import (
     FUSED,
     SEQUENTIAL,
@@ -129,12 +129,11 @@ class Runner:
             if not held:  # this rank holds no part of this output
                 outs.append(torch.empty((0,), dtype=program.fusion.tensor(o).dtype.torch, device=program.device))
                 continue
-            x = env[o]
-            if not x.is_contiguous():
-                x = x.contiguous()
-            elif x.untyped_storage().data_ptr() in input_storages:
-                x = x.clone()
-            outs.append(x)
+            x, order = env[o], program.fusion.tensor(o).stride_order  # its layout (compile.resolve_layouts)
+            laid_out = x.contiguous() if order is None else with_stride_order(x, order)
+            if laid_out.untyped_storage().data_ptr() in input_storages:
+                laid_out = laid_out.clone()  # keeps the layout
+            outs.append(laid_out)
         return outs
 
     def _failure(self, where: str, e: BaseException, local: bool) -> str:
