@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -50,21 +52,35 @@ def test_transformer_layer_forward_and_backward_validate():
     assert "forward collectives: ['allreduce', 'allreduce']" in out, out
     assert "forward collectives: ['allgather', 'reduce_scatter', 'allgather', 'reduce_scatter']" in out, out
     assert "--- backward fusion" in out and "sdpfa_bwd(" in out and "rng_seed=2026" in out, out
+    # aten's fused kernels, as torch's autograd runs them; no decomposed layer norm or GELU gradient
+    for op in ("native_layer_norm(", "native_layer_norm_backward(", "gelu_backward("):
+        assert op in out, f"{op} missing:\n{out}"
+    for op in ("var_mean(", "rsqrt(", "tanh(", "mean("):
+        assert op not in out, f"{op} in the plans:\n{out}"
+    # the backward's collectives: tp, the two partial input gradients of the attention and the MLP; sp,
+    # besides, the gathers of the weight-gradient operands and the allreduces of the summed gradients
+    backward = [Counter(ast.literal_eval(line.split(": ", 1)[1])) for line in out.splitlines()
+                if line.startswith("backward collectives: ")]
+    assert backward == [Counter(allreduce=2), Counter(allgather=4, reduce_scatter=2, allreduce=6)], out
 
 
-def test_transformer_layer_sp_plan_fuses_its_four_collectives_on_cuda(monkeypatch):
-    """Compiled for CUDA (no GPU needed), the sp forward's allgathers (before QKV and the MLP) and
-    reduce_scatters (after the out-projection and the MLP) are fused segments with their GEMMs."""
+@pytest.mark.parametrize("mode,want", [
+    ("sp", ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
+            "fused linear+reduce_scatter+add"]),
+    ("tp", ["fused linear+allreduce", "fused linear+allreduce"])])
+def test_transformer_layer_plan_fuses_its_collectives_on_cuda(monkeypatch, mode, want):
+    """Compiled for CUDA (no GPU needed), the forward's collectives are fused segments with their GEMMs:
+    in sp the allgathers (before QKV and the MLP) and reduce_scatters (after the out-projection and the
+    MLP), in tp the allreduces after the out-projection and the MLP."""
     monkeypatch.syspath_prepend(str(ROOT))
     from examples.transformer_layer import INPUTS, Config, define_forward
     from tp_fusion import DataType
 
-    cfg = Config(tokens=256, seq=128, hidden=256, heads=4, d=2, mode="sp", dtype=DataType.BFloat16)
+    cfg = Config(tokens=256, seq=128, hidden=256, heads=4, d=2, mode=mode, dtype=DataType.BFloat16)
     plan = str(define_forward(cfg).compile([cfg.shape(n) for n in INPUTS], rank=0, device="cuda"))
     segments = [line.split(": ", 1)[1] for line in plan.splitlines() if line.lstrip().startswith("segment")]
     fused = [s.split(" (")[0] for s in segments if s.startswith("fused")]
-    assert fused == ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
-                     "fused linear+reduce_scatter+add"], plan
+    assert fused == want, plan
     assert not any(s.startswith("communication") for s in segments), plan
 
 
