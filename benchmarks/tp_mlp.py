@@ -10,7 +10,8 @@ Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [
   TP (the same, one NCCL allreduce).
 
 Per shape, in one process, each variant's CUDA-event time per iteration (``--iters`` after
-``--warmup``), max over ranks, median of ``--rounds`` interleaved rounds (clocks and power drift):
+``--warmup``), max over ranks, median of ``--rounds`` interleaved rounds, each round in a rotated order
+(clocks and power drift):
 compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
 (``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
 yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
@@ -303,8 +304,8 @@ def run_shape(mode, tokens, hidden, ffn, args, device):
             continue
         timed.append(name)
     row["plan"] = plan_segments(fd)
-    for _ in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike
-        for name in timed:
+    for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and each
+        for name in timed[k % len(timed):] + timed[:k % len(timed)]:  # round in another order (no fixed neighbour)
             row["ms_rounds"].setdefault(name, []).append(time_ms(fns[name], args.iters, args.warmup))
     row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in timed}
     ms = row["ms"]

@@ -429,9 +429,10 @@ def run_row(s: Shape, pass_: str, args, device, dtype, timed_run: bool) -> dict:
         fns[name] = fn
     row["plan"] = {what: plan_segments(fd) for what, fd in fusions.items() if fd.plan is not None}
     if timed_run:
-        for _ in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike
-            for name, fn in fns.items():
-                row["ms_rounds"].setdefault(name, []).append(time_ms(fn, args.iters, args.warmup))
+        names = list(fns)
+        for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and
+            for name in names[k % len(names):] + names[:k % len(names)]:  # each round in another order
+                row["ms_rounds"].setdefault(name, []).append(time_ms(fns[name], args.iters, args.warmup))
         ms = row["ms"] = {name: statistics.median(v) for name, v in row["ms_rounds"].items()}
         computes = [v for k, v in ms.items() if k.startswith("compute")]
         if computes:

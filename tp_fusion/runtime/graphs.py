@@ -42,7 +42,9 @@ class GraphedRun:
         torch.cuda.synchronize()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
         try:
-            with torch.cuda.graph(self.graph, pool=pool):
+            # thread_local: another thread's CUDA calls (NCCL's watchdog querying the events of work that
+            # DTensor or the user left in flight) must not invalidate this thread's capture
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs = run(self.inputs)
         except BaseException:
             _close_pool(pool)
