@@ -11,7 +11,9 @@
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
 - whether the whole program replays as a CUDA graph: timed against eager launches where it can be
-  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no unseeded draw).
+  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no unseeded draw);
+  a plan that keeps a fused segment but runs under ``SMALL_PLAN_MS`` (bound by Python's launches) is
+  timed against a graph of the same plan with every segment sequential, and the faster is kept.
 The choices and why they were made are recorded in the program (``str(fd.plan)`` shows them); the kernels
 take the mode they are given and never decide. ``TP_FUSION_TUNE=0`` skips the timings: fused
 segments on one host run ``fused``, GELUs stay in their GEMM's epilogue and nothing is captured.
@@ -33,6 +35,9 @@ from tp_fusion.runtime import dist, graphs, overlap, symm
 from tp_fusion.runtime.runner import Runner, _epilogue, _fused
 
 TIMED_ITERS, WARMUP, ROUNDS = 8, 2, 3
+GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
+SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: a CUDA graph of
+#                      it with every fused segment sequential (capturable) is timed against it
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
@@ -106,7 +111,8 @@ def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool,
     runs = {(mode, in_gemm): _fused(dataclasses.replace(f, mode=mode), program, gelu_in_gemm=in_gemm)
             for mode in (FUSED, SEQUENTIAL) for in_gemm in gelu_choices}
     ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias), dist.group(f.group), program.device)
-    mode, in_gemm = min(ms, key=ms.get)
+    mode = min((FUSED, SEQUENTIAL), key=lambda m: min(ms[m, g] for g in gelu_choices))
+    in_gemm = len(gelu_choices) == 1 or ms[mode, True] * GELU_APART_GAIN <= ms[mode, False]
     timings = ", ".join(f"{m} {ms[m, True]:.3f} ms" + (f" (GELU apart {ms[m, False]:.3f})" if len(gelu_choices) > 1
                                                         else "") for m in (FUSED, SEQUENTIAL))
     return mode, not in_gemm, f"segment {i} {seg.note}: {timings} -> {mode}" + ("" if in_gemm else ", GELU apart")
@@ -129,10 +135,11 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
             x, w, b = seg.steps[j].op.inputs
             runs = {in_gemm: _linear_gelu(x, w, b, in_gemm) for in_gemm in (True, False)}
             ms = _fastest(runs, _random_env(program, x, w, b), None, program.device)
-            if ms[False] < ms[True]:
+            keep = ms[False] > ms[True] * GELU_APART_GAIN
+            if not keep:
                 apart.add(seg.steps[j + 1].op.outputs[0])
             notes.append(f"segment {i} linear+gelu: GELU in the GEMM's epilogue {ms[True]:.3f} ms, apart "
-                         f"{ms[False]:.3f} ms -> {'in the epilogue' if ms[True] <= ms[False] else 'apart'}")
+                         f"{ms[False]:.3f} ms -> {'in the epilogue' if keep else 'apart'}")
     return apart, notes
 
 
@@ -147,11 +154,13 @@ def _graphable(program: Program) -> bool:
             and not any(op.kind == "uniform" and op.attr("rng_seed") is None for op in program.fusion.ops))
 
 
-def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor]) -> tuple[graphs.GraphedRun | None, str]:
+def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: float | None = None,
+                       what: str = "") -> tuple[graphs.GraphedRun | None, str]:
     """Capture the runner's plan and keep the graph if every rank captured it and replaying is faster
-    than launching eagerly on every rank (collective: every rank of the world calls it, with the same
-    plan). The ranks agree that all captured before anything runs again: a rank left eager while its
-    peers replay would pair collectives wrongly. Returns the graph (or None) and a note."""
+    than ``eager_ms`` (default: launching the same plan eagerly) on every rank (collective: every rank
+    of the world calls it, with the same plan). The ranks agree that all captured before anything runs
+    again: a rank left eager while its peers replay would pair collectives wrongly. Returns the graph
+    (or None) and a note."""
     try:
         graphed = graphs.GraphedRun(lambda xs: runner.run_eager(xs, report_faults=False), inputs)
     except Exception as e:  # not capturable on this rank (no peer is told: the agreement below is)
@@ -163,14 +172,20 @@ def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor]) -> tuple[grap
         if graphed is not None:
             graphed.release()
         return None, "cuda graph: a rank could not capture the plan -> eager"
-    eager_ms, graph_ms = slowest([time_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP),
-                                  time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP)],
-                                 None, inputs[0].device)
+    if eager_ms is None:
+        eager_ms = _plan_ms(runner, inputs)
+    (graph_ms,) = slowest([time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP)], None, inputs[0].device)
     keep = graph_ms < eager_ms
     if not keep:
         graphed.release()
-    return (graphed if keep else None), f"cuda graph {graph_ms:.3f} ms, eager {eager_ms:.3f} ms -> " \
+    return (graphed if keep else None), f"cuda graph{what} {graph_ms:.3f} ms, eager {eager_ms:.3f} ms -> " \
                                         f"{'graph' if keep else 'eager'}"
+
+
+def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
+    """The runner's plan launched eagerly, ms per call, max over the world (collective)."""
+    (ms,) = slowest([time_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP)], None, inputs[0].device)
+    return ms
 
 
 def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
@@ -194,4 +209,18 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
             graphed, note = _capture_if_faster(runner, inputs)
         tuned = tuned.with_choices({}, cuda_graph=graphed is not None, notes=(*tuned.notes, note))
         runner.program, runner.graph = tuned, graphed
+        return tuned, runner
+    sequential = tuned.with_choices({i: SEQUENTIAL for i in fused}, cuda_graph=False, notes=tuned.notes)
+    if fused and _graphable(sequential):  # fused segments keep the plan from a graph: is it launch-bound?
+        with torch.no_grad():
+            eager_ms = _plan_ms(runner, inputs)
+            if eager_ms < SMALL_PLAN_MS:
+                seq_runner = Runner(sequential)
+                graphed, note = _capture_if_faster(seq_runner, inputs, eager_ms, " (every segment sequential)")
+                if graphed is not None:
+                    tuned = sequential.with_choices({}, cuda_graph=True, notes=(*tuned.notes, note))
+                    seq_runner.program, seq_runner.graph = tuned, graphed
+                    return tuned, seq_runner
+                tuned = tuned.with_choices({}, cuda_graph=False, notes=(*tuned.notes, note))
+                runner.program = tuned
     return tuned, runner
