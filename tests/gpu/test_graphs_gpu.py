@@ -3,7 +3,7 @@
 Run on a machine with a GPU:  python -m pytest tests/gpu/test_graphs_gpu.py
 A capture that fails (here: a host synchronization inside it) must leave the process healthy: a
 later capture replays right, and the process exits cleanly (torch 2.11 aborted at exit with
-``captures_underway.empty()`` after a failed capture, before graphs.py closed its pool).
+``captures_underway.empty()`` after a failed capture, until graphs.py ended its allocations).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Choices tuning makes without timing them here (the timings run on GPUs: tests/gpu, benchmarks):
-which plans may be captured as a CUDA graph (``tuning._graphable``: a random draw whose seed the host
-picks per call must stay eager, since a replay would repeat the draw), and how measured GEMM+GELU
+which plans may be captured as a CUDA graph (``tuning._graphable``: a random draw stays eager, since a
+replay would repeat an unseeded draw and a seeded one's generator cannot be captured), and how measured GEMM+GELU
 timings become a choice (the GELU leaves the GEMM's epilogue only when clearly faster)."""
 
 from __future__ import annotations
@@ -26,15 +26,23 @@ def gpu_tuning(monkeypatch):
     monkeypatch.setattr(tuning, "_measures", lambda program: True)
 
 
-def test_unseeded_draws_are_never_captured(gpu_tuning):
-    assert tuning._graphable(_dropout_like(seeded=True))
-    assert not tuning._graphable(_dropout_like(seeded=False))
+def _plain():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8], dtype=DataType.Float)
+        fd.add_output(fd.ops.mul(x, x))
+    return fd.compile([[4, 8]], device="cuda")
+
+
+def test_random_draws_are_never_captured(gpu_tuning):
+    assert tuning._graphable(_plain())
+    assert not tuning._graphable(_dropout_like(seeded=False))  # a replay would repeat the host's seed
+    assert not tuning._graphable(_dropout_like(seeded=True))  # its generator is not the graph's
 
 
 def test_graphs_are_on_unless_turned_off(gpu_tuning, monkeypatch):
     assert graphs.enabled()
     monkeypatch.setenv("TP_FUSION_CUDA_GRAPHS", "0")
-    assert not graphs.enabled() and not tuning._graphable(_dropout_like(seeded=True))
+    assert not graphs.enabled() and not tuning._graphable(_plain())
 
 
 def test_draws_differ_per_call_without_a_seed():

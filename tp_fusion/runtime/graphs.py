@@ -34,8 +34,8 @@ class GraphedRun:
     def __init__(self, run: Callable[[list], list], inputs: list[torch.Tensor]):
         """Run the plan once eagerly (lazy initializations, such as a first NCCL collective creating its
         communicator, cannot happen inside a capture), then capture it. A capture that fails leaves the
-        caching allocator with a capture underway, which aborts the process at exit; its pool is closed
-        and released before the error goes on."""
+        caching allocator with a capture underway (torch 2.11), which aborts the process at exit; it is
+        ended before the error goes on."""
         self.inputs = [x.clone() for x in inputs]
         self.graph = torch.cuda.CUDAGraph()
         run(self.inputs)
@@ -47,7 +47,7 @@ class GraphedRun:
             with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
                 self.outputs = run(self.inputs)
         except BaseException:
-            _close_pool(pool)
+            _end_capture_allocations(pool)
             torch.cuda.set_stream(stream)  # the capture's stream context is left open when it fails
             self.graph = None
             raise
@@ -71,16 +71,15 @@ class GraphedRun:
         return [out.clone() for out in self.outputs]
 
 
-def _close_pool(pool) -> None:
-    """End allocating into a failed capture's memory pool and release it: torch 2.11's
-    ``capture_end`` raises before it does so when the capture was invalidated (later versions may
-    have done it, then ending raises, which is harmless here)."""
-    device = torch.cuda.current_device()
+def _end_capture_allocations(pool) -> None:
+    """End allocating into a failed capture's memory pool: torch 2.11's ``capture_end`` raises before
+    it does so when the capture was invalidated (a later version that did it makes this raise, which
+    is harmless). The pool itself is released with its ``CUDAGraph``: releasing it here too aborted
+    the process (a negative use count)."""
     try:
-        torch._C._cuda_endAllocateToPool(device, pool)
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
     except RuntimeError:
         pass
-    torch._C._cuda_releasePool(device, pool)
 
 
 def release_all() -> None:

@@ -11,7 +11,7 @@
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
 - whether the whole program replays as a CUDA graph: timed against eager launches where it can be
-  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no unseeded draw);
+  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no random draw);
   a plan that keeps a fused segment but runs under ``SMALL_PLAN_MS`` (bound by Python's launches) is
   timed against a graph of the same plan with every segment sequential, and the faster is kept.
 The choices and why they were made are recorded in the program (``str(fd.plan)`` shows them); the kernels
@@ -145,13 +145,18 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
 
 def _graphable(program: Program) -> bool:
     """The same answer on every rank: CUDA with NCCL, no segment on the symmetric-memory path,
-    every mesh spanning the whole world, and no random draw without a seed (its seed is drawn on
-    the host per call, which a replay would freeze)."""
+    every mesh spanning the whole world, and no random draw (``_draws``)."""
     world = set(range(dist.world_size()))
     return (_measures(program) and graphs.enabled()
             and all(seg.fused is None or seg.fused.mode != FUSED for seg in program.segments)
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors)
-            and not any(op.kind == "uniform" and op.attr("rng_seed") is None for op in program.fusion.ops))
+            and not any(_draws(op) for op in program.fusion.ops))
+
+
+def _draws(op) -> bool:
+    """Whether ``op`` draws random numbers: an unseeded draw's seed is picked on the host per call (a
+    replay would repeat it), and a seeded one uses its own generator, which a capture refuses."""
+    return op.kind == "uniform" or (op.kind in ("sdpfa_fwd", "sdpfa_bwd") and (op.attr("dropout_p") or 0) > 0)
 
 
 def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: float | None = None,
