@@ -1113,11 +1113,9 @@ SPELLINGS["rand_like"] = _rand_like_front
 
 # --- attention ------------------------------------------------------------------------------------
 #
-# Operands are [N*, H, S, E] (batch dims, heads, sequence, head dim). On Hopper and later, half-precision
-# operands without dropout run cuDNN's attention (what F.scaled_dot_product_attention picks there: 2.3x
-# faster than the flash kernel on 2x H200, hidden 8192, sequence 4096). Otherwise on CUDA, half-precision
-# operands with a head dim that aten's flash kernel takes run it (its philox seed and offset carry the
-# dropout mask to the backward). Elsewhere: aten's CPU flash kernel without dropout; with dropout (and on
+# Operands are [N*, H, S, E] (batch dims, heads, sequence, head dim). On CUDA, half-precision operands
+# with a head dim that aten's flash kernel takes run it (its philox seed and offset carry the dropout
+# mask to the backward). Elsewhere: aten's CPU flash kernel without dropout; with dropout (and on
 # CUDA otherwise) the math path, in float32 or wider, whose dropout mask is drawn from the seed and
 # offset it returns, so the backward redraws it.
 
@@ -1127,14 +1125,6 @@ def _aten_flash(q, k, v) -> bool:
     e = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
             and k.shape[-1] == v.shape[-1] == e)
-
-
-def _cudnn(q, k, v, dropout_p: float) -> bool:
-    """Whether cuDNN's attention runs these operands (the backward decides alike, so a pair matches)."""
-    e = q.shape[-1]
-    return (dropout_p == 0 and _aten_flash(q, k, v) and e <= 128 and torch.backends.cuda.cudnn_sdp_enabled()
-            and torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(q.device)[0] >= 9
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
 
 def _cpu_flash(q, k, v, dropout_p: float) -> bool:
@@ -1166,26 +1156,15 @@ def _dropout_scale(shape, dropout_p: float, philox_seed, device):
     return keep / (1 - dropout_p)
 
 
-def _no_dropout_rng(device, seed: int = 0):
-    """The (philox seed u64[2], offset u64[]) outputs of a path that draws no dropout mask from aten's
-    generator: ``seed`` seeds the math path's own draw."""
-    return (torch.tensor([seed, 0], dtype=torch.uint64, device=device),
-            torch.zeros((), dtype=torch.uint64, device=device))
-
-
 def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
     lead = q.shape[:-3]
     q4, k4, v4 = _as_4d(q, k, v)
-    if _cudnn(q, k, v, dropout_p):
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, is_causal, False,
-                                                                      scale=scale)[:2]
-        lse = lse.reshape(q4.shape[:-1])  # cuDNN's is [B, H, S, 1]
-        seed, offset = _no_dropout_rng(q.device)
-    elif _aten_flash(q, k, v):
+    if _aten_flash(q, k, v):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q4, k4, v4, dropout_p, is_causal, scale=scale)
     else:
-        seed, offset = _no_dropout_rng(q.device, next(_UNSEEDED_DRAWS) if dropout_p else 0)
+        seed = torch.tensor([next(_UNSEEDED_DRAWS) if dropout_p else 0, 0], dtype=torch.uint64, device=q.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
         if _cpu_flash(q, k, v, dropout_p):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal,
                                                                                   scale=scale)
@@ -1202,13 +1181,7 @@ def _sdpfa_bwd(grad_out, q, k, v, out, lse, philox_seed, philox_offset, dropout_
     shapes = q.shape, k.shape, v.shape
     g4, q4, k4, v4, o4 = _as_4d(grad_out, q, k, v, out)
     lse3 = lse.reshape(-1, *lse.shape[-2:])
-    if _cudnn(q, k, v, dropout_p):
-        if g4.stride() != o4.stride():  # cuDNN reads the output gradient with the output's strides
-            g4 = torch.empty_like(o4).copy_(g4)
-        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            g4, q4, k4, v4, o4, lse3.unsqueeze(-1), philox_seed, philox_offset, None, None, None, q.shape[-2],
-            k.shape[-2], 0.0, is_causal, scale=scale)
-    elif _aten_flash(q, k, v):
+    if _aten_flash(q, k, v):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             g4.contiguous(), q4, k4, v4, o4, lse3, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
             philox_seed, philox_offset, scale=scale)
