@@ -2,7 +2,8 @@
 
 Run on a machine with a GPU:  python -m pytest tests/gpu/test_graphs_gpu.py
 A capture that fails (here: a host synchronization inside it) must leave the process healthy: a
-later capture replays right, and the process exits cleanly (torch 2.11 aborted at exit with
+later capture replays right (inputs read in place while the same tensors come, copied once they
+move), and the process exits cleanly (torch 2.11 aborted at exit with
 ``captures_underway.empty()`` after a failed capture, until graphs.py ended its allocations).
 """
 
@@ -32,9 +33,16 @@ SCRIPT = textwrap.dedent("""
         raise SystemExit("the capture should have failed")
     except RuntimeError:
         pass
-    graphed = graphs.GraphedRun(lambda xs: [xs[0] * 3 + 1], [x])
-    (out,) = graphed.replay([x + 1])
-    assert torch.equal(out, (x + 1) * 3 + 1), out
+    w = torch.ones(8, device="cuda")
+    graphed = graphs.GraphedRun(lambda xs: [xs[0] * 3 + xs[1]], [x, w])
+    (out,) = graphed.replay([x + 1, w])  # new activations: copied into a buffer of their own
+    assert torch.equal(out, (x + 1) * 3 + w), out
+    w.add_(1)  # the weight is read in place: an update is seen by the next replay, even through .data
+    w.data.mul_(2)
+    (out,) = graphed.replay([x + 2, w])
+    assert torch.equal(out, (x + 2) * 3 + 4), out
+    (out,) = graphed.replay([x, torch.zeros(8, device="cuda")])  # another weight tensor: copied too
+    assert torch.equal(out, x * 3), out
     graphs.release_all()
     torch.cuda.empty_cache()
     print("ok")

@@ -3,7 +3,7 @@
 At small sizes the GPU runs an MLP faster than Python issues its kernels and collectives (2x H200,
 tokens 256, hidden 1024: 0.11 ms of GPU work, 0.19 ms of host time per call), so the plan is
 captured once (NCCL collectives and aten kernels) and replayed: the host then copies the inputs
-into the graph's buffers, replays, and clones the outputs. Fused segments on the symmetric-memory
+that changed memory into the graph's buffers (``GraphedRun``), replays, and clones the outputs. Fused segments on the symmetric-memory
 path are never captured (their flags count calls on the host), so a plan that uses one stays eager.
 Whether to replay is measured by ``tp_fusion.runtime.tuning`` on every rank and agreed (max over
 ranks), so all ranks choose alike.
@@ -29,31 +29,44 @@ _live: weakref.WeakSet = weakref.WeakSet()
 
 
 class GraphedRun:
-    """A plan run captured for fixed input buffers; ``replay(inputs)`` returns fresh outputs."""
+    """A plan run captured as a CUDA graph; ``replay(inputs)`` returns fresh outputs.
+
+    The graph reads an input in place, from the tensor it was captured with (held here, so its memory
+    stays put), as long as every call passes that same tensor: weights are then never copied, and an
+    in-place update of them (an optimizer step) is seen by the next replay. An input that arrives in
+    other memory (activations, new each call) gets a buffer of its own that each call copies into:
+    the graph is captured again with that buffer, on this rank alone (capturing runs no collective).
+    """
 
     def __init__(self, run: Callable[[list], list], inputs: list[torch.Tensor]):
         """Run the plan once eagerly (lazy initializations, such as a first NCCL collective creating its
-        communicator, cannot happen inside a capture), then capture it. A capture that fails leaves the
+        communicator, cannot happen inside a capture), then capture it."""
+        self._run, self._copied = run, [False] * len(inputs)
+        self.graph = None
+        run(inputs)
+        torch.cuda.synchronize()
+        self._capture(inputs)
+        if not _live:
+            dist.before_destroy(release_all)
+        _live.add(self)
+
+    def _capture(self, inputs: list[torch.Tensor]) -> None:
+        """Capture the run on ``inputs`` (copies where ``_copied``). A capture that fails leaves the
         caching allocator with a capture underway (torch 2.11), which aborts the process at exit; it is
         ended before the error goes on."""
-        self.inputs = [x.clone() for x in inputs]
-        self.graph = torch.cuda.CUDAGraph()
-        run(self.inputs)
-        torch.cuda.synchronize()
+        self.inputs = [x.clone() if copied else x for x, copied in zip(inputs, self._copied)]
+        graph = torch.cuda.CUDAGraph()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
         try:
             # thread_local: another thread's CUDA calls (NCCL's watchdog querying the events of work that
             # DTensor or the user left in flight) must not invalidate this thread's capture
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs = run(self.inputs)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.outputs = self._run(self.inputs)
         except BaseException:
             _end_capture_allocations(pool)
             torch.cuda.set_stream(stream)  # the capture's stream context is left open when it fails
-            self.graph = None
             raise
-        if not _live:
-            dist.before_destroy(release_all)
-        _live.add(self)
+        self.graph = graph
 
     @property
     def alive(self) -> bool:
@@ -65,8 +78,19 @@ class GraphedRun:
             self.graph = None
 
     def replay(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        for buf, x in zip(self.inputs, inputs):
-            buf.copy_(x)
+        moved = [i for i, (held, x) in enumerate(zip(self.inputs, inputs))
+                 if not self._copied[i] and x.data_ptr() != held.data_ptr()]
+        if moved:
+            self.release()
+            for i in moved:
+                self._copied[i] = True
+            try:
+                self._capture(inputs)
+            except Exception:  # this rank runs eagerly from now on: the same collectives, in the same order
+                return self._run(inputs)
+        for held, x, copied in zip(self.inputs, inputs, self._copied):
+            if copied:
+                held.copy_(x)
         self.graph.replay()
         return [out.clone() for out in self.outputs]
 
