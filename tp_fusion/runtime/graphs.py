@@ -3,8 +3,9 @@
 At small sizes the GPU runs an MLP faster than Python issues its kernels and collectives (2x H200,
 tokens 256, hidden 1024: 0.11 ms of GPU work, 0.19 ms of host time per call), so the plan is
 captured once (NCCL collectives and aten kernels) and replayed: the host then copies the inputs
-that changed memory into the graph's buffers (``GraphedRun``), replays, and clones the outputs. Fused segments on the symmetric-memory
-path are never captured (their flags count calls on the host), so a plan that uses one stays eager.
+that changed memory into the graph's buffers (``GraphedRun``), replays, and clones the outputs.
+Fused segments on the symmetric-memory path are never captured (their flags count calls on the
+host), so a plan that uses one stays eager.
 Whether to replay is measured by ``tp_fusion.runtime.tuning`` on every rank and agreed (max over
 ranks), so all ranks choose alike.
 
