@@ -20,3 +20,9 @@ def add_run_options(p: argparse.ArgumentParser, nproc: int) -> None:
     """The options every example takes: the data type, and how many CPU ranks to spawn."""
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
     p.add_argument("--nproc", type=int, default=nproc, help="CPU ranks to spawn when not under torchrun")
+
+
+def add_inspect_options(p: argparse.ArgumentParser) -> None:
+    """--explain and --profile, for the examples that print plans and trace a step."""
+    p.add_argument("--explain", action="store_true", help="also print the plan summaries (bytes, FLOPs)")
+    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")

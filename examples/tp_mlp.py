@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import add_run_options, parser  # noqa: E402
+from examples.cli import add_inspect_options, add_run_options, parser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,8 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="tokens (rows of the input)")
     p.add_argument("--hidden", type=int, default=32, help="hidden size (the MLP's inner size is 4x)")
     add_run_options(p, nproc=2)
-    p.add_argument("--explain", action="store_true", help="also print the plan summary (bytes, FLOPs)")
-    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
+    add_inspect_options(p)
     return p.parse_args(argv)
 
 

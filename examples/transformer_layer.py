@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import add_run_options, parser  # noqa: E402
+from examples.cli import add_inspect_options, add_run_options, parser  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,8 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout probability after the out-projection and after the MLP (0: none)")
     add_run_options(p, nproc=2)
-    p.add_argument("--explain", action="store_true", help="also print the plan summaries (bytes, FLOPs)")
-    p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
+    add_inspect_options(p)
     args = p.parse_args(argv)
     if args.tokens % args.seq or args.hidden % args.heads:
         p.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}, and --hidden {args.hidden} "

@@ -83,9 +83,19 @@ class OpDef:
     # the outputs' memory layouts (stride orders, None: row-major) from the operands' (None: row-major
     # or a scalar) and the attributes; None: every output is row-major (nvFuser's allocation domains)
     out_layout: Callable[[list[tuple[int, ...] | None], dict], list[tuple[int, ...] | None]] | None = None
+    draws: Callable[[dict], bool] | None = None  # whether a call with these attributes draws random numbers
 
     def has(self, trait: Trait) -> bool:
         return bool(self.traits & trait)
+
+    def draws_random(self, attrs: dict) -> bool:
+        """Whether a call draws random numbers (which a CUDA graph replay would repeat or refuse)."""
+        return self.draws is not None and self.draws(attrs)
+
+
+def is_tanh_gelu(kind: str, attrs: dict) -> bool:
+    """A tanh-approximated GELU: the one that cuBLASLt's GEMM epilogue computes."""
+    return kind == "gelu" and attrs.get("approximate") == "tanh"
 
 
 def traits(kind: str) -> Trait:
@@ -1096,7 +1106,7 @@ def _uniform_front(rec, minval, maxval, shape, *, rng_seed=None, rng_offset=None
 
 register("uniform", impl=_uniform, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-         front=_uniform_front)
+         front=_uniform_front, draws=lambda attrs: True)
 
 
 def _rand_like_front(rec, x, *, rng_seed=None, rng_offset=None):
@@ -1288,14 +1298,19 @@ def _sdpfa_bwd_front(rec, grad_output, query, key, value, output, logsumexp, dro
     return rec(*tensors, **_sdpa_attrs("sdpfa_bwd", dropout_p, is_causal, scale))
 
 
+def _with_dropout(attrs: dict) -> bool:
+    return (attrs.get("dropout_p") or 0) > 0
+
+
 # As nvFuser (and aten's flash kernels): the output takes the query's layout, each gradient its operand's.
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1)), flops=_flops_attention(2, query=0),
-         num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None])
+         num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
+         draws=_with_dropout)
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
          flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front,
-         out_layout=lambda orders, attrs: orders[1:4])
+         out_layout=lambda orders, attrs: orders[1:4], draws=_with_dropout)
 
 
 def _sdpa_front(rec, query, key, value, is_causal: bool = False, scale: float | None = None):

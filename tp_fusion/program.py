@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tp_fusion.ir import Fusion, Op
-from tp_fusion.ops import Localize, Trait, opdef, traits
+from tp_fusion.ops import Localize, Trait, is_tanh_gelu, opdef, traits
 from tp_fusion.sharding.reshard import Collective
 from tp_fusion.types import DataType
 
@@ -221,7 +221,7 @@ def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
         result = gemm.op.outputs[0]
         if (opdef(gemm.op.kind) is opdef("linear") and len(gemm.op.inputs) == 3
                 and all(isinstance(a, int) for a in gemm.op.inputs)
-                and act.op.kind == "gelu" and dict(act.attrs).get("approximate") == "tanh"
+                and is_tanh_gelu(act.op.kind, dict(act.attrs))
                 and act.op.inputs == (result,) and len(fusion.consumers(result)) == 1
                 and result not in fusion.outputs):
             found.add(j)

@@ -49,15 +49,18 @@ def _shard(tv, mesh: DeviceMesh, dim: int | None, summed_rows: bool = False) -> 
         tv.axis(axis).parallelize(ParallelType.mesh_x)
 
 
+def _define_mlp_inputs(fd: FusionDefinition):
+    """x [T, H], w1 [4H, H], b1 [4H], w2 [H, 4H], in float64: the inputs both fusions start with."""
+    return (fd.define_tensor([T, H], dtype=F64), fd.define_tensor([4 * H, H], dtype=F64),
+            fd.define_tensor([4 * H], dtype=F64), fd.define_tensor([H, 4 * H], dtype=F64))
+
+
 def define_forward(d: int, sp: bool, scheduled: bool = True) -> FusionDefinition:
     """z = linear(gelu(linear(x, w1, b1)), w2, b2); w1, b1 column-parallel, w2 row-parallel; ``sp``: x
     and z sharded on tokens. Unscheduled (for DTensor inputs, which annotate it) if not ``scheduled``."""
     mesh = DeviceMesh(range(d))
     with FusionDefinition() as fd:
-        x = fd.define_tensor([T, H], dtype=F64)
-        w1 = fd.define_tensor([4 * H, H], dtype=F64)
-        b1 = fd.define_tensor([4 * H], dtype=F64)
-        w2 = fd.define_tensor([H, 4 * H], dtype=F64)
+        x, w1, b1, w2 = _define_mlp_inputs(fd)
         b2 = fd.define_tensor([H], dtype=F64)
         z = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh"), w2, b2)
         fd.add_output(z)
@@ -74,10 +77,7 @@ def define_backward(d: int, sp: bool, scheduled: bool = True, grads: tuple[str, 
     """Inputs x, w1, b1, w2 (saved forward inputs) and grad_z; outputs the gradients named in ``grads``."""
     mesh = DeviceMesh(range(d))
     with FusionDefinition() as fd:
-        x = fd.define_tensor([T, H], dtype=F64)
-        w1 = fd.define_tensor([4 * H, H], dtype=F64)
-        b1 = fd.define_tensor([4 * H], dtype=F64)
-        w2 = fd.define_tensor([H, 4 * H], dtype=F64)
+        x, w1, b1, w2 = _define_mlp_inputs(fd)
         grad_z = fd.define_tensor([T, H], dtype=F64)
         h = fd.ops.linear(x, w1, b1)
         grad_w2 = fd.ops.matmul(fd.ops.permute(grad_z, [1, 0]), fd.ops.gelu(h, approximate="tanh"))

@@ -15,7 +15,7 @@ import torch
 from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
-from tp_fusion.ops import OPS, with_stride_order
+from tp_fusion.ops import OPS, is_tanh_gelu, with_stride_order
 from tp_fusion.program import (
     FUSED,
     SEQUENTIAL,
@@ -235,7 +235,7 @@ def _epilogue(chain: tuple) -> Callable | None:
     ``overlap.gelu_tanh``, which the CUDA kernels fuse into the GEMM itself."""
     if not chain:
         return None
-    if len(chain) == 1 and chain[0][0] == "gelu" and dict(chain[0][1]).get("approximate") == "tanh":
+    if len(chain) == 1 and is_tanh_gelu(chain[0][0], dict(chain[0][1])):
         return overlap.gelu_tanh
     steps = [(kind, dict(attrs)) for kind, attrs in chain]
 

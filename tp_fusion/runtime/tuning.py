@@ -30,6 +30,7 @@ import warnings
 import torch
 from tp_fusion.sharding.reshard import Collective
 
+from tp_fusion.ops import opdef
 from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
 from tp_fusion.runtime import dist, graphs, overlap, symm
 from tp_fusion.runtime.runner import Runner, _epilogue, _fused
@@ -149,18 +150,14 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
 
 def _graphable(program: Program) -> bool:
     """The same answer on every rank: CUDA with NCCL, no segment on the symmetric-memory path,
-    every mesh spanning the whole world, and no random draw (``_draws``)."""
+    every mesh spanning the whole world, and no random draw (``OpDef.draws``: an unseeded draw's seed
+    is picked on the host per call, which a replay would repeat, and a seeded one uses its own
+    generator, which a capture refuses)."""
     world = set(range(dist.world_size()))
     return (_measures(program) and graphs.enabled()
             and all(seg.fused is None or seg.fused.mode != FUSED for seg in program.segments)
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors)
-            and not any(_draws(op) for op in program.fusion.ops))
-
-
-def _draws(op) -> bool:
-    """Whether ``op`` draws random numbers: an unseeded draw's seed is picked on the host per call (a
-    replay would repeat it), and a seeded one uses its own generator, which a capture refuses."""
-    return op.kind == "uniform" or (op.kind in ("sdpfa_fwd", "sdpfa_bwd") and (op.attr("dropout_p") or 0) > 0)
+            and not any(opdef(op.kind).draws_random(dict(op.attrs)) for op in program.fusion.ops))
 
 
 def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: float | None = None,
