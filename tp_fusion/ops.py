@@ -1125,9 +1125,13 @@ SPELLINGS["rand_like"] = _rand_like_front
 #
 # Operands are [N*, H, S, E] (batch dims, heads, sequence, head dim). On CUDA, half-precision operands
 # with a head dim that aten's flash kernel takes run it (its philox seed and offset carry the dropout
-# mask to the backward). Elsewhere: aten's CPU flash kernel without dropout; with dropout (and on
-# CUDA otherwise) the math path, in float32 or wider, whose dropout mask is drawn from the seed and
-# offset it returns, so the backward redraws it.
+# mask to the backward); without dropout on Hopper and later, the forward runs cuDNN's kernel instead
+# (what F.scaled_dot_product_attention picks there: 0.47 ms against flash's 1.09 in the layer of
+# benchmarks/transformer_layer.py on H200), whose output and logsumexp the flash backward takes as its
+# own (cuDNN's backward is not used: it gave wrong gradients at sequence 4096 on torch 2.11).
+# Elsewhere: aten's CPU flash kernel without dropout; with dropout (and on CUDA otherwise) the math
+# path, in float32 or wider, whose dropout mask is drawn from the seed and offset it returns, so the
+# backward redraws it.
 
 
 def _aten_flash(q, k, v) -> bool:
@@ -1135,6 +1139,13 @@ def _aten_flash(q, k, v) -> bool:
     e = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
             and k.shape[-1] == v.shape[-1] == e)
+
+
+def _cudnn_forward(q, k, v, dropout_p: float) -> bool:
+    """Whether the forward runs cuDNN's attention (flash operands, no dropout, Hopper or later)."""
+    return (dropout_p == 0 and _aten_flash(q, k, v) and q.shape[-1] <= 128
+            and torch.cuda.get_device_capability(q.device)[0] >= 9 and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.backends.cudnn.is_available() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
 
 def _cpu_flash(q, k, v, dropout_p: float) -> bool:
@@ -1166,15 +1177,28 @@ def _dropout_scale(shape, dropout_p: float, philox_seed, device):
     return keep / (1 - dropout_p)
 
 
+def _no_dropout_rng(device, seed: int = 0):
+    """The (philox seed u64[2], offset u64[]) outputs of a path that draws no mask from aten's generator:
+    ``seed`` seeds the math path's own dropout draw. Seed 0 takes no copy from the host (a CUDA graph
+    can capture it)."""
+    seeds = torch.zeros(2, dtype=torch.uint64, device=device) if seed == 0 else \
+        torch.tensor([seed, 0], dtype=torch.uint64, device=device)
+    return seeds, torch.zeros((), dtype=torch.uint64, device=device)
+
+
 def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
     lead = q.shape[:-3]
     q4, k4, v4 = _as_4d(q, k, v)
-    if _aten_flash(q, k, v):
+    if _cudnn_forward(q, k, v, dropout_p):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, is_causal, False,
+                                                                      scale=scale)[:2]
+        lse = lse.reshape(q4.shape[:-1])  # cuDNN's is [B, H, S, 1]; flash's (which its backward reads) [B, H, S]
+        seed, offset = _no_dropout_rng(q.device)
+    elif _aten_flash(q, k, v):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q4, k4, v4, dropout_p, is_causal, scale=scale)
     else:
-        seed = torch.tensor([next(_UNSEEDED_DRAWS) if dropout_p else 0, 0], dtype=torch.uint64, device=q.device)
-        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        seed, offset = _no_dropout_rng(q.device, next(_UNSEEDED_DRAWS) if dropout_p else 0)
         if _cpu_flash(q, k, v, dropout_p):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal,
                                                                                   scale=scale)

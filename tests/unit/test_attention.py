@@ -79,6 +79,27 @@ def test_sdpfa_more_batch_dims_cross_attention_and_layout():
         torch.testing.assert_close(got, ref.float())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq", [256, 4096])
+def test_layer_attention_on_cuda_matches_torch(seq):
+    """The transformer layer's attention in bf16 on a GPU: q, k and v are strided views into one QKV
+    output, causal, head dim 128. On Hopper the forward runs cuDNN's kernel and the backward flash's
+    on cuDNN's output and logsumexp; cuDNN's own backward gave wrong gradients at sequence 4096."""
+    heads, dh = 4, 128
+    qkv = _rand(0, 1, seq, heads, 3 * dh, dtype=torch.bfloat16).cuda().transpose(1, 2)  # [B, H, S, 3E]
+    q, k, v = qkv.chunk(3, dim=-1)
+    g = _rand(1, 1, heads, seq, dh, dtype=torch.bfloat16).cuda()
+    fd = _attention_fusion([1, heads, seq, dh], [1, heads, seq, dh], DataType.BFloat16, 0.0, True)
+    out, lse, seed, offset, *grads = fd.execute([q, k, v, g])
+    want = _reference(q, k, v, g, is_causal=True)
+    for name, got, ref in zip(("out", "grad_q", "grad_k", "grad_v"), (out, *grads), want):
+        err = (torch.linalg.vector_norm(got.double() - ref) / torch.linalg.vector_norm(ref)).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
+    logits = (q.double() @ k.double().transpose(-2, -1) * dh ** -0.5).masked_fill(
+        ~torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+    torch.testing.assert_close(lse, logits.logsumexp(-1).float(), rtol=1e-3, atol=1e-3)
+
+
 def test_scaled_dot_product_attention():
     q, k, v = (_rand(i, 2, 2, 6, 8) for i in range(3))
     with FusionDefinition() as fd:
