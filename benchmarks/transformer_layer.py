@@ -484,8 +484,9 @@ def print_table(rows, n):
                         print(f"{'':>14} {what} plan: {line}")
 
 
-def save(rows, checks, args, n, async_tp: str) -> str:
-    """Write (merge into) ``{out}/transformer_layer_{machine}.json``; returns its path."""
+def save(rows, args, n, async_tp: str) -> str:
+    """Write (merge into) ``{out}/transformer_layer_{machine}.json``, with the goals checked on every row
+    it then holds; returns its path."""
     path = os.path.join(args.out, f"transformer_layer_{machine_slug(n)}.json")
     key = lambda row: (row["mode"], row["pass"], row["tokens"], row["hidden"], row["seq"])  # noqa: E731
     old = []
@@ -493,11 +494,11 @@ def save(rows, checks, args, n, async_tp: str) -> str:
         with open(path) as f:
             old = json.load(f).get("shapes", [])
     measured = {key(row) for row in rows}
+    merged = [row for row in old if key(row) not in measured] + rows
     result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
               "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
-              "rounds": args.rounds, "async_tp": async_tp, "goals": checks,
-              "shapes": [row for row in old if key(row) not in measured] + rows}
+              "rounds": args.rounds, "async_tp": async_tp, "goals": goals(merged), "shapes": merged}
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -561,7 +562,7 @@ def main(args) -> int:
             torch._dynamo.reset()  # else later shapes exceed dynamo's recompile limit and silently run eager
             torch.cuda.empty_cache()
             if dist.rank() == 0:  # saved row by row: a run cut short keeps what it measured
-                path = save(rows, goals(rows), args, n, async_tp)
+                path = save(rows, args, n, async_tp)
                 print(f"{s.mode} {pass_} {s.tokens},{s.hidden}: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in row["ms"].items()), flush=True)
     if dist.rank() == 0:
