@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,6 +31,27 @@ def shard(tv, mesh, dims: dict | None = None) -> None:
 def rand(seed: int, *shape, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Seeded normal values, the same on every rank."""
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def overlapped_fusion(d: int):
+    """(fd, x's TensorView) for the asynchronous-collective tests: colsum = the sum over x's sharded
+    rows (an allreduce whose result is an output only); tanh(a) * 2 (work that needs no collective);
+    x gathered (an allgather of an input) for a matmul with it."""
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4 * d, 8], dtype=DataType.Double)
+        a = fd.define_tensor([6, 8], dtype=DataType.Double)
+        colsum = fd.ops.sum(x, [0])
+        h = fd.ops.mul(fd.ops.tanh(a), 2.0)
+        gathered = fd.ops.set(x)
+        out = fd.ops.matmul(gathered, fd.ops.permute(h, [1, 0]))
+        fd.add_output(colsum)
+        fd.add_output(out)
+    for tv in (x, a, colsum, h, gathered, out):
+        tv.set_device_mesh(mesh)
+    x.outer_split(0, d)
+    x.axis(0).parallelize(ParallelType.mesh_x)
+    return fd, x
 
 
 def user_env() -> dict[str, str]:

@@ -93,6 +93,9 @@ class Program:
     gelu_apart: frozenset[int] = frozenset()  # tanh-GELU outputs whose GELU runs as a pass apart from its
     #                                           GEMM's epilogue (measured faster; ``gelu_epilogues``)
     notes: tuple[str, ...] = ()  # why tuning chose what it chose (timings, host locality), one line each
+    overlapped: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # communication segment
+    #   index -> (issued after segment, awaited before segment): collectives run asynchronously so that the
+    #   segments in between overlap them (``schedule_collectives``); -1 is the start, len(segments) the end
 
     def groups(self) -> list[tuple[int, ...]]:
         """Every process group the program uses on any rank, in order (created alike on every rank)."""
@@ -142,6 +145,8 @@ class Program:
                 head += f" {seg.note} ({seg.fused.mode or 'undecided'})"
             elif seg.note:
                 head += f" ({seg.note})"
+            if i in self.overlapped:
+                head += " (asynchronous: " + _overlap_text(*self.overlapped[i], len(self.segments)) + ")"
             pairs = self.gelu_pairs(seg) if seg.kind == "compute" else {}
             if pairs:
                 inside = all(pairs.values())
@@ -155,6 +160,50 @@ class Program:
             lines.append("  replayed as a CUDA graph (measured faster than launching it eagerly)")
         lines += [f"  tuning: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _overlap_text(issued_after: int, awaited_before: int, n: int) -> str:
+    issued = "issued at the start" if issued_after < 0 else f"issued after segment {issued_after}"
+    awaited = "awaited at the end" if awaited_before >= n else f"awaited before segment {awaited_before}"
+    return f"{issued}, {awaited}"
+
+
+ASYNC_COLLECTIVES = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALLREDUCE)
+
+
+def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[int, int]]:
+    """Which communication segments run asynchronously, and where: a segment of one allgather,
+    reduce_scatter or allreduce is issued as soon as its input exists (after the segment that produces
+    it; at the start for a fusion input) and awaited just before the first segment that reads its
+    result (at the end for a result that only leaves the fusion), so that the segments in between run
+    while it communicates. Only where that leaves at least one segment in between, and not for the result
+    of another asynchronous collective (chained reshardings run in order). An allreduce that
+    reduces its input in place waits for that input's other readers. Collectives issued at one point go
+    in the order they are awaited. The schedule depends on the segments alone, so every rank issues the
+    same collectives in the same order."""
+    where: dict[int, int] = {}  # tensor -> the segment that produces it
+    readers: dict[int, list[int]] = {}  # tensor -> the segments that read it, in order
+    for i, seg in enumerate(segments):
+        for s in seg.steps:
+            for a in s.op.tensor_inputs:
+                readers.setdefault(a, []).append(i)
+            for o in s.op.outputs:
+                where[o] = i
+    out = {}
+    for i, seg in enumerate(segments):
+        if seg.kind != "communication" or len(seg.steps) != 1 or seg.steps[0].collective not in ASYNC_COLLECTIVES:
+            continue
+        step = seg.steps[0]
+        (x,), (result,) = step.op.tensor_inputs, step.op.outputs
+        issue = where.get(x, -1)
+        if step.donate:  # reduced in place: not before the input's other readers are done with it
+            issue = max([issue, *(j for j in readers.get(x, []) if j < i)])
+        later = [j for j in readers.get(result, []) if j > i]
+        wait = later[0] if later else len(segments)
+        if wait - issue > 2 and issue not in out:  # some other segment runs in between, and the input does
+            #                                        not come from another asynchronous collective
+            out[i] = (issue, wait)
+    return out
 
 
 def local_shape(fusion: Fusion, name: int) -> tuple[int, ...]:
@@ -275,4 +324,5 @@ def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:
         fused = _fused(fusion, [fusion.ops[i] for i in seg.ops], steps, rank) if seg.kind == "fused" else None
         segments.append(ProgramSegment(seg.kind, seg.note, tuple(steps), fused))
     outputs = tuple((o, _holds(fusion, o, rank)) for o in fusion.outputs)
-    return Program(fusion, rank, device, tuple(segments), outputs)
+    return Program(fusion, rank, device, tuple(segments), outputs,
+                   overlapped=schedule_collectives(segments))

@@ -6,6 +6,8 @@ data is restacked here (a local copy), as nvFuser's reorder pass does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tp_fusion.sharding.reshard import Collective
 
@@ -40,23 +42,37 @@ def local_slice(x: torch.Tensor, n: int, dim: int, index: int, outer: int = 1) -
     return x.chunk(n, dim)[index]
 
 
-def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1) -> torch.Tensor:
+# allgather, reduce_scatter and allreduce return their result, or with ``async_op`` a ``finish()`` that
+# waits for the collective and then returns it (the runner's overlapped segments, Program.overlapped).
+
+def _result(work, result: Callable[[], torch.Tensor]):
+    if work is None:
+        return result()
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return result()
+    return finish
+
+
+def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False):
     buf = x.new_empty((n, *x.shape))
-    dist.all_gather(buf.view(n * x.shape[0], *x.shape[1:]) if x.dim() else buf, x.contiguous(), pg)
-    return _unstack(buf, dim, outer)
+    work = dist.all_gather(buf.view(n * x.shape[0], *x.shape[1:]) if x.dim() else buf, x.contiguous(), pg,
+                           async_op=async_op)
+    return _result(work, lambda: _unstack(buf, dim, outer))
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False):
     stacked = _stack_chunks(x, n, dim, outer)
     out = x.new_empty(stacked.shape[1:])
-    dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg)
-    return out
+    work = dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg,
+                               async_op=async_op)
+    return _result(work, lambda: out)
 
 
-def allreduce(x: torch.Tensor, pg, donate: bool) -> torch.Tensor:
+def allreduce(x: torch.Tensor, pg, donate: bool, async_op: bool = False):
     out = x if donate and x.is_contiguous() else x.contiguous().clone()
-    dist.all_reduce(out, pg)
-    return out
+    return _result(dist.all_reduce(out, pg, async_op=async_op), lambda: out)
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, dim: int, pg, n: int, src_outer: int = 1,
@@ -92,6 +108,21 @@ def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
     buf = x.contiguous().clone() if rank == root else torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(buf, root, pg)
     return buf if rank in dst.devices else None
+
+
+def start_fn(s: Communicate, program: Program) -> Callable[[torch.Tensor | None], Callable[[], torch.Tensor] | None]:
+    """``start(x) -> finish`` for an allgather, reduce_scatter or allreduce step that runs asynchronously
+    (``program.schedule_collectives``): ``finish()`` waits for it and returns the local result (None
+    where this rank takes no part)."""
+    if not s.runs_here:
+        return lambda x: None
+    n, dim, outer, pg = len(s.group), s.op.attr("dim"), s.op.attr("outer", 1), dist.group(s.group)
+    if s.collective is Collective.ALLGATHER:
+        return lambda x: allgather(x, dim, pg, n, outer, async_op=True)
+    if s.collective is Collective.REDUCE_SCATTER:
+        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op=True)
+    donate = s.donate
+    return lambda x: allreduce(x, pg, donate, async_op=True)
 
 
 def step_fn(s: Communicate, program: Program):

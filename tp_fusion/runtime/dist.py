@@ -104,27 +104,33 @@ def group_rank(pg: ProcessGroup | None) -> int:
     return _dist.get_rank(pg)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:
+# With ``async_op`` the collectives below return the work: ``work.wait()`` makes the current stream (on
+# the CPU: the host) wait for the result, which the caller must not read before.
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, async_op: bool = False):
     """``out`` = the group's ``inp``s concatenated along dim 0 (in group rank order)."""
-    _all_gather_base(out, inp, group=pg)
+    return _all_gather_base(out, inp, group=pg, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, op: str = "sum",
+                   async_op: bool = False):
     """``out`` = this rank's dim-0 chunk of the element-wise reduction of the group's ``inp``s.
 
     Native on NCCL and, from torch 2.11, on gloo. Both run on flat views: gloo checks that dim 0 of
-    ``inp`` is the group size times dim 0 of ``out``, which other shapes of the same sizes fail."""
+    ``inp`` is the group size times dim 0 of ``out``, which other shapes of the same sizes fail.
+    ``async_op`` needs a contiguous ``out``."""
     red = _reduce_op(op)
     if out.is_contiguous():
-        _reduce_scatter_base(out.view(-1), inp.reshape(-1), op=red, group=pg)
-        return
+        return _reduce_scatter_base(out.view(-1), inp.reshape(-1), op=red, group=pg, async_op=async_op)
+    if async_op:
+        raise ValueError("reduce_scatter(async_op=True) needs a contiguous output")
     flat = out.new_empty(out.numel())
     _reduce_scatter_base(flat, inp.reshape(-1), op=red, group=pg)
     out.copy_(flat.view(out.shape))
 
 
-def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum") -> None:
-    _dist.all_reduce(t, op=_reduce_op(op), group=pg)
+def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum", async_op: bool = False):
+    return _dist.all_reduce(t, op=_reduce_op(op), group=pg, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:

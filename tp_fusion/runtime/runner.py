@@ -39,7 +39,15 @@ class Runner:
             dist.group(ranks)
         self._regions = regions.mode()
         self._readers = _readers(program) if self._regions else {}
-        self._segments = [(seg, self._segment(seg)) for seg in program.segments]
+        self._runs = [self._segment(seg) for seg in program.segments]
+        # Asynchronous collectives (Program.overlapped): what to issue after each segment (-1: at the
+        # start), in the order they are awaited, and what to await before each (len: at the end).
+        self._starts = {i: collectives.start_fn(program.segments[i].steps[0], program) for i in program.overlapped}
+        self._issue_after: dict[int, list[int]] = {}
+        self._await_before: dict[int, list[int]] = {}
+        for i, (issue, wait) in sorted(program.overlapped.items(), key=lambda kv: (kv[1][1], kv[0])):
+            self._issue_after.setdefault(issue, []).append(i)
+            self._await_before.setdefault(wait, []).append(i)
         self.graph: graphs.GraphedRun | None = None
 
     # --- building --------------------------------------------------------------------------------
@@ -112,17 +120,23 @@ class Runner:
         lets an error through as it is, without telling the peers or aborting the process group."""
         program = self.program
         env: Env = dict(zip(program.fusion.inputs, inputs))
-        for i, (seg, run) in enumerate(self._segments):
-            try:
-                run(env)
-            except BaseException as e:
-                if isinstance(e, ExecutionError) or not report_faults:
-                    raise
-                where = f"segment {i} ({seg.kind}{' ' + seg.note if seg.note else ''})"
-                message = self._failure(where, e, local=seg.kind == "compute")
-                if not isinstance(e, Exception):  # KeyboardInterrupt & co.: the peers are told, then it goes on
-                    raise
-                raise ExecutionError(message) from e
+        # A CUDA-graph capture runs every collective in program order (an asynchronous one would
+        # leave the NCCL stream's work outside the captured stream).
+        capturing = program.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        overlap = bool(self._starts) and not capturing
+        pending: dict[int, Callable[[], torch.Tensor]] = {}
+        if overlap:
+            self._issue(-1, env, pending, report_faults)
+        for i, run in enumerate(self._runs):
+            if overlap:
+                self._await(i, env, pending, report_faults)
+                if i in self._starts:
+                    continue
+            self._in_segment(i, lambda run=run: run(env), report_faults)
+            if overlap:
+                self._issue(i, env, pending, report_faults)
+        if overlap:
+            self._await(len(self._runs), env, pending, report_faults)
         input_storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         outs = []
         for o, held in program.outputs:
@@ -135,6 +149,34 @@ class Runner:
                 laid_out = laid_out.clone()  # keeps the layout
             outs.append(laid_out)
         return outs
+
+    def _issue(self, after: int, env: Env, pending: dict, report_faults: bool) -> None:
+        """Start the asynchronous collectives scheduled after segment ``after``."""
+        for j in self._issue_after.get(after, ()):
+            step = self.program.segments[j].steps[0]
+            pending[j] = self._in_segment(j, lambda j=j, x=step.op.inputs[0]: self._starts[j](env.get(x)),
+                                          report_faults)
+
+    def _await(self, before: int, env: Env, pending: dict, report_faults: bool) -> None:
+        """Wait for the asynchronous collectives whose results segment ``before`` reads (or the outputs)."""
+        for j in self._await_before.get(before, ()):
+            finish = pending.pop(j)
+            if finish is not None:
+                env[self.program.segments[j].steps[0].op.outputs[0]] = self._in_segment(j, finish, report_faults)
+
+    def _in_segment(self, i: int, fn: Callable[[], object], report_faults: bool):
+        """``fn()``, a part of segment ``i``; a failure is reported as that segment's (see ``faults``)."""
+        try:
+            return fn()
+        except BaseException as e:
+            if isinstance(e, ExecutionError) or not report_faults:
+                raise
+            seg = self.program.segments[i]
+            where = f"segment {i} ({seg.kind}{' ' + seg.note if seg.note else ''})"
+            message = self._failure(where, e, local=seg.kind == "compute")
+            if not isinstance(e, Exception):  # KeyboardInterrupt & co.: the peers are told, then it goes on
+                raise
+            raise ExecutionError(message) from e
 
     def _failure(self, where: str, e: BaseException, local: bool) -> str:
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}"
