@@ -42,7 +42,8 @@ SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's l
 GRAPH_MARGIN = 1.05  # a graph is kept up to 5% slower than eager launches as timed here: those timings
 #                      leave out execute's own host time per call (agreement, guards: about 0.1 ms on
 #                      2x H200), which a replay hides under the GPU's work and eager launches add to
-#                      (SP 1024x4096x16384: graph 0.262 ms, eager 0.254, yet execute ran 0.334 eagerly)
+#                      (SP 1024x4096x16384: graph 0.262 ms, eager 0.254, yet execute ran 0.334 eagerly;
+#                      with the margin it keeps the graph and execute runs 0.27 ms: docs/performance.md)
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
