@@ -168,7 +168,7 @@ def _overlap_text(issued_after: int, awaited_before: int, n: int) -> str:
     return f"{issued}, {awaited}"
 
 
-ASYNC_COLLECTIVES = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALLREDUCE)
+_ASYNC_COLLECTIVES = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALLREDUCE)
 
 
 def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[int, int]]:
@@ -191,7 +191,7 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
                 where[o] = i
     out = {}
     for i, seg in enumerate(segments):
-        if seg.kind != "communication" or len(seg.steps) != 1 or seg.steps[0].collective not in ASYNC_COLLECTIVES:
+        if seg.kind != "communication" or len(seg.steps) != 1 or seg.steps[0].collective not in _ASYNC_COLLECTIVES:
             continue
         step = seg.steps[0]
         (x,), (result,) = step.op.tensor_inputs, step.op.outputs

@@ -120,8 +120,8 @@ class Runner:
         lets an error through as it is, without telling the peers or aborting the process group."""
         program = self.program
         env: Env = dict(zip(program.fusion.inputs, inputs))
-        # A CUDA-graph capture runs every collective in program order (an asynchronous one would
-        # leave the NCCL stream's work outside the captured stream).
+        # Under a CUDA-graph capture every collective runs in program order on the captured stream
+        # (asynchronous collectives were not tried inside a capture).
         capturing = program.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         overlap = bool(self._starts) and not capturing
         pending: dict[int, Callable[[], torch.Tensor]] = {}
