@@ -180,7 +180,7 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
     of another asynchronous collective (chained reshardings run in order). An allreduce that
     reduces its input in place waits for that input's other readers. Collectives issued at one point go
     in the order they are awaited. The schedule depends on the segments alone, so every rank issues the
-    same collectives in the same order."""
+    same collectives in the same order. ``build_program`` uses it for CUDA programs."""
     where: dict[int, int] = {}  # tensor -> the segment that produces it
     readers: dict[int, list[int]] = {}  # tensor -> the segments that read it, in order
     for i, seg in enumerate(segments):
@@ -324,5 +324,8 @@ def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:
         fused = _fused(fusion, [fusion.ops[i] for i in seg.ops], steps, rank) if seg.kind == "fused" else None
         segments.append(ProgramSegment(seg.kind, seg.note, tuple(steps), fused))
     outputs = tuple((o, _holds(fusion, o, rank)) for o in fusion.outputs)
-    return Program(fusion, rank, device, tuple(segments), outputs,
-                   overlapped=schedule_collectives(segments))
+    # Asynchronous collectives on CUDA only: NCCL's wait holds the stream, not the host, and the GPU
+    # guards bound it (runtime.faults); a gloo wait whose peer failed blocked the host until the
+    # group's timeout (60 s in tests/multidevice/test_reliability.py) instead of failing promptly.
+    overlapped = schedule_collectives(segments) if device.type == "cuda" else {}
+    return Program(fusion, rank, device, tuple(segments), outputs, overlapped=overlapped)

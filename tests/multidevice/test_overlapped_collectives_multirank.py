@@ -1,14 +1,20 @@
-"""Asynchronous collectives on gloo ranks: a plan issues a communication segment as soon as its input
-exists and waits for it only where its result is read, in an order every rank shares; the values
-match torch. tests/unit/test_overlapped_collectives.py covers the schedule itself."""
+"""Asynchronous collectives on ranks: the runner issues a communication segment as soon as its input
+exists and waits for it only where its result is read, in an order every rank shares, and the values
+match torch. CUDA plans get this schedule from ``fd.execute``; on gloo, plans keep program order (see
+``program.build_program``), so the runner is given the schedule here. tests/unit/test_overlapped_collectives.py
+covers the schedule itself."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from conftest import overlapped_fusion, rand
 
+from tp_fusion.program import schedule_collectives
 from tp_fusion.runtime import dist
+from tp_fusion.runtime.runner import Runner
 
 
 @pytest.mark.ranks(2, 4)
@@ -17,6 +23,11 @@ def test_overlapped_collectives_match_torch_and_run_early(multidevice_test):
     fd, x_tv = overlapped_fusion(d)
     x, a = rand(0, 4 * d, 8), rand(1, 6, 8)
     inputs = [multidevice_test.shard_tensor(x, x_tv), a.to(multidevice_test.device)]
+    want = [x.sum(0), x @ (torch.tanh(a) * 2.0).T]
+    fd.execute(inputs)  # compiles (and on GPUs tunes)
+    schedule = {1: (0, 5), 3: (-1, 4)}  # the allreduce after segment 0 until the end; the allgather from the start
+    assert fd.plan.overlapped == (schedule if inputs[0].is_cuda else {})
+    runner = Runner(dataclasses.replace(fd.plan, overlapped=schedule_collectives(fd.plan.segments)))
     calls = []
     real = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
 
@@ -28,15 +39,11 @@ def test_overlapped_collectives_match_torch_and_run_early(multidevice_test):
     for name in real:
         setattr(dist, name, spy(name))
     try:
-        for _ in range(2):  # the first call compiles (and on GPUs tunes), the second runs the cached plan
-            calls.clear()
-            colsum, out = (t.cpu() for t in fd.execute(inputs))
-            torch.testing.assert_close(colsum, x.sum(0))
-            torch.testing.assert_close(out, x @ (torch.tanh(a) * 2.0).T)
-        # The allgather of the input goes out first, before the column sums exist; the allreduce after
-        # them, awaited only at the end. (A plan replayed as a CUDA graph issues nothing from the host.)
-        assert calls == ([] if fd.plan.cuda_graph else [("all_gather", True), ("all_reduce", True)]), calls
+        got = runner.run_eager(inputs)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    assert fd.plan.overlapped == {1: (0, 5), 3: (-1, 4)}
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w)
+    # The allgather of the input goes out first, before the column sums exist; then the allreduce.
+    assert calls == [("all_gather", True), ("all_reduce", True)], calls

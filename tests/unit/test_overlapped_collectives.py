@@ -1,6 +1,6 @@
 """Asynchronous collectives (``program.schedule_collectives``): which communication segments a plan
-issues early and awaits late, so that the segments in between overlap them. Values and the order
-the collectives are issued in are checked on gloo ranks in
+issues early and awaits late (on CUDA), so that the segments in between overlap them. The runner's
+values and the order it issues the collectives in are checked on ranks in
 tests/multidevice/test_overlapped_collectives_multirank.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tp_fusion.program import schedule_collectives
 
 
 def test_collectives_are_issued_early_and_awaited_late():
-    plan = overlapped_fusion(2)[0].compile([[8, 8], [6, 8]])
+    plan = overlapped_fusion(2)[0].compile([[8, 8], [6, 8]], device="cuda")
     kinds = [seg.kind for seg in plan.segments]
     assert kinds == ["compute", "communication", "compute", "communication", "compute"], plan
     # The allreduce of the partial column sums: issued once they exist, awaited at the end (an output
@@ -25,6 +25,8 @@ def test_collectives_are_issued_early_and_awaited_late():
     text = str(plan)
     assert "segment 1: communication (asynchronous: issued after segment 0, awaited at the end)" in text
     assert "segment 3: communication (asynchronous: issued at the start, awaited before segment 4)" in text
+    # On the CPU (gloo) every collective runs in program order.
+    assert overlapped_fusion(2)[0].compile([[8, 8], [6, 8]]).overlapped == {}
 
 
 def test_a_collective_read_by_the_next_segment_stays_in_order():
@@ -37,7 +39,7 @@ def test_a_collective_read_by_the_next_segment_stays_in_order():
         tv.set_device_mesh(mesh)
     x.outer_split(0, 2)
     x.axis(0).parallelize(ParallelType.mesh_x)
-    plan = fd.compile([[8, 4], [4, 3]])
+    plan = fd.compile([[8, 4], [4, 3]], device="cuda")
     assert plan.collectives() == ["allgather"] and plan.overlapped == {}
 
 
