@@ -1,7 +1,7 @@
 """Tensor-parallel MLP forward, bf16, against the best single-GPU compute of the same local work.
 
 Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/tp_mlp.py [--sp T,H,F ...] [--tp T,H,F ...]
-        [--designs] [--profile DIR] [--iters 20] [--warmup 5] [--rounds 3] [--out benchmarks/results]
+        [--designs] [--profile DIR] [--power] [--iters 20] [--warmup 5] [--rounds 3] [--out benchmarks/results]
 
 Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [hidden, ffn/N]):
 - sp (sequence parallel): x sharded on tokens -> allgather -> linear+bias -> tanh-GELU -> linear
@@ -22,7 +22,9 @@ designs tried (``overlap.Tuning`` variants). Every variant is checked against NC
 Results go to ``{out}/{gpu}x{N}.json`` (e.g. h200x2.json), named after the machine the run is on,
 and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces tp_fusion, the kernels
 and the sequential baseline on the first shape of each mode (or ``--profile-shapes``), prints where
-the time goes per rank (``tp_fusion.profiling``) and draws the timelines. Without a CUDA GPU it says
+the time goes per rank (``tp_fusion.profiling``) and draws the timelines. ``--power`` samples the
+GPUs' SM clock and power while each variant is timed (``benchmarks/gpu_monitor.py``) and records
+them per variant (``power`` in the results): a slower GPU told apart from a slower schedule. Without a CUDA GPU it says
 so and exits 0.
 """
 
@@ -52,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", metavar="DIR", help="trace the profiled shapes; reports and timelines in DIR")
     p.add_argument("--profile-shapes", nargs="*", type=shapes, default=None,
                    help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
+    p.add_argument("--power", action="store_true",
+                   help="also sample the GPUs' SM clock and power (nvidia-smi) while each variant is timed")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
@@ -256,6 +260,28 @@ def time_ms(fn, iters, warmup) -> float:
     return tuning.slowest([tuning.time_ms(fn, iters, 0)], None, "cuda")[0]
 
 
+def timed_ms(fn, args, power: dict | None, name: str) -> float:
+    """``time_ms``; with ``power`` (a dict), the GPUs' clock and power sampled meanwhile go into
+    ``power[name]`` (one ``GpuMonitor.summary()`` per timing)."""
+    if power is None:
+        return time_ms(fn, args.iters, args.warmup)
+    from benchmarks.gpu_monitor import GpuMonitor
+
+    with GpuMonitor() as monitor:
+        ms = time_ms(fn, args.iters, args.warmup)
+    power.setdefault(name, []).append(monitor.summary())
+    return ms
+
+
+def power_means(summaries: list[dict]) -> dict[str, float]:
+    """One variant's timings together: the mean of the GPUs' mean SM clock (MHz) and power (W), the
+    lowest clock and the highest power seen, and the number of samples."""
+    gpus = [g for summary in summaries for g in summary.values()]
+    return {"sm_mhz": statistics.fmean(g["sm_mhz"] for g in gpus), "min_sm_mhz": min(g["min_sm_mhz"] for g in gpus),
+            "watts": statistics.fmean(g["watts"] for g in gpus), "max_watts": max(g["max_watts"] for g in gpus),
+            "samples": sum(g["samples"] for g in gpus)}
+
+
 def max_rel_err(got, want) -> float:
     err = torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float())
     t = err.reshape(1)
@@ -304,10 +330,13 @@ def run_shape(mode, tokens, hidden, ffn, args, device):
             continue
         timed.append(name)
     row["plan"] = plan_segments(fd)
+    power = {} if args.power and dist.rank() == 0 else None  # rank 0 samples every GPU of the host
     for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and each
         for name in timed[k % len(timed):] + timed[:k % len(timed)]:  # round in another order (no fixed neighbour)
-            row["ms_rounds"].setdefault(name, []).append(time_ms(fns[name], args.iters, args.warmup))
+            row["ms_rounds"].setdefault(name, []).append(timed_ms(fns[name], args, power, name))
     row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in timed}
+    if power:
+        row["power"] = {name: power_means(summaries) for name, summaries in power.items() if any(summaries)}
     ms = row["ms"]
     ms["best_compute"] = min(ms["compute_unfused"], ms["compute_fused_epilogue"])
     base = ("best_compute", "nccl_sequential", "async_tp") if mode == "sp" else ("best_compute", "classic_tp")
@@ -355,6 +384,9 @@ def print_table(rows, n):
             print(f"{shape:>20} {ratios}")
             for name, why in row["failed"].items():
                 print(f"{'':>20} {name} FAILED: {why}")
+            for name, p in row.get("power", {}).items():
+                print(f"{'':>20} power: {name} {p['sm_mhz']:.0f} MHz (lowest {p['min_sm_mhz']:.0f}), "
+                      f"{p['watts']:.0f} W (highest {p['max_watts']:.0f}), {p['samples']} samples")
             for line in row["plan"]:
                 print(f"{'':>20} plan: {line}")
 
