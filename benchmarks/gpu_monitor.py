@@ -18,6 +18,7 @@ import shutil
 import statistics
 import subprocess
 import threading
+from collections.abc import Callable
 
 QUERY = "index,clocks.sm,power.draw"
 
@@ -65,6 +66,34 @@ class GpuMonitor:
             out[gpu] = {"samples": len(rows), "sm_mhz": statistics.fmean(mhz), "min_sm_mhz": min(mhz),
                         "watts": statistics.fmean(watts), "max_watts": max(watts)}
         return out
+
+
+def sampled(timing: Callable[[], float], power: dict | None, name: str) -> float:
+    """``timing()`` (a benchmark's timer); with ``power`` (a dict; None: no sampling), the GPUs' clock
+    and power meanwhile are appended to ``power[name]`` as one ``GpuMonitor.summary()``."""
+    if power is None:
+        return timing()
+    with GpuMonitor() as monitor:
+        ms = timing()
+    power.setdefault(name, []).append(monitor.summary())
+    return ms
+
+
+def power_means(summaries: list[dict]) -> dict[str, float] | None:
+    """One variant's timings together: the mean of the GPUs' mean SM clock (MHz) and power (W), the
+    lowest clock and the highest power seen, and the number of samples (None: no sample at all)."""
+    gpus = [g for summary in summaries for g in summary.values()]
+    if not gpus:
+        return None
+    return {"sm_mhz": statistics.fmean(g["sm_mhz"] for g in gpus), "min_sm_mhz": min(g["min_sm_mhz"] for g in gpus),
+            "watts": statistics.fmean(g["watts"] for g in gpus), "max_watts": max(g["max_watts"] for g in gpus),
+            "samples": sum(g["samples"] for g in gpus)}
+
+
+def power_line(name: str, p: dict[str, float]) -> str:
+    """A ``power_means`` entry as one line of a benchmark's table."""
+    return (f"power: {name} {p['sm_mhz']:.0f} MHz (lowest {p['min_sm_mhz']:.0f}), {p['watts']:.0f} W "
+            f"(highest {p['max_watts']:.0f}), {p['samples']} samples")
 
 
 def parse_line(line: str) -> tuple[int, float, float] | None:

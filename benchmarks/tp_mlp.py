@@ -76,6 +76,7 @@ import statistics  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import gpu_monitor  # noqa: E402
 from tp_fusion.runtime import dist, overlap, tuning  # noqa: E402
 
 SP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "nccl_sequential", "async_tp",
@@ -260,28 +261,6 @@ def time_ms(fn, iters, warmup) -> float:
     return tuning.slowest([tuning.time_ms(fn, iters, 0)], None, "cuda")[0]
 
 
-def timed_ms(fn, args, power: dict | None, name: str) -> float:
-    """``time_ms``; with ``power`` (a dict), the GPUs' clock and power sampled meanwhile go into
-    ``power[name]`` (one ``GpuMonitor.summary()`` per timing)."""
-    if power is None:
-        return time_ms(fn, args.iters, args.warmup)
-    from benchmarks.gpu_monitor import GpuMonitor
-
-    with GpuMonitor() as monitor:
-        ms = time_ms(fn, args.iters, args.warmup)
-    power.setdefault(name, []).append(monitor.summary())
-    return ms
-
-
-def power_means(summaries: list[dict]) -> dict[str, float]:
-    """One variant's timings together: the mean of the GPUs' mean SM clock (MHz) and power (W), the
-    lowest clock and the highest power seen, and the number of samples."""
-    gpus = [g for summary in summaries for g in summary.values()]
-    return {"sm_mhz": statistics.fmean(g["sm_mhz"] for g in gpus), "min_sm_mhz": min(g["min_sm_mhz"] for g in gpus),
-            "watts": statistics.fmean(g["watts"] for g in gpus), "max_watts": max(g["max_watts"] for g in gpus),
-            "samples": sum(g["samples"] for g in gpus)}
-
-
 def max_rel_err(got, want) -> float:
     err = torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float())
     t = err.reshape(1)
@@ -333,10 +312,12 @@ def run_shape(mode, tokens, hidden, ffn, args, device):
     power = {} if args.power and dist.rank() == 0 else None  # rank 0 samples every GPU of the host
     for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and each
         for name in timed[k % len(timed):] + timed[:k % len(timed)]:  # round in another order (no fixed neighbour)
-            row["ms_rounds"].setdefault(name, []).append(timed_ms(fns[name], args, power, name))
+            ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup), power, name)
+            row["ms_rounds"].setdefault(name, []).append(ms)
     row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in timed}
     if power:
-        row["power"] = {name: power_means(summaries) for name, summaries in power.items() if any(summaries)}
+        row["power"] = {name: means for name, summaries in power.items()
+                        if (means := gpu_monitor.power_means(summaries)) is not None}
     ms = row["ms"]
     ms["best_compute"] = min(ms["compute_unfused"], ms["compute_fused_epilogue"])
     base = ("best_compute", "nccl_sequential", "async_tp") if mode == "sp" else ("best_compute", "classic_tp")
@@ -385,8 +366,7 @@ def print_table(rows, n):
             for name, why in row["failed"].items():
                 print(f"{'':>20} {name} FAILED: {why}")
             for name, p in row.get("power", {}).items():
-                print(f"{'':>20} power: {name} {p['sm_mhz']:.0f} MHz (lowest {p['min_sm_mhz']:.0f}), "
-                      f"{p['watts']:.0f} W (highest {p['max_watts']:.0f}), {p['samples']} samples")
+                print(f"{'':>20} {gpu_monitor.power_line(name, p)}")
             for line in row["plan"]:
                 print(f"{'':>20} plan: {line}")
 

@@ -2,7 +2,7 @@
 
 Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/transformer_layer.py [--shapes T,H ...]
         [--modes tp sp] [--passes fwd fwd_bwd] [--variants ...] [--compile-shapes T,H ...] [--seq 4096]
-        [--head-dim 128] [--iters 10] [--warmup 3] [--rounds 3] [--out benchmarks/results]
+        [--head-dim 128] [--iters 10] [--warmup 3] [--rounds 3] [--power] [--out benchmarks/results]
 Check the variants on CPU ranks (gloo, tiny shapes, nothing timed or written):
         python benchmarks/transformer_layer.py --check
 
@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="timed iterations per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; the median is reported")
+    p.add_argument("--power", action="store_true",
+                   help="also sample the GPUs' SM clock and power (nvidia-smi) while each variant is timed")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
     p.add_argument("--check", action="store_true",
                    help="check every variant but the compiled ones on 2 spawned CPU ranks at tiny shapes, float32")
@@ -91,6 +93,7 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import gpu_monitor  # noqa: E402
 from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, time_ms  # noqa: E402
 from examples.transformer_layer import EPS, INPUTS, Config, transformer_layer_function  # noqa: E402
 from tp_fusion import DataType  # noqa: E402
@@ -430,9 +433,14 @@ def run_row(s: Shape, pass_: str, args, device, dtype, timed_run: bool) -> dict:
     row["plan"] = {what: plan_segments(fd) for what, fd in fusions.items() if fd.plan is not None}
     if timed_run:
         names = list(fns)
+        power = {} if args.power and dist.rank() == 0 else None  # rank 0 samples every GPU of the host
         for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and
             for name in names[k % len(names):] + names[:k % len(names)]:  # each round in another order
-                row["ms_rounds"].setdefault(name, []).append(time_ms(fns[name], args.iters, args.warmup))
+                ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup), power, name)
+                row["ms_rounds"].setdefault(name, []).append(ms)
+        if power:
+            row["power"] = {name: means for name, summaries in power.items()
+                            if (means := gpu_monitor.power_means(summaries)) is not None}
         ms = row["ms"] = {name: statistics.median(v) for name, v in row["ms_rounds"].items()}
         computes = [v for k, v in ms.items() if k.startswith("compute")]
         if computes:
@@ -479,6 +487,8 @@ def print_table(rows, n):
                 print(f"{shape:>14} " + "  ".join(f"{k} {v:.3f}" for k, v in row.get("ratios", {}).items()))
                 for name, why in row["failed"].items():
                     print(f"{'':>14} {name} FAILED: {why}")
+                for name, p in row.get("power", {}).items():
+                    print(f"{'':>14} {gpu_monitor.power_line(name, p)}")
                 for what, lines in row["plan"].items():
                     for line in lines:
                         print(f"{'':>14} {what} plan: {line}")

@@ -12,7 +12,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_monitor import GpuMonitor, parse_line  # noqa: E402
+from benchmarks.gpu_monitor import GpuMonitor, parse_line, power_line, power_means, sampled  # noqa: E402
 
 FAKE = """#!/bin/sh
 # Checks the query it is given, then prints two samples of two GPUs and a driver's [N/A].
@@ -54,22 +54,19 @@ def test_parse_line():
     assert parse_line("garbage") is None
 
 
-def test_tp_mlp_power_records_each_timing(tmp_path, monkeypatch):
-    """benchmarks/tp_mlp.py --power: each timing of a variant adds the GPUs' summary; power_means
-    joins them (the timer itself needs a GPU, so a stand-in takes its place)."""
-    from types import SimpleNamespace
-
-    from benchmarks import tp_mlp
-
+def test_sampled_records_each_timing_and_power_means_joins_them(tmp_path, monkeypatch):
+    """The benchmarks' --power: each timing of a variant adds the GPUs' summary (the timer itself
+    needs a GPU, so a stand-in takes its place)."""
     fake = tmp_path / "nvidia-smi"
     fake.write_text(FAKE.replace("-lms=20", "-lms=50"))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(tp_mlp, "time_ms", lambda fn, iters, warmup: time.sleep(0.5) or 1.25)
     power = {}
-    args = SimpleNamespace(iters=1, warmup=0)
-    assert tp_mlp.timed_ms(lambda: None, args, power, "tp_fusion") == 1.25
-    assert tp_mlp.timed_ms(lambda: None, args, None, "tp_fusion") == 1.25  # without --power: nothing sampled
+    assert sampled(lambda: time.sleep(0.5) or 1.25, power, "tp_fusion") == 1.25
+    assert sampled(lambda: 2.5, None, "tp_fusion") == 2.5  # without --power: nothing sampled
     assert power["tp_fusion"][0][0]["samples"] == 2
-    joined = tp_mlp.power_means(power["tp_fusion"] * 2)
+    joined = power_means(power["tp_fusion"] * 2)
     assert joined == {"sm_mhz": 1845.0, "min_sm_mhz": 1700.0, "watts": 662.75, "max_watts": 700.5, "samples": 8}
+    assert power_line("tp_fusion", joined) == ("power: tp_fusion 1845 MHz (lowest 1700), 663 W (highest 700), "
+                                               "8 samples")
+    assert power_means([{}, {}]) is None  # a timing too short for a sample
