@@ -9,7 +9,9 @@ a plan in a loop; after a few calls one rank kills itself (SIGKILL) with work in
 - ``nccl``: a plan whose only communication is an NCCL allgather;
 - ``fused-store-host``: as ``fused``, but rank 0 (which hosts the store) dies;
 - ``nccl-raise``: as ``nccl``, but rank 1 raises a RuntimeError inside its allgather and lives on
-  (the survivor must name rank 1 and its error, promptly: it sees rank 1's failure report).
+  (the survivor must name rank 1 and its error, promptly: it sees rank 1's failure report);
+- ``async`` and ``async-raise``: as ``nccl`` and ``nccl-raise``, for a plan whose allgather and
+  allreduce run asynchronously (``Program.overlapped``: issued early, awaited late).
 The survivor must raise ``ExecutionError`` naming the dead rank within the timeout plus a few
 seconds. Prints one line per scenario and exits non-zero if any failed.
 """
@@ -46,6 +48,24 @@ def _fusion(kind: str, world: int, args):
             x.outer_split(0, world)
             x.axis(0).parallelize(ParallelType.mesh_x)
         return fd, [torch.randn(args.tokens // world, args.hidden, dtype=torch.bfloat16, device="cuda")]
+    if kind == "async":  # the column sums' allreduce awaited at the end, the allgather of x issued at the
+        #                 start, work on a in between
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([args.tokens, args.hidden], dtype=DataType.BFloat16)
+            a = fd.define_tensor([args.hidden, args.hidden], dtype=DataType.BFloat16)
+            colsum = fd.ops.sum(x, [0])
+            h = fd.ops.mul(fd.ops.tanh(a), 2.0)
+            gathered = fd.ops.set(x)
+            out = fd.ops.relu(gathered)
+            for tv in (colsum, h, out):
+                fd.add_output(tv)
+            mesh = DeviceMesh(range(world))
+            for tv in (x, a, colsum, h, gathered, out):
+                tv.set_device_mesh(mesh)
+            x.outer_split(0, world)
+            x.axis(0).parallelize(ParallelType.mesh_x)
+        return fd, [torch.randn(args.tokens // world, args.hidden, dtype=torch.bfloat16, device="cuda"),
+                    torch.randn(args.hidden, args.hidden, dtype=torch.bfloat16, device="cuda")]
     from tp_mlp import define_mlp, reference_inputs
 
     from tp_fusion import shard_tensor
@@ -144,7 +164,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=20.0, help="process-group timeout, seconds")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--scenarios", default="fused,nccl,fused-store-host,nccl-raise")
+    parser.add_argument("--scenarios", default="fused,nccl,fused-store-host,nccl-raise,async,async-raise")
     args = parser.parse_args()
     failed = 0
     for kind in args.scenarios.split(","):
