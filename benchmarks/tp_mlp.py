@@ -261,6 +261,22 @@ def time_ms(fn, iters, warmup) -> float:
     return tuning.slowest([tuning.time_ms(fn, iters, 0)], None, "cuda")[0]
 
 
+def time_rounds(row: dict, fns: dict, args) -> None:
+    """Time each of ``fns`` in ``args.rounds`` interleaved rounds, each round in another order (clocks
+    and power drift, and no variant keeps a fixed neighbour); fill ``row``'s ``ms_rounds``, ``ms`` (the
+    medians) and, with ``args.power``, ``power`` (the GPUs' clock and power per variant, sampled on rank 0)."""
+    names = list(fns)
+    power = {} if getattr(args, "power", False) and dist.rank() == 0 else None  # rank 0 sees every GPU
+    for k in range(args.rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup), power, name)
+            row["ms_rounds"].setdefault(name, []).append(ms)
+    row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in names}
+    if power:
+        row["power"] = {name: means for name, summaries in power.items()
+                        if (means := gpu_monitor.power_means(summaries)) is not None}
+
+
 def max_rel_err(got, want) -> float:
     err = torch.linalg.vector_norm(got.float() - want.float()) / torch.linalg.vector_norm(want.float())
     t = err.reshape(1)
@@ -309,15 +325,7 @@ def run_shape(mode, tokens, hidden, ffn, args, device):
             continue
         timed.append(name)
     row["plan"] = plan_segments(fd)
-    power = {} if args.power and dist.rank() == 0 else None  # rank 0 samples every GPU of the host
-    for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and each
-        for name in timed[k % len(timed):] + timed[:k % len(timed)]:  # round in another order (no fixed neighbour)
-            ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup), power, name)
-            row["ms_rounds"].setdefault(name, []).append(ms)
-    row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in timed}
-    if power:
-        row["power"] = {name: means for name, summaries in power.items()
-                        if (means := gpu_monitor.power_means(summaries)) is not None}
+    time_rounds(row, {name: fns[name] for name in timed}, args)
     ms = row["ms"]
     ms["best_compute"] = min(ms["compute_unfused"], ms["compute_fused_epilogue"])
     base = ("best_compute", "nccl_sequential", "async_tp") if mode == "sp" else ("best_compute", "classic_tp")

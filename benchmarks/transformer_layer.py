@@ -87,14 +87,13 @@ if __name__ == "__main__":
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import gpu_monitor  # noqa: E402
-from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, time_ms  # noqa: E402
+from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, time_rounds  # noqa: E402
 from examples.transformer_layer import EPS, INPUTS, Config, transformer_layer_function  # noqa: E402
 from tp_fusion import DataType  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
@@ -432,16 +431,8 @@ def run_row(s: Shape, pass_: str, args, device, dtype, timed_run: bool) -> dict:
         fns[name] = fn
     row["plan"] = {what: plan_segments(fd) for what, fd in fusions.items() if fd.plan is not None}
     if timed_run:
-        names = list(fns)
-        power = {} if args.power and dist.rank() == 0 else None  # rank 0 samples every GPU of the host
-        for k in range(args.rounds):  # interleaved, so that drifting clocks hit every variant alike, and
-            for name in names[k % len(names):] + names[:k % len(names)]:  # each round in another order
-                ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup), power, name)
-                row["ms_rounds"].setdefault(name, []).append(ms)
-        if power:
-            row["power"] = {name: means for name, summaries in power.items()
-                            if (means := gpu_monitor.power_means(summaries)) is not None}
-        ms = row["ms"] = {name: statistics.median(v) for name, v in row["ms_rounds"].items()}
+        time_rounds(row, fns, args)
+        ms = row["ms"]
         computes = [v for k, v in ms.items() if k.startswith("compute")]
         if computes:
             ms["best_compute"] = min(computes)

@@ -42,7 +42,9 @@ class Runner:
         self._runs = [self._segment(seg) for seg in program.segments]
         # Asynchronous collectives (Program.overlapped): what to issue after each segment (-1: at the
         # start), in the order they are awaited, and what to await before each (len: at the end).
-        self._starts = {i: collectives.start_fn(program.segments[i].steps[0], program) for i in program.overlapped}
+        # segment -> (start, its input, its output)
+        self._async = {i: (collectives.start_fn(step, program), step.op.inputs[0], step.op.outputs[0])
+                       for i in program.overlapped for step in program.segments[i].steps}
         self._issue_after: dict[int, list[int]] = {}
         self._await_before: dict[int, list[int]] = {}
         for i, (issue, wait) in sorted(program.overlapped.items(), key=lambda kv: (kv[1][1], kv[0])):
@@ -122,15 +124,14 @@ class Runner:
         env: Env = dict(zip(program.fusion.inputs, inputs))
         # Under a CUDA-graph capture every collective runs in program order on the captured stream
         # (asynchronous collectives were not tried inside a capture).
-        capturing = program.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        overlap = bool(self._starts) and not capturing
+        overlap = bool(self._async) and not (program.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
         pending: dict[int, Callable[[], torch.Tensor]] = {}
         if overlap:
             self._issue(-1, env, pending, report_faults)
         for i, run in enumerate(self._runs):
             if overlap:
                 self._await(i, env, pending, report_faults)
-                if i in self._starts:
+                if i in self._async:
                     continue
             self._in_segment(i, lambda run=run: run(env), report_faults)
             if overlap:
@@ -153,16 +154,15 @@ class Runner:
     def _issue(self, after: int, env: Env, pending: dict, report_faults: bool) -> None:
         """Start the asynchronous collectives scheduled after segment ``after``."""
         for j in self._issue_after.get(after, ()):
-            step = self.program.segments[j].steps[0]
-            pending[j] = self._in_segment(j, lambda j=j, x=step.op.inputs[0]: self._starts[j](env.get(x)),
-                                          report_faults)
+            start, x, _ = self._async[j]
+            pending[j] = self._in_segment(j, lambda start=start, x=x: start(env.get(x)), report_faults)
 
     def _await(self, before: int, env: Env, pending: dict, report_faults: bool) -> None:
         """Wait for the asynchronous collectives whose results segment ``before`` reads (or the outputs)."""
         for j in self._await_before.get(before, ()):
             finish = pending.pop(j)
             if finish is not None:
-                env[self.program.segments[j].steps[0].op.outputs[0]] = self._in_segment(j, finish, report_faults)
+                env[self._async[j][2]] = self._in_segment(j, finish, report_faults)
 
     def _in_segment(self, i: int, fn: Callable[[], object], report_faults: bool):
         """``fn()``, a part of segment ``i``; a failure is reported as that segment's (see ``faults``)."""
