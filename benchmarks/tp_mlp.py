@@ -20,9 +20,10 @@ designs tried (``overlap.Tuning`` variants). Every variant is checked against NC
 (classic TP) before it is timed; one that disagrees is reported and not timed.
 
 Results go to ``{out}/{gpu}x{N}.json`` (e.g. h200x2.json), named after the machine the run is on,
-and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces tp_fusion, the kernels
-and the sequential baseline on the first shape of each mode (or ``--profile-shapes``), prints where
-the time goes per rank (``tp_fusion.profiling``) and draws the timelines. ``--power`` samples the
+and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces tp_fusion, the kernels,
+the fused-epilogue compute and the sequential baseline on the first shape of each mode (or
+``--profile-shapes``) in the steady state of the timed loops, prints where the time goes per rank
+and by kernel (``tp_fusion.profiling``) and draws the timelines. ``--power`` samples the
 GPUs' SM clock and power while each variant is timed (``benchmarks/gpu_monitor.py``) and records
 them per variant (``power`` in the results): a slower GPU told apart from a slower schedule. Without a CUDA GPU it says
 so and exits 0.
@@ -414,28 +415,30 @@ def draw(rows, machine, path):
     plt.close(fig)
 
 
-def profile(fns, out_dir, mode, shape):
-    """Trace tp_fusion, the kernels and the sequential baseline; rank 0 prints where the time goes per
-    rank (appending to ``report.txt``) and draws the timelines."""
+PROFILE_WARMUP = 10  # back-to-back iterations before the traced ones: the clocks settle as in the timed loops
+
+
+def profile(fns: dict, names, out_dir: str, tag: str, title: str) -> None:
+    """Trace ``names`` of ``fns`` in the steady state the timed loops run in (``PROFILE_WARMUP``
+    iterations back to back, then three traced ones, no barrier between); rank 0 prints where the time
+    goes per rank and rank 0's kernels (appending to ``report.txt``) and draws the timelines."""
     from tp_fusion import profiling
 
     n, r = dist.world_size(), dist.rank()
-    tag = f"{mode}_{'x'.join(map(str, shape))}"
     lines = []
-    for name in ("tp_fusion", "tp_fusion_kernels", REFERENCE[mode]):
-        if name not in fns:
-            continue
+    for name in [m for m in names if m in fns]:
         trace = os.path.join(out_dir, f"{tag}_{name}_rank{{}}.json")
-        profiling.profile_iterations(fns[name], trace.format(r), before_each=dist.barrier)
+        dist.barrier()
+        profiling.profile_iterations(fns[name], trace.format(r), warmup=PROFILE_WARMUP)
         dist.barrier()
         if r == 0:
             traces = [trace.format(q) for q in range(n)]
             reports = [profiling.rank_report(t, q) for q, t in enumerate(traces)]
-            lines += [f"\n{name}, {mode} {','.join(map(str, shape))}:", profiling.format_report(reports),
-                      "rank 0 by kernel:", profiling.kernel_table(profiling.iteration_bars(traces[0], 0))]
+            lines += [f"\n{name}, {tag}:", profiling.format_report(reports),
+                      "rank 0 by kernel:", profiling.kernel_table(profiling.iteration_bars(traces[0], 0), top=16)]
             try:
                 profiling.plot_timeline(traces, os.path.join(out_dir, f"timeline_{tag}_{name}.png"),
-                                        title=f"{name}: {mode} MLP {shape}, one iteration on {n} GPUs")
+                                        title=f"{name}: {title}, one iteration on {n} GPUs")
             except ImportError as e:
                 lines.append(f"(no timeline: {e})")
     if r == 0:
@@ -461,7 +464,8 @@ def main(args: argparse.Namespace) -> int:
             row, fns = run_shape(mode, *shape, args, device)
             rows.append(row)
             if args.profile and shape in profiled:
-                profile(fns, args.profile, mode, shape)
+                profile(fns, ("tp_fusion", "tp_fusion_kernels", "compute_fused_epilogue", REFERENCE[mode]),
+                        args.profile, f"{mode}_{'x'.join(map(str, shape))}", f"{mode} MLP {shape}")
             del fns
             torch.cuda.empty_cache()
     if dist.rank() == 0:

@@ -23,7 +23,8 @@ Variants, all on the same seeded weights (each rank holds its shards):
 - pytorch_tp: ``parallelize_module`` with ColwiseParallel / RowwiseParallel (and SequenceParallel
   layer norms in sp), eager; pytorch_tp_compiled: the same under torch.compile, with async-TP
   (inductor's micro-pipeline TP on symmetric memory) enabled in sp;
-- tp_fusion: the example's forward fusion through ``fd.execute`` (fwd), and its
+- tp_fusion: the example's inference forward fusion (``define_forward(training=False)``: only the
+  output, like the others under no_grad) through ``fd.execute`` (fwd), and its
   ``tp_fusion.autograd`` Function, forward then backward (fwd_bwd).
 torch.compile costs tens of seconds per shape, mode and pass, so the compiled variants run only on
 ``--compile-shapes`` (default 8192,8192), and compute_compiled only when ``--variants`` names it.
@@ -76,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--power", action="store_true",
                    help="also sample the GPUs' SM clock and power (nvidia-smi) while each variant is timed")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
+    p.add_argument("--profile", metavar="DIR",
+                   help="also trace tp_fusion, the compute variants and NCCL sequential of every row (steady "
+                        "state); reports, kernel tables and timelines in DIR")
     p.add_argument("--check", action="store_true",
                    help="check every variant but the compiled ones on 2 spawned CPU ranks at tiny shapes, float32")
     return p.parse_args(argv)
@@ -93,8 +97,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import gpu_monitor  # noqa: E402
-from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, time_rounds  # noqa: E402
-from examples.transformer_layer import EPS, INPUTS, Config, transformer_layer_function  # noqa: E402
+from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, profile, time_rounds  # noqa: E402
+from examples.transformer_layer import EPS, INPUTS, Config, define_forward, transformer_layer_function  # noqa: E402
 from tp_fusion import DataType  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
 
@@ -368,9 +372,11 @@ def variants(s: Shape, full: dict, local: dict, pass_: str, names, device, fusio
         cfg = Config(s.tokens, s.seq, s.hidden, s.heads, s.n, s.mode, DataType.from_torch(x_in.dtype))
         layer, forward, backward = transformer_layer_function(cfg)
         fusions.update(forward=forward, backward=backward)
-        if pass_ == "fwd":
+        if pass_ == "fwd":  # an inference forward, as the others' under no_grad: it keeps nothing
+            inference = define_forward(cfg, training=False)
+            fusions["forward"] = inference
             inputs = [local[n] for n in INPUTS]
-            return lambda: {"out": forward.execute(inputs)[0]}
+            return lambda: {"out": inference.execute(inputs)[0]}
         x, *ps = params(local)
         weights = dict(zip(INPUTS[1:], ps))
         return backward_run(lambda x: layer.apply(x, *ps), x, weights,
@@ -439,6 +445,9 @@ def run_row(s: Shape, pass_: str, args, device, dtype, timed_run: bool) -> dict:
         row["ratios"] = {f"tp_fusion/{b}": ms["tp_fusion"] / ms[b] for b in
                          ("best_compute", "nccl_sequential", "pytorch_tp", "pytorch_tp_compiled")
                          if "tp_fusion" in ms and b in ms}
+    if timed_run and args.profile:
+        profile(fns, ("tp_fusion", "compute_epilogue", "compute_eager", REFERENCE), args.profile,
+                f"{s.mode}_{pass_}_{s.tokens}x{s.hidden}", f"{s.mode} {pass_} layer {s.tokens}x{s.hidden}")
     return row
 
 

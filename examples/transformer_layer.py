@@ -176,10 +176,12 @@ def merge_heads(fd: FusionDefinition, a, cfg: Config):
     return fd.ops.reshape(fd.ops.permute(a, [0, 2, 1, 3]), [cfg.tokens, cfg.hidden])
 
 
-def define_forward(cfg: Config) -> FusionDefinition:
-    """The layer's forward fusion: inputs ``INPUTS``, outputs ``OUTPUTS``, scheduled for ``cfg.mode``.
-    Everything is in the layer's dtype, as in torch: the layer norms are aten's fused kernel
-    (``native_layer_norm``: float32 statistics for bf16), the residual adds bf16 for a bf16 layer."""
+def define_forward(cfg: Config, training: bool = True) -> FusionDefinition:
+    """The layer's forward fusion: inputs ``INPUTS``, outputs ``OUTPUTS`` (with ``training=False`` only
+    ``out``: nothing is kept for a backward, so fc1's bias and GELU can run in its GEMM's epilogue),
+    scheduled for ``cfg.mode``. Everything is in the layer's dtype, as in torch: the layer norms are
+    aten's fused kernel (``native_layer_norm``: float32 statistics for bf16), the residual adds bf16
+    for a bf16 layer."""
     e = [cfg.hidden]
     with FusionDefinition() as fd:
         t = {name: fd.define_tensor(cfg.shape(name), dtype=cfg.dtype) for name in INPUTS}
@@ -197,7 +199,7 @@ def define_forward(cfg: Config) -> FusionDefinition:
         out = fd.ops.add(res1, dropout(fd, fc2, cfg, 1) if cfg.dropout else fc2)
         outputs = dict(zip(OUTPUTS, (out, mean0, rstd0, ln0, qkv, attn, lse, seed, offset, res1, mean1, rstd1, ln1,
                                      fc1, gelu)))
-        for tv in outputs.values():
+        for tv in (outputs.values() if training else [out]):
             fd.add_output(tv)
         # proj and fc2 too: their partial sums are reduced (scattered in sp) before the bias.
         for name, tv in {**t, **outputs, "proj": proj, "fc2": fc2}.items():
