@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -64,11 +65,15 @@ def test_transformer_layer_forward_and_backward_validate():
     assert backward == [Counter(allreduce=2), Counter(allgather=4, reduce_scatter=2, allreduce=6)], out
 
 
-@pytest.mark.parametrize("mode,want", [
-    ("sp", ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
-            "fused linear+reduce_scatter+add"]),
-    ("tp", ["fused linear+allreduce", "fused linear+allreduce"])])
-def test_transformer_layer_plan_fuses_its_collectives_on_cuda(monkeypatch, mode, want):
+@pytest.mark.parametrize("mode,training,want", [
+    ("sp", True, ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
+                  "fused linear+reduce_scatter+add"]),
+    # Inference keeps no fc1 output for a backward, so its GELU joins the allgather's GEMM epilogue.
+    ("sp", False, ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear+gelu",
+                   "fused linear+reduce_scatter+add"]),
+    ("tp", True, ["fused linear+allreduce", "fused linear+allreduce"]),
+    ("tp", False, ["fused linear+allreduce", "fused linear+allreduce"])])
+def test_transformer_layer_plan_fuses_its_collectives_on_cuda(monkeypatch, mode, training, want):
     """Compiled for CUDA (no GPU needed), the forward's collectives are fused segments with their GEMMs:
     in sp the allgathers (before QKV and the MLP) and reduce_scatters (after the out-projection and the
     MLP), in tp the allreduces after the out-projection and the MLP."""
@@ -77,20 +82,25 @@ def test_transformer_layer_plan_fuses_its_collectives_on_cuda(monkeypatch, mode,
     from tp_fusion import DataType
 
     cfg = Config(tokens=256, seq=128, hidden=256, heads=4, d=2, mode=mode, dtype=DataType.BFloat16)
-    plan = str(define_forward(cfg).compile([cfg.shape(n) for n in INPUTS], rank=0, device="cuda"))
+    fd = define_forward(cfg, training=training)
+    plan = str(fd.compile([cfg.shape(n) for n in INPUTS], rank=0, device="cuda"))
     segments = [line.split(": ", 1)[1] for line in plan.splitlines() if line.lstrip().startswith("segment")]
     fused = [s.split(" (")[0] for s in segments if s.startswith("fused")]
     assert fused == want, plan
     assert not any(s.startswith("communication") for s in segments), plan
+    outputs = re.search(r"outputs \[([^\]]*)\]", plan).group(1).split(", ")
+    assert len(outputs) == (15 if training else 1), plan
 
 
 def test_transformer_layer_benchmark_checks_its_variants_on_cpu():
     """benchmarks/transformer_layer.py --check: every variant it would time (but the compiled ones)
-    agrees with NCCL-sequential on gloo ranks; tp_fusion and PyTorch TP included."""
+    agrees with NCCL-sequential on gloo ranks, in both passes (fwd: tp_fusion's inference forward);
+    tp_fusion and PyTorch TP included."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "benchmarks/transformer_layer.py", "--check", "--passes", "fwd_bwd"],
+    proc = subprocess.run([sys.executable, "benchmarks/transformer_layer.py", "--check", "--passes", "fwd", "fwd_bwd"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "OK: every variant agrees with nccl_sequential" in proc.stdout, proc.stdout
-    for mode in ("sp fwd_bwd", "tp fwd_bwd"):
+    for mode in ("sp fwd", "tp fwd", "sp fwd_bwd", "tp fwd_bwd"):
         assert f"{mode}: checked against nccl_sequential: pytorch_tp" in proc.stdout, proc.stdout
+        assert re.search(f"{mode}: .*tp_fusion \\d", proc.stdout), proc.stdout
