@@ -370,13 +370,12 @@ def variants(s: Shape, full: dict, local: dict, pass_: str, names, device, fusio
 
     def fusion():
         cfg = Config(s.tokens, s.seq, s.hidden, s.heads, s.n, s.mode, DataType.from_torch(x_in.dtype))
-        layer, forward, backward = transformer_layer_function(cfg)
-        fusions.update(forward=forward, backward=backward)
         if pass_ == "fwd":  # an inference forward, as the others' under no_grad: it keeps nothing
-            inference = define_forward(cfg, training=False)
-            fusions["forward"] = inference
+            inference = fusions["forward"] = define_forward(cfg, training=False)
             inputs = [local[n] for n in INPUTS]
             return lambda: {"out": inference.execute(inputs)[0]}
+        layer, forward, backward = transformer_layer_function(cfg)
+        fusions.update(forward=forward, backward=backward)
         x, *ps = params(local)
         weights = dict(zip(INPUTS[1:], ps))
         return backward_run(lambda x: layer.apply(x, *ps), x, weights,
