@@ -23,10 +23,10 @@ Results go to ``{out}/{gpu}x{N}.json`` (e.g. h200x2.json), named after the machi
 and a chart to ``{out}/tp_mlp_{gpu}x{N}.png``. ``--profile DIR`` also traces tp_fusion, the kernels,
 the fused-epilogue compute and the sequential baseline on the first shape of each mode (or
 ``--profile-shapes``) in the steady state of the timed loops, prints where the time goes per rank
-and by kernel (``tp_fusion.profiling``) and draws the timelines. ``--power`` samples the
-GPUs' SM clock and power while each variant is timed (``benchmarks/gpu_monitor.py``) and records
-them per variant (``power`` in the results): a slower GPU told apart from a slower schedule. Without a CUDA GPU it says
-so and exits 0.
+and by kernel (``tp_fusion.profiling``) and draws the timelines. ``--power`` samples the GPUs' SM
+clock and power while each variant is timed (``benchmarks/gpu_monitor.py``) and records them per
+variant (``power`` in the results): a slower GPU told apart from a slower schedule. Without a CUDA
+GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -433,9 +433,7 @@ def profile(fns: dict, names, out_dir: str, tag: str, title: str) -> None:
         dist.barrier()
         if r == 0:
             traces = [trace.format(q) for q in range(n)]
-            reports = [profiling.rank_report(t, q) for q, t in enumerate(traces)]
-            lines += [f"\n{name}, {tag}:", profiling.format_report(reports),
-                      "rank 0 by kernel:", profiling.kernel_table(profiling.iteration_bars(traces[0], 0), top=16)]
+            lines += [f"\n{name}, {tag}:", profiling.describe(traces)]
             try:
                 profiling.plot_timeline(traces, os.path.join(out_dir, f"timeline_{tag}_{name}.png"),
                                         title=f"{name}: {title}, one iteration on {n} GPUs")

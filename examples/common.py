@@ -63,8 +63,7 @@ def profile(rank: int, world: int, step, out_dir: Path, title: str) -> None:
         return
     traces = [out_dir / f"trace_rank{r}.json" for r in range(world)]
     print(f"profile: wrote {', '.join(map(str, traces))}")
-    print(profiling.format_report([profiling.rank_report(t, r) for r, t in enumerate(traces)]))
-    print("profile: rank 0 by kernel\n" + profiling.kernel_table(profiling.iteration_bars(traces[0], 0), top=25))
+    print(profiling.describe(traces, top=25))
     try:
         png = profiling.plot_timeline(traces, out_dir / "timeline.png", title=title)
         print(f"profile: wrote {png}")

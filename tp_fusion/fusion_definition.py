@@ -115,8 +115,7 @@ class TensorView:
     def _loop(self) -> tuple[LoopAxis, ...]:
         if self._ir.loop is not None:
             return self._ir.loop
-        producer = next((op for op in self._fd._ops if self.name in op.outputs), None)
-        return loops.default_loop(self.shape, producer, lambda name: self._fd._tensors[name].shape)
+        return loops.default_loop(self.shape, self._fd._producer(self.name), lambda name: self._fd._tensors[name].shape)
 
     def set_device_mesh(self, mesh: DeviceMesh) -> None:
         """Place the tensor on ``mesh``, replicated until an axis is parallelized. Tensors left without a
@@ -494,7 +493,7 @@ class FusionDefinition:
         new_dims = self._new_broadcast_dims(a)
         if not new_dims:
             return a
-        producer = next(op for op in self._ops if a in op.outputs)
+        producer = self._producer(a)
         mine, shape = self._tensors[a].shape, list(producer.attr("shape"))
         for d in new_dims:
             for b in args:
@@ -513,11 +512,15 @@ class FusionDefinition:
 
     def _new_broadcast_dims(self, a) -> list[int]:
         """The dims of tensor ``a`` that a ``broadcast_in_dim`` made new with an extent other than 1."""
-        producer = next((op for op in self._ops if a in op.outputs), None) if isinstance(a, int) else None
+        producer = self._producer(a) if isinstance(a, int) else None
         if producer is None or producer.kind != "broadcast_in_dim":
             return []
         bdims = producer.attr("broadcast_dims")
         return [d for d, e in enumerate(self._tensors[a].shape) if d not in bdims and e != 1]
+
+    def _producer(self, name: int) -> Op | None:
+        """The recorded op that outputs tensor ``name`` (None for an input)."""
+        return next((op for op in self._ops if name in op.outputs), None)
 
     def _operand_type(self, a):
         if isinstance(a, Const):

@@ -12,7 +12,7 @@ gaps on the compute streams (no compute kernel running on any of them). ``format
 per rank.
 
 ``kernel_table(bars)`` lists the iteration's GPU work by kernel (count, total time, share), the
-longest first.
+longest first; ``describe(traces)`` gives the per-rank report and rank 0's kernel table together.
 
 ``plot_timeline(traces, png)`` draws the same iteration per rank as horizontal bars, one row per
 lane named by what it carries: the segments (``record_function`` labels such as
@@ -290,6 +290,14 @@ def kernel_table(bars: Sequence[Bar], top: int = 12) -> str:
         total = sum(b.duration_ms for b in rest)
         lines.append(f"{len(rest):8d} {total:9.3f} {total / span:6.1%}  {'':25s} ({len(ranked) - top} other kernels)")
     return "\n".join(lines)
+
+
+def describe(trace_paths: Sequence[str | Path], top: int = 16) -> str:
+    """Where one profiled iteration's time goes, from every rank's trace (``trace_paths[r]`` is rank
+    ``r``): the per-rank report (``format_report``), then rank 0's GPU work by kernel (``kernel_table``)."""
+    reports = [rank_report(t, r) for r, t in enumerate(trace_paths)]
+    return "\n".join([format_report(reports), "rank 0 by kernel:",
+                      kernel_table(iteration_bars(trace_paths[0], 0), top=top)])
 
 
 def plot_timeline(trace_paths: Sequence[str | Path], png_path: str | Path, title: str | None = None) -> Path:

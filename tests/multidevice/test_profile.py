@@ -19,6 +19,7 @@ def test_profile_writes_traces_and_timeline(tmp_path):
                            "--profile", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Plan summary" in proc.stdout and "allgather (mesh_x, n=2)" in proc.stdout
+    assert "rank 0 by kernel:" in proc.stdout and "exposed comm ms" in proc.stdout  # profiling.describe
     for r in range(2):
         trace = json.loads((out / f"trace_rank{r}.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}

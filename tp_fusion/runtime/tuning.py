@@ -33,7 +33,7 @@ from tp_fusion.sharding.reshard import Collective
 from tp_fusion.ops import opdef
 from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
 from tp_fusion.runtime import dist, graphs, overlap, symm
-from tp_fusion.runtime.runner import Runner, _epilogue, _fused
+from tp_fusion.runtime.runner import Runner, _epilogue, _fused, _gemm_gelu
 
 TIMED_ITERS, WARMUP, ROUNDS = 8, 2, 3
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
@@ -130,10 +130,6 @@ def _keeps_gelu_in_gemm(in_gemm_ms: float, apart_ms: float) -> bool:
     return apart_ms > in_gemm_ms * GELU_APART_GAIN
 
 
-def _linear_gelu(x: int, w: int, b: int, in_gemm: bool):
-    return lambda env: overlap.linear(env[x], env[w], env[b], overlap.gelu_tanh, gelu_in_gemm=in_gemm)
-
-
 def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
     """The compute segments' GEMM+GELU pairs whose GELU runs faster apart from the GEMM's epilogue
     (collective over the world: every rank times every pair, as the sizes are global), with notes."""
@@ -144,12 +140,12 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
         if seg.kind != "compute":
             continue
         for j in program.gelu_pairs(seg):
-            x, w, b = seg.steps[j].op.inputs
-            runs = {in_gemm: _linear_gelu(x, w, b, in_gemm) for in_gemm in (True, False)}
-            ms = _fastest(runs, _random_env(program, x, w, b), None, program.device)
+            gemm, act = seg.steps[j], seg.steps[j + 1]
+            runs = {in_gemm: _gemm_gelu(gemm, act, in_gemm) for in_gemm in (True, False)}
+            ms = _fastest(runs, _random_env(program, *gemm.op.inputs), None, program.device)
             keep = _keeps_gelu_in_gemm(ms[True], ms[False])
             if not keep:
-                apart.add(seg.steps[j + 1].op.outputs[0])
+                apart.add(act.op.outputs[0])
             notes.append(f"segment {i} linear+gelu: GELU in the GEMM's epilogue {ms[True]:.3f} ms, apart "
                          f"{ms[False]:.3f} ms -> {'in the epilogue' if keep else 'apart'}")
     return apart, notes
