@@ -1125,10 +1125,11 @@ SPELLINGS["rand_like"] = _rand_like_front
 #
 # Operands are [N*, H, S, E] (batch dims, heads, sequence, head dim). On CUDA, half-precision operands
 # with a head dim that aten's flash kernel takes run it (its philox seed and offset carry the dropout
-# mask to the backward); without dropout on Hopper and later, the forward runs cuDNN's kernel instead
-# (what F.scaled_dot_product_attention picks there: 0.47 ms against flash's 1.09 in the layer of
-# benchmarks/transformer_layer.py on H200), whose output and logsumexp the flash backward takes as its
-# own (cuDNN's backward is not used: it gave wrong gradients at sequence 4096 on torch 2.11).
+# mask to the backward); without dropout on Hopper and later, cuDNN's kernels run instead, forward and
+# backward (what F.scaled_dot_product_attention picks there: in the layer of
+# benchmarks/transformer_layer.py on H200, 0.47 ms against flash's 1.09 forward, 1.5 against 3.0
+# backward). The backward passes cuDNN the layouts torch's autograd does (``_laid_out_like``): a first
+# try without that gave wrong gradients after torch's own attention had run on the same shapes.
 # Elsewhere: aten's CPU flash kernel without dropout; with dropout (and on CUDA otherwise) the math
 # path, in float32 or wider, whose dropout mask is drawn from the seed and offset it returns, so the
 # backward redraws it.
@@ -1141,11 +1142,25 @@ def _aten_flash(q, k, v) -> bool:
             and k.shape[-1] == v.shape[-1] == e)
 
 
-def _cudnn_forward(q, k, v, dropout_p: float) -> bool:
-    """Whether the forward runs cuDNN's attention (flash operands, no dropout, Hopper or later)."""
+def _cudnn_attention(q, k, v, dropout_p: float) -> bool:
+    """Whether cuDNN's attention runs these operands (flash operands, no dropout, Hopper or later), forward
+    and backward alike: torch's own SDPA picks it there, and its backward took half the time of aten's flash
+    backward in the transformer benchmark (1.5 against 3.0 ms at 8192 tokens x 32 heads on an H200). The
+    predicate depends on the operands alone, so ``sdpfa_bwd`` takes the path its ``sdpfa_fwd`` took."""
     return (dropout_p == 0 and _aten_flash(q, k, v) and q.shape[-1] <= 128
             and torch.cuda.get_device_capability(q.device)[0] >= 9 and torch.backends.cuda.cudnn_sdp_enabled()
             and torch.backends.cudnn.is_available() and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+
+def _laid_out_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` (a copy where needed) dense in ``like``'s dim order, innermost dim first (the layout cuDNN's
+    attention gives its output after the query's)."""
+    strides, step = [0] * x.dim(), 1
+    for d in sorted(range(x.dim()), key=like.stride):
+        strides[d], step = step, step * x.shape[d]
+    if tuple(strides) == x.stride():
+        return x
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _cpu_flash(q, k, v, dropout_p: float) -> bool:
@@ -1189,10 +1204,10 @@ def _no_dropout_rng(device, seed: int = 0):
 def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
     lead = q.shape[:-3]
     q4, k4, v4 = _as_4d(q, k, v)
-    if _cudnn_forward(q, k, v, dropout_p):
+    if _cudnn_attention(q, k, v, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, is_causal, False,
                                                                       scale=scale)[:2]
-        lse = lse.reshape(q4.shape[:-1])  # cuDNN's is [B, H, S, 1]; flash's (which its backward reads) [B, H, S]
+        lse = lse.reshape(q4.shape[:-1])  # cuDNN's is [B, H, S, 1]; sdpfa_fwd returns [N*, H, S], as nvFuser
         seed, offset = _no_dropout_rng(q.device)
     elif _aten_flash(q, k, v):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -1215,7 +1230,17 @@ def _sdpfa_bwd(grad_out, q, k, v, out, lse, philox_seed, philox_offset, dropout_
     shapes = q.shape, k.shape, v.shape
     g4, q4, k4, v4, o4 = _as_4d(grad_out, q, k, v, out)
     lse3 = lse.reshape(-1, *lse.shape[-2:])
-    if _aten_flash(q, k, v):
+    if _cudnn_attention(q, k, v, dropout_p):
+        # The layouts torch's own autograd passes: the output laid out after the query (as cuDNN's forward
+        # allocates it), its gradient with the output's strides, the logsumexp a contiguous [B, H, S, 1].
+        # torch caches cuDNN's backward graphs by the query's, key's and value's layouts (torch 2.11 not by
+        # these three), so a call with other layouts could run a graph built for torch's and be wrong.
+        o4 = _laid_out_like(o4, q4)
+        g4 = _laid_out_like(g4, q4)
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            g4, q4, k4, v4, o4, lse3.unsqueeze(-1).contiguous(), philox_seed, philox_offset, None, None, None,
+            q.shape[-2], k.shape[-2], 0.0, is_causal, scale=scale)
+    elif _aten_flash(q, k, v):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             g4.contiguous(), q4, k4, v4, o4, lse3, None, None, q.shape[-2], k.shape[-2], dropout_p, is_causal,
             philox_seed, philox_offset, scale=scale)

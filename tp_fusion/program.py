@@ -178,9 +178,13 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
     result (at the end for a result that only leaves the fusion), so that the segments in between run
     while it communicates. Only where that leaves at least one segment in between, and not for the result
     of another asynchronous collective (chained reshardings run in order). An allreduce that
-    reduces its input in place waits for that input's other readers. Collectives issued at one point go
-    in the order they are awaited. The schedule depends on the segments alone, so every rank issues the
-    same collectives in the same order. ``build_program`` uses it for CUDA programs."""
+    reduces its input in place waits for that input's other readers. A process group runs its
+    collectives in the order they are issued, so an asynchronous one is not issued before a collective
+    that runs in order and is needed sooner (it would wait behind it): it goes after the last such
+    communication segment before its own wait (fused segments are not counted: in fused mode they
+    communicate through the copy engines). Collectives issued at one point go in the order they are
+    awaited. The schedule depends on the segments alone, so every rank issues the same collectives in the
+    same order. ``build_program`` uses it for CUDA programs."""
     where: dict[int, int] = {}  # tensor -> the segment that produces it
     readers: dict[int, list[int]] = {}  # tensor -> the segments that read it, in order
     for i, seg in enumerate(segments):
@@ -189,7 +193,7 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
                 readers.setdefault(a, []).append(i)
             for o in s.op.outputs:
                 where[o] = i
-    out = {}
+    windows = {}  # segment -> (earliest issue, wait), for every candidate
     for i, seg in enumerate(segments):
         if seg.kind != "communication" or len(seg.steps) != 1 or seg.steps[0].collective not in _ASYNC_COLLECTIVES:
             continue
@@ -199,11 +203,21 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
         if step.donate:  # reduced in place: not before the input's other readers are done with it
             issue = max([issue, *(j for j in readers.get(x, []) if j < i)])
         later = [j for j in readers.get(result, []) if j > i]
-        wait = later[0] if later else len(segments)
-        if wait - issue > 2 and issue not in out:  # some other segment runs in between, and the input does
-            #                                        not come from another asynchronous collective
-            out[i] = (issue, wait)
-    return out
+        windows[i] = (issue, later[0] if later else len(segments))
+    # Candidates drop out until none does (one that drops out runs in order, which may push others later).
+    out = dict(windows)
+    while True:
+        in_order = [j for j, seg in enumerate(segments) if seg.kind == "communication" and j not in out]
+        kept = {}
+        for i, (first, wait) in windows.items():
+            if i not in out or first in out:  # dropped out, or its input comes from an asynchronous collective
+                continue
+            issue = max([first, *(j for j in in_order if j < wait)])
+            if any(j != i for j in range(issue + 1, wait)):  # some other segment runs in between
+                kept[i] = (issue, wait)
+        if kept == out:
+            return out
+        out = kept
 
 
 def local_shape(fusion: Fusion, name: int) -> tuple[int, ...]:

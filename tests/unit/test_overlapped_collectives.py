@@ -63,3 +63,19 @@ def test_chained_collectives_run_in_order():
                 _segment("communication", [1], [3], Collective.ALLREDUCE), _segment("compute", writes=[4]),
                 _segment("compute", reads=[3], writes=[5])]
     assert schedule_collectives(segments) == {0: (-1, 2)}
+
+
+def test_a_collective_needed_sooner_is_not_queued_behind_an_asynchronous_one():
+    """A process group runs its collectives in issue order. The allgather of input 0 (needed by segment 4)
+    is issued after the in-order allgather of segment 1 (needed at once by segment 2), not at the start,
+    where segment 1's would wait behind it."""
+    gather = Collective.ALLGATHER
+    segments = [_segment("compute", writes=[1]), _segment("communication", [1], [2], gather),
+                _segment("compute", reads=[2], writes=[3]), _segment("communication", [0], [4], gather),
+                _segment("compute", reads=[4, 3])]
+    assert schedule_collectives(segments) == {3: (1, 4)}
+    # Here the in-order allgather comes last before the wait: nothing would be left to overlap the
+    # allgather of input 0 after it, so that one runs in order too.
+    segments = [_segment("communication", [0], [9], gather), _segment("compute", writes=[1]),
+                _segment("communication", [1], [2], gather), _segment("compute", reads=[9, 2])]
+    assert schedule_collectives(segments) == {}
