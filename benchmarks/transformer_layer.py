@@ -495,7 +495,7 @@ def print_table(rows, n):
                         print(f"{'':>14} {what} plan: {line}")
 
 
-def save(rows, args, n, async_tp: str) -> str:
+def save(rows, args, n) -> str:
     """Write (merge into) ``{out}/transformer_layer_{machine}.json``, with the goals checked on every row
     it then holds; returns its path."""
     path = os.path.join(args.out, f"transformer_layer_{machine_slug(n)}.json")
@@ -509,7 +509,7 @@ def save(rows, args, n, async_tp: str) -> str:
     result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
               "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
-              "rounds": args.rounds, "async_tp": async_tp, "goals": goals(merged), "shapes": merged}
+              "rounds": args.rounds, "goals": goals(merged), "shapes": merged}
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -569,11 +569,12 @@ def main(args) -> int:
     for s in shapes_of(args, n):
         for pass_ in args.passes:
             row = run_row(s, pass_, args, device, torch.bfloat16, timed_run=True)
+            row["async_tp"] = async_tp  # per row: a file merges the rows of several runs
             rows.append(row)
             torch._dynamo.reset()  # else later shapes exceed dynamo's recompile limit and silently run eager
             torch.cuda.empty_cache()
             if dist.rank() == 0:  # saved row by row: a run cut short keeps what it measured
-                path = save(rows, args, n, async_tp)
+                path = save(rows, args, n)
                 print(f"{s.mode} {pass_} {s.tokens},{s.hidden}: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in row["ms"].items()), flush=True)
     if dist.rank() == 0:
