@@ -1233,8 +1233,8 @@ def _sdpfa_bwd(grad_out, q, k, v, out, lse, philox_seed, philox_offset, dropout_
     if _cudnn_attention(q, k, v, dropout_p):
         # The layouts torch's own autograd passes: the output laid out after the query (as cuDNN's forward
         # allocates it), its gradient with the output's strides, the logsumexp a contiguous [B, H, S, 1].
-        # torch caches cuDNN's backward graphs by the query's, key's and value's layouts (torch 2.11 not by
-        # these three), so a call with other layouts could run a graph built for torch's and be wrong.
+        # torch caches cuDNN's graphs by the operands' layouts, in some versions by the query's, key's and
+        # value's alone: a call with other layouts of these three could run a graph built for torch's.
         o4 = _laid_out_like(o4, q4)
         g4 = _laid_out_like(g4, q4)
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
