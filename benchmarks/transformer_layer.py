@@ -98,7 +98,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import gpu_monitor  # noqa: E402
-from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, profile, time_rounds  # noqa: E402
+from benchmarks.tp_mlp import any_rank, machine_slug, max_rel_err, plan_segments, profile, time_rounds  # noqa: E402
 from examples.transformer_layer import EPS, INPUTS, Config, define_forward, transformer_layer_function  # noqa: E402
 from tp_fusion import DataType  # noqa: E402
 from tp_fusion.runtime import dist  # noqa: E402
@@ -514,11 +514,6 @@ def save(rows, args, n) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
-
-
-def plan_segments(fd) -> list[str]:
-    """The segment lines of ``str(fd.plan)`` (fused segments name their measured choice)."""
-    return [line.strip() for line in str(fd.plan).splitlines() if line.lstrip().startswith("segment")]
 
 
 def shapes_of(args, n: int) -> list[Shape]:

@@ -1153,14 +1153,10 @@ def _cudnn_attention(q, k, v, dropout_p: float) -> bool:
 
 
 def _laid_out_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``x`` (a copy where needed) dense in ``like``'s dim order, innermost dim first (the layout cuDNN's
-    attention gives its output after the query's)."""
-    strides, step = [0] * x.dim(), 1
-    for d in sorted(range(x.dim()), key=like.stride):
-        strides[d], step = step, step * x.shape[d]
-    if tuple(strides) == x.stride():
-        return x
-    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
+    """``x`` (a copy where needed) dense in ``like``'s dim order (the layout cuDNN's attention gives its
+    output after the query's)."""
+    inner_first = sorted(range(like.dim()), key=like.stride)
+    return with_stride_order(x, tuple(inner_first.index(d) for d in range(like.dim())))
 
 
 def _cpu_flash(q, k, v, dropout_p: float) -> bool:

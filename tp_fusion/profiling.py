@@ -295,9 +295,9 @@ def kernel_table(bars: Sequence[Bar], top: int = 12) -> str:
 def describe(trace_paths: Sequence[str | Path], top: int = 16) -> str:
     """Where one profiled iteration's time goes, from every rank's trace (``trace_paths[r]`` is rank
     ``r``): the per-rank report (``format_report``), then rank 0's GPU work by kernel (``kernel_table``)."""
-    reports = [rank_report(t, r) for r, t in enumerate(trace_paths)]
-    return "\n".join([format_report(reports), "rank 0 by kernel:",
-                      kernel_table(iteration_bars(trace_paths[0], 0), top=top)])
+    bars = [iteration_bars(t, r) for r, t in enumerate(trace_paths)]  # each trace read once
+    reports = [report_from_bars(b, r) for r, b in enumerate(bars)]
+    return "\n".join([format_report(reports), "rank 0 by kernel:", kernel_table(bars[0], top=top)])
 
 
 def plot_timeline(trace_paths: Sequence[str | Path], png_path: str | Path, title: str | None = None) -> Path:

@@ -110,25 +110,11 @@ def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
     return buf if rank in dst.devices else None
 
 
-def start_fn(s: Communicate, program: Program) -> Callable[[torch.Tensor | None], Callable[[], torch.Tensor] | None]:
-    """``start(x) -> finish`` for an allgather, reduce_scatter or allreduce step that runs asynchronously
-    (``program.schedule_collectives``): ``finish()`` waits for it and returns the local result (None
-    where this rank takes no part)."""
-    if not s.runs_here:
-        return lambda x: None
-    n, dim, outer, pg = len(s.group), s.op.attr("dim"), s.op.attr("outer", 1), dist.group(s.group)
-    if s.collective is Collective.ALLGATHER:
-        return lambda x: allgather(x, dim, pg, n, outer, async_op=True)
-    if s.collective is Collective.REDUCE_SCATTER:
-        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op=True)
-    donate = s.donate
-    return lambda x: allreduce(x, pg, donate, async_op=True)
-
-
-def step_fn(s: Communicate, program: Program):
+def step_fn(s: Communicate, program: Program, async_op: bool = False):
     """``fn(x) -> local result (None where this rank holds none)`` running one resharding step on
     this rank; groups, indices and shapes are looked up once, here. ``s.donate``: ``x`` may be
-    reduced in place."""
+    reduced in place. ``async_op`` (an allgather, reduce_scatter or allreduce that runs asynchronously,
+    ``program.schedule_collectives``): ``fn(x)`` returns ``finish()``, which waits and returns the result."""
     op, c, rank = s.op, s.collective, program.rank
     shape, dtype, device = s.out_shape, s.dtype.torch, program.device
     if c is Collective.SEND_RECV:
@@ -144,11 +130,11 @@ def step_fn(s: Communicate, program: Program):
         return (lambda x: x) if index == 0 else torch.zeros_like
     pg = dist.group(s.group)
     if c is Collective.ALLGATHER:
-        return lambda x: allgather(x, dim, pg, n, outer)
+        return lambda x: allgather(x, dim, pg, n, outer, async_op)
     if c is Collective.REDUCE_SCATTER:
-        return lambda x: reduce_scatter(x, dim, pg, n, outer)
+        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op)
     if c is Collective.ALLREDUCE:
         donate = s.donate
-        return lambda x: allreduce(x, pg, donate)
+        return lambda x: allreduce(x, pg, donate, async_op)
     src_dim, src_outer = op.attr("src_dim"), op.attr("src_outer", 1)
     return lambda x: all_to_all(x, src_dim, dim, pg, n, src_outer, outer)

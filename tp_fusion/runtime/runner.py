@@ -9,6 +9,7 @@ its ``FusedGemm`` in the mode tuning recorded. A failure inside a segment is rep
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -43,7 +44,8 @@ class Runner:
         # Asynchronous collectives (Program.overlapped): what to issue after each segment (-1: at the
         # start), in the order they are awaited, and what to await before each (len: at the end).
         # segment -> (start, its input, its output)
-        self._async = {i: (collectives.start_fn(step, program), step.op.inputs[0], step.op.outputs[0])
+        self._async = {i: (collectives.step_fn(step, program, async_op=True) if step.runs_here else _nothing,
+                           step.op.inputs[0], step.op.outputs[0])
                        for i in program.overlapped for step in program.segments[i].steps}
         self._issue_after: dict[int, list[int]] = {}
         self._await_before: dict[int, list[int]] = {}
@@ -124,19 +126,20 @@ class Runner:
         env: Env = dict(zip(program.fusion.inputs, inputs))
         # Under a CUDA-graph capture every collective runs in program order on the captured stream
         # (asynchronous collectives were not tried inside a capture).
-        overlap = bool(self._async) and not (program.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        overlapping = bool(self._async) and not (program.device.type == "cuda"
+                                                 and torch.cuda.is_current_stream_capturing())
         pending: dict[int, Callable[[], torch.Tensor]] = {}
-        if overlap:
+        if overlapping:
             self._issue(-1, env, pending, report_faults)
         for i, run in enumerate(self._runs):
-            if overlap:
+            if overlapping:
                 self._await(i, env, pending, report_faults)
                 if i in self._async:
                     continue
             self._in_segment(i, lambda run=run: run(env), report_faults)
-            if overlap:
+            if overlapping:
                 self._issue(i, env, pending, report_faults)
-        if overlap:
+        if overlapping:
             self._await(len(self._runs), env, pending, report_faults)
         input_storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor)}
         outs = []
@@ -203,6 +206,11 @@ def _readers(program: Program) -> dict[int, set[int]]:
     return readers
 
 
+def _nothing(x) -> None:
+    """A step on a rank that takes no part in it."""
+    return None
+
+
 def _not_in(skipped: set[int]) -> Callable:
     """``regions.fusible``, except for the steps in ``skipped`` (taken into a GEMM's epilogue)."""
     return lambda step: id(step) not in skipped and regions.fusible(step)
@@ -228,7 +236,7 @@ def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None) -> 
     mode = f.mode or FUSED
     epilogue = _epilogue(f.epilogue)
     in_gemm = f.out not in program.gelu_apart if gelu_in_gemm is None else gelu_in_gemm
-    tuning = overlap.DEFAULT_TUNING if in_gemm else overlap.Tuning(gelu_in_gemm=False)
+    tuning = dataclasses.replace(overlap.DEFAULT_TUNING, gelu_in_gemm=in_gemm)
     x_name, w_name, b_name, out, dim, transpose = f.x, f.weight, f.bias, f.out, f.dim, f.transpose_weight
 
     def operands(env):
