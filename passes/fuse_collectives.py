@@ -4,8 +4,9 @@ Patterns (the runtime overlaps their communication with the GEMM; see ``tp_fusio
 - allgather -> GEMM, gathering rows the GEMM consumes (a non-last dim of its left operand); the
   ``EPILOGUE`` ops that follow on the GEMM result alone join it;
 - GEMM without bias -> reduce_scatter over a non-last dim of the result, and the add of a bias
-  ``[out]`` to the reduced rows that insert_reshardings placed after it (a row-parallel linear);
-- GEMM without bias -> allreduce.
+  ``[out]`` to the reduced rows that insert_reshardings placed after it (a row-parallel linear; the
+  kernel adds it once, in one rank's GEMM epilogue);
+- GEMM without bias -> allreduce, and the add of a bias likewise.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
                     out.append(Segment("compute", seg.ops[:-1]))
                 taken = [seg.ops[-1], nxt.ops[0]]
                 after = segs[i + 2] if i + 2 < len(segs) else None
-                if (kind is Collective.REDUCE_SCATTER and after is not None and after.kind == "compute"
+                if (after is not None and after.kind == "compute"
                         and _bias_add(fusion, fusion.ops[after.ops[0]], comm.outputs[0])):
                     taken.append(after.ops[0])
                     segs[i + 2] = Segment("compute", after.ops[1:]) if len(after.ops) > 1 else None

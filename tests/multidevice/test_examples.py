@@ -71,8 +71,8 @@ def test_transformer_layer_forward_and_backward_validate():
     # Inference keeps no fc1 output for a backward, so its GELU joins the allgather's GEMM epilogue.
     ("sp", False, ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear+gelu",
                    "fused linear+reduce_scatter+add"]),
-    ("tp", True, ["fused linear+allreduce", "fused linear+allreduce"]),
-    ("tp", False, ["fused linear+allreduce", "fused linear+allreduce"])])
+    ("tp", True, ["fused linear+allreduce+add", "fused linear+allreduce+add"]),
+    ("tp", False, ["fused linear+allreduce+add", "fused linear+allreduce+add"])])
 def test_transformer_layer_plan_fuses_its_collectives_on_cuda(monkeypatch, mode, training, want):
     """Compiled for CUDA (no GPU needed), the forward's collectives are fused segments with their GEMMs:
     in sp the allgathers (before QKV and the MLP) and reduce_scatters (after the out-projection and the

@@ -120,8 +120,7 @@ def test_row_parallel_linear_with_bias_adds_bias_once():
     assert placements(f, lin.outputs[0]) == (Partial(),)
     assert add.inputs == (ar.outputs[0], b.name) and add.outputs == (z.name,)  # ... added after the sum
     assert placements(f, z) == (R,)
-    assert seg_summary(f) == [("fused", "linear+allreduce", ["linear", "allreduce"]),
-                              ("compute", "", ["add"])]
+    assert seg_summary(f) == [("fused", "linear+allreduce+add", ["linear", "allreduce", "add"])]
 
 
 def test_row_parallel_linear_with_bias_and_sharded_output_adds_bias_shard_once():
