@@ -25,10 +25,8 @@ Variants, all on the same seeded weights (each rank holds its shards):
   layer norms in sp), eager; pytorch_tp_compiled: the same under torch.compile, with async-TP
   (inductor's micro-pipeline TP on symmetric memory) enabled in sp;
 - tp_fusion: the example's inference forward fusion (``define_forward(training=False)``: only the
-  output, like the others under no_grad) through ``fd.execute`` (fwd; in tp mode with the rows split
-  into ``--micro-batches`` groups, so that one group's allreduce tail overlaps the next group's work),
-  and its ``tp_fusion.autograd`` Function, forward then backward (fwd_bwd);
-  tp_fusion_whole_batch: the tp forward unsplit (only where tp_fusion splits it), for comparison.
+  output, like the others under no_grad) through ``fd.execute`` (fwd), and its
+  ``tp_fusion.autograd`` Function, forward then backward (fwd_bwd).
 torch.compile costs tens of seconds per shape, mode and pass, so the compiled variants run only on
 ``--compile-shapes`` (default 8192,8192), and compute_compiled only when ``--variants`` names it.
 Every variant is checked against nccl_sequential (output; for fwd_bwd also the gradients of the
@@ -54,7 +52,7 @@ from examples.cli import parser  # noqa: E402
 
 SHAPES = ((4096, 4096), (8192, 4096), (16384, 4096), (4096, 8192), (8192, 8192), (16384, 8192))
 VARIANTS = ("compute_eager", "compute_epilogue", "compute_compiled", "nccl_sequential", "pytorch_tp",
-            "pytorch_tp_compiled", "tp_fusion", "tp_fusion_whole_batch")
+            "pytorch_tp_compiled", "tp_fusion")
 # torch.compile takes tens of seconds per shape, mode and pass: by default only pytorch_tp_compiled, on
 # one shape, so that the default run stays within ten minutes on 2 GPUs.
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "compute_compiled")
@@ -74,9 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens,hidden pairs on which the torch.compile variants run (slow to compile)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (tokens = batch x seq)")
     p.add_argument("--head-dim", type=int, default=128, help="attention head dim (heads = hidden / head_dim)")
-    p.add_argument("--micro-batches", type=int, default=2,
-                   help="tp_fusion's tp forward splits the rows into this many groups of whole sequences "
-                        "(define_forward(micro_batches)); 1 where the batch does not split")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; the median is reported")
@@ -335,14 +330,11 @@ def _module_grads(module, names) -> dict:
     return out
 
 
-def variants(s: Shape, full: dict, local: dict, pass_: str, names, device, fusions: dict,
-             micro_batches: int = 1) -> dict:
+def variants(s: Shape, full: dict, local: dict, pass_: str, names, device, fusions: dict) -> dict:
     """name -> a maker: a zero-argument function that builds the variant and returns its run, a
     zero-argument callable returning {"out": this rank's output, and in fwd_bwd the checked gradients}.
-    The tp_fusion maker leaves its forward and backward fusions in ``fusions``. ``micro_batches``: the
-    tp forward's (``define_forward``), where the batch splits so; tp_fusion_whole_batch runs it with 1."""
+    The tp_fusion maker leaves its forward and backward fusions in ``fusions``."""
     x_in, grad_out = local["x"], local["grad_out"]
-    splits = s.mode == "tp" and pass_ == "fwd" and micro_batches > 1 and (s.tokens // s.seq) % micro_batches == 0
 
     def backward_run(fn, x, weights: dict, grads_of):
         def run():
@@ -378,10 +370,10 @@ def variants(s: Shape, full: dict, local: dict, pass_: str, names, device, fusio
         return backward_run(fn, torch.nn.Parameter(x_in.clone()), weights,
                             lambda: _module_grads(module, CHECKED_GRADS[1:]))
 
-    def fusion(m: int, key: str = "forward"):
+    def fusion():
         cfg = Config(s.tokens, s.seq, s.hidden, s.heads, s.n, s.mode, DataType.from_torch(x_in.dtype))
         if pass_ == "fwd":  # an inference forward, as the others' under no_grad: it keeps nothing
-            inference = fusions[key] = define_forward(cfg, training=False, micro_batches=m)
+            inference = fusions["forward"] = define_forward(cfg, training=False)
             inputs = [local[n] for n in INPUTS]
             return lambda: {"out": inference.execute(inputs)[0]}
         layer, forward, backward = transformer_layer_function(cfg)
@@ -397,14 +389,9 @@ def variants(s: Shape, full: dict, local: dict, pass_: str, names, device, fusio
               "nccl_sequential": lambda: plain("sequential"),
               "pytorch_tp": lambda: torch_tp(),
               "pytorch_tp_compiled": lambda: torch_tp(compiled=True),
-              "tp_fusion": lambda: fusion(micro_batches if splits else 1),
-              "tp_fusion_whole_batch": lambda: fusion(1, "forward_whole_batch")}
-    # torch._addmm_activation has no backward: compute_epilogue is forward only. Only a split tp forward
-    # has a whole-batch counterpart.
-    skip = {"compute_epilogue"} if pass_ == "fwd_bwd" else set()
-    if not splits:
-        skip.add("tp_fusion_whole_batch")
-    return {n: makers[n] for n in names if n not in skip}
+              "tp_fusion": fusion}
+    # torch._addmm_activation has no backward: compute_epilogue is forward only.
+    return {n: makers[n] for n in names if not (n == "compute_epilogue" and pass_ == "fwd_bwd")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,7 +409,7 @@ def run_row(s: Shape, pass_: str, args, device, dtype, timed_run: bool) -> dict:
     compiles = (s.tokens, s.hidden) in args.compile_shapes
     names = [REFERENCE, *[v for v in args.variants if v != REFERENCE and (compiles or "compiled" not in v)]]
     fusions = {}
-    makers = variants(s, full, local, pass_, names, device, fusions, args.micro_batches)
+    makers = variants(s, full, local, pass_, names, device, fusions)
     row = {"mode": s.mode, "pass": pass_, "tokens": s.tokens, "hidden": s.hidden, "seq": s.seq,
            "heads": s.heads, "ms": {}, "ms_rounds": {}, "rel_err": {}, "failed": {}}
     fns, ref = {}, None

@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help answers at once
 
-from dataclasses import dataclass, replace  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -176,59 +176,33 @@ def merge_heads(fd: FusionDefinition, a, cfg: Config):
     return fd.ops.reshape(fd.ops.permute(a, [0, 2, 1, 3]), [cfg.tokens, cfg.hidden])
 
 
-def attention_part(fd: FusionDefinition, t: dict, x, cfg: Config) -> dict:
-    """The layer up to the out-projection (before its residual add), for the rows ``x``."""
-    ln0, mean0, rstd0 = fd.ops.native_layer_norm(x, [cfg.hidden], t["ln0_w"], t["ln0_b"], eps=EPS)
-    qkv = fd.ops.linear(ln0, t["qkv_w"], t["qkv_b"])
-    q, k, v = split_heads(fd, qkv, cfg)
-    attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=True, scale=None)
-    proj = fd.ops.linear(merge_heads(fd, attn, cfg), t["out_w"], t["out_b"])
-    return {"mean0": mean0, "rstd0": rstd0, "ln0": ln0, "qkv": qkv, "attn": attn, "logsumexp": lse,
-            "philox_seed": seed, "philox_offset": offset, "proj": proj}
-
-
-def mlp_part(fd: FusionDefinition, t: dict, x, proj, cfg: Config) -> dict:
-    """The MLP half of the layer (up to its output projection ``fc2``, before the last residual add), for
-    the rows ``x`` and their out-projection ``proj``."""
-    res1 = fd.ops.add(x, dropout(fd, proj, cfg, 0) if cfg.dropout else proj)
-    ln1, mean1, rstd1 = fd.ops.native_layer_norm(res1, [cfg.hidden], t["ln1_w"], t["ln1_b"], eps=EPS)
-    fc1 = fd.ops.linear(ln1, t["fc1_w"], t["fc1_b"])
-    gelu = fd.ops.gelu(fc1, approximate="tanh")
-    fc2 = fd.ops.linear(gelu, t["fc2_w"], t["fc2_b"])
-    return {"res1": res1, "mean1": mean1, "rstd1": rstd1, "ln1": ln1, "fc1": fc1, "gelu": gelu, "fc2": fc2}
-
-
-def define_forward(cfg: Config, training: bool = True, micro_batches: int = 1) -> FusionDefinition:
+def define_forward(cfg: Config, training: bool = True) -> FusionDefinition:
     """The layer's forward fusion: inputs ``INPUTS``, outputs ``OUTPUTS`` (with ``training=False`` only
     ``out``: nothing is kept for a backward, so fc1's bias and GELU can run in its GEMM's epilogue),
     scheduled for ``cfg.mode``. Everything is in the layer's dtype, as in torch: the layer norms are
     aten's fused kernel (``native_layer_norm``: float32 statistics for bf16), the residual adds bf16
-    for a bf16 layer.
-
-    ``micro_batches`` > 1 (inference in tp mode, no dropout): the rows are split into that many groups of
-    whole sequences, defined stage by stage (every group's attention part, then every group's MLP part,
-    then the residual adds), so that on GPUs the tail of one group's fused allreduce overlaps the next
-    group's work (the plan awaits it only where its result is read: ``program.schedule_collectives``)."""
-    m = micro_batches
-    if m > 1 and (training or cfg.mode != "tp" or cfg.dropout or cfg.batch % m):
-        raise ValueError(f"micro_batches={m} needs an inference forward (training=False) in tp mode without "
-                         f"dropout, and a batch of sequences ({cfg.batch}) that splits into {m} groups")
+    for a bf16 layer."""
+    e = [cfg.hidden]
     with FusionDefinition() as fd:
         t = {name: fd.define_tensor(cfg.shape(name), dtype=cfg.dtype) for name in INPUTS}
-        part = replace(cfg, tokens=cfg.tokens // m)
-        xs = [t["x"]] if m == 1 else [fd.ops.slice(t["x"], [i * part.tokens, 0], [(i + 1) * part.tokens, cfg.hidden])
-                                     for i in range(m)]
-        firsts = [attention_part(fd, t, x, part) for x in xs]
-        seconds = [mlp_part(fd, t, x, first["proj"], part) for x, first in zip(xs, firsts)]
-        outs = [fd.ops.add(second["res1"], dropout(fd, second["fc2"], cfg, 1) if cfg.dropout else second["fc2"])
-                for second in seconds]
-        out = outs[0] if m == 1 else fd.ops.cat(outs, 0)
-        outputs = {**firsts[0], **seconds[0], "out": out}
-        for tv in [outputs[name] for name in OUTPUTS] if training else [out]:
+        x = t["x"]
+        ln0, mean0, rstd0 = fd.ops.native_layer_norm(x, e, t["ln0_w"], t["ln0_b"], eps=EPS)
+        qkv = fd.ops.linear(ln0, t["qkv_w"], t["qkv_b"])
+        q, k, v = split_heads(fd, qkv, cfg)
+        attn, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=True, scale=None)
+        proj = fd.ops.linear(merge_heads(fd, attn, cfg), t["out_w"], t["out_b"])
+        res1 = fd.ops.add(x, dropout(fd, proj, cfg, 0) if cfg.dropout else proj)
+        ln1, mean1, rstd1 = fd.ops.native_layer_norm(res1, e, t["ln1_w"], t["ln1_b"], eps=EPS)
+        fc1 = fd.ops.linear(ln1, t["fc1_w"], t["fc1_b"])
+        gelu = fd.ops.gelu(fc1, approximate="tanh")
+        fc2 = fd.ops.linear(gelu, t["fc2_w"], t["fc2_b"])
+        out = fd.ops.add(res1, dropout(fd, fc2, cfg, 1) if cfg.dropout else fc2)
+        outputs = dict(zip(OUTPUTS, (out, mean0, rstd0, ln0, qkv, attn, lse, seed, offset, res1, mean1, rstd1, ln1,
+                                     fc1, gelu)))
+        for tv in (outputs.values() if training else [out]):
             fd.add_output(tv)
         # proj and fc2 too: their partial sums are reduced (scattered in sp) before the bias.
-        named = [t, {"out": out}, *firsts, *seconds, *({"x": x, "out": o} for x, o in zip(xs, outs) if m > 1)]
-        for name, tv in ((name, tv) for values in named for name, tv in values.items()):
+        for name, tv in {**t, **outputs, "proj": proj, "fc2": fc2}.items():
             cfg.schedule(tv, name)
     return fd
 

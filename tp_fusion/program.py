@@ -93,10 +93,9 @@ class Program:
     gelu_apart: frozenset[int] = frozenset()  # tanh-GELU outputs whose GELU runs as a pass apart from its
     #                                           GEMM's epilogue (measured faster; ``gelu_epilogues``)
     notes: tuple[str, ...] = ()  # why tuning chose what it chose (timings, host locality), one line each
-    overlapped: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # communication (or fused
-    #   allreduce) segment index -> (issued after segment, awaited before segment): collectives run
-    #   asynchronously so that the segments in between overlap them (``schedule_collectives``); -1 is the
-    #   start, len(segments) the end
+    overlapped: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # communication segment
+    #   index -> (issued after segment, awaited before segment): collectives run asynchronously so that the
+    #   segments in between overlap them (``schedule_collectives``); -1 is the start, len(segments) the end
 
     def groups(self) -> list[tuple[int, ...]]:
         """Every process group the program uses on any rank, in order (created alike on every rank)."""
@@ -147,8 +146,7 @@ class Program:
             elif seg.note:
                 head += f" ({seg.note})"
             if i in self.overlapped:
-                head += " (asynchronous: " + _overlap_text(*self.overlapped[i], len(self.segments),
-                                                           seg.kind == "fused") + ")"
+                head += " (asynchronous: " + _overlap_text(*self.overlapped[i], len(self.segments)) + ")"
             pairs = self.gelu_pairs(seg) if seg.kind == "compute" else {}
             if pairs:
                 inside = all(pairs.values())
@@ -164,11 +162,9 @@ class Program:
         return "\n".join(lines)
 
 
-def _overlap_text(issued_after: int, awaited_before: int, n: int, fused: bool) -> str:
-    awaited = "awaited at the end" if awaited_before >= n else f"awaited before segment {awaited_before}"
-    if fused:
-        return f"its last transfers {awaited}"
+def _overlap_text(issued_after: int, awaited_before: int, n: int) -> str:
     issued = "issued at the start" if issued_after < 0 else f"issued after segment {issued_after}"
+    awaited = "awaited at the end" if awaited_before >= n else f"awaited before segment {awaited_before}"
     return f"{issued}, {awaited}"
 
 
@@ -188,10 +184,7 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
     communication segment before its own wait (fused segments are not counted: in fused mode they
     communicate through the copy engines). Collectives issued at one point go in the order they are
     awaited. The schedule depends on the segments alone, so every rank issues the same collectives in the
-    same order. A fused allreduce segment (``FusedGemm``) runs where it stands, but the last transfers of
-    its result (``overlap.linear_allreduce``'s ``async_op``) are awaited only before the first segment
-    that reads it, where that is not the next one: (its index - 1, that segment). ``build_program`` uses
-    it for CUDA programs."""
+    same order. ``build_program`` uses it for CUDA programs."""
     where: dict[int, int] = {}  # tensor -> the segment that produces it
     readers: dict[int, list[int]] = {}  # tensor -> the segments that read it, in order
     for i, seg in enumerate(segments):
@@ -201,14 +194,7 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
             for o in s.op.outputs:
                 where[o] = i
     windows = {}  # segment -> (earliest issue, wait), for every candidate
-    fused = {}  # fused allreduce segment -> where its tail is awaited
     for i, seg in enumerate(segments):
-        if seg.kind == "fused" and seg.fused.collective is Collective.ALLREDUCE:
-            later = [j for j in readers.get(seg.fused.out, []) if j > i]
-            wait = later[0] if later else len(segments)
-            if wait > i + 1:
-                fused[i] = (i - 1, wait)
-            continue
         if seg.kind != "communication" or len(seg.steps) != 1 or seg.steps[0].collective not in _ASYNC_COLLECTIVES:
             continue
         step = seg.steps[0]
@@ -219,10 +205,10 @@ def schedule_collectives(segments: Sequence[ProgramSegment]) -> dict[int, tuple[
         later = [j for j in readers.get(result, []) if j > i]
         windows[i] = (issue, later[0] if later else len(segments))
     # Candidates drop out until none does (one that drops out runs in order, which may push others later).
-    out = {**windows, **fused}
+    out = dict(windows)
     while True:
         in_order = [j for j, seg in enumerate(segments) if seg.kind == "communication" and j not in out]
-        kept = dict(fused)
+        kept = {}
         for i, (first, wait) in windows.items():
             if i not in out or first in out:  # dropped out, or its input comes from an asynchronous collective
                 continue

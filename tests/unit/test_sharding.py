@@ -230,8 +230,7 @@ def test_tp_mlp_golden_ir():
     f = lower(fd)
     assert str(f) == TP_MLP_GOLDEN
     assert seg_summary(f) == [("compute", "", ["linear", "gelu"]),
-                              ("fused", "linear+allreduce", ["linear", "allreduce"]),
-                              ("compute", "", ["add"])]
+                              ("fused", "linear+allreduce+add", ["linear", "allreduce", "add"])]
 
 
 def test_sp_mlp_golden_ir():

@@ -23,16 +23,16 @@ def _summary(mode: str, d: int = 2):
 
 def test_tp_mlp_allreduce():
     s = _summary("tp")
-    assert [seg.ops for seg in s.segments] == ["linear+gelu", "linear+allreduce", "add"]
-    assert [seg.fused for seg in s.segments] == [False, True, False]
+    # the row-parallel bias is added to the reduced rows inside the fused segment
+    assert [seg.ops for seg in s.segments] == ["linear+gelu", "linear+allreduce+add"]
+    assert [seg.fused for seg in s.segments] == [False, True]
     # segment 0: x [64, 32] @ w1 shard [64, 32]^T -> [64, 64]: 2*64*64*32, then gelu on 64*64
     assert s.segments[0].flops == 2 * T * (F // 2) * H + T * (F // 2)
-    # segment 1: [64, 64] @ w2 shard [32, 64]^T -> [64, 32] partial; allreduce of 64*32*4 bytes
-    assert s.segments[1].flops == 2 * T * H * (F // 2)
+    # segment 1: [64, 64] @ w2 shard [32, 64]^T -> [64, 32] partial; allreduce of 64*32*4 bytes; the bias add
+    assert s.segments[1].flops == 2 * T * H * (F // 2) + T * H
     (ar,) = s.segments[1].comms
     assert (ar.kind, ar.group_size, ar.payload) == ("allreduce", 2, T * H * 4)
     assert ar.sent == ar.received == 2 * (2 - 1) * (T * H * 4) // 2 == 8192
-    assert s.segments[2].flops == T * H  # the bias add
     assert s.sent == s.received == 8192
     assert s.flops == 266240 + 262144 + 2048
 

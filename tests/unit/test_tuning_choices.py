@@ -1,14 +1,16 @@
 """Choices tuning makes without timing them here (the timings run on GPUs: tests/gpu, benchmarks):
 which plans may be captured as a CUDA graph (``tuning._graphable``: a random draw stays eager, since a
-replay would repeat an unseeded draw and a seeded one's generator cannot be captured), and how measured GEMM+GELU
-timings become a choice (the GELU leaves the GEMM's epilogue only when clearly faster)."""
+replay would repeat an unseeded draw and a seeded one's generator cannot be captured), and how measured timings
+become choices (the GELU leaves the GEMM's epilogue only when clearly faster; a fused segment that lost alone
+is timed fused within the whole plan too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tp_fusion import DataType, FusionDefinition
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
+from tp_fusion.program import FUSED, SEQUENTIAL
 from tp_fusion.runtime import graphs, tuning
 
 
@@ -71,3 +73,39 @@ def test_gelu_leaves_the_epilogue_only_when_clearly_faster(gpu_tuning, monkeypat
     assert apart == ({gelu} if leaves else set())
     assert notes == [f"segment 0 linear+gelu: GELU in the GEMM's epilogue 1.000 ms, apart {apart_ms:.3f} ms -> "
                      f"{'apart' if leaves else 'in the epilogue'}"]
+
+
+def _tp_mlp_program():
+    """A tp MLP compiled for CUDA on rank 0 of 2: its fc2 is a fused linear+allreduce segment."""
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        x, w1, w2 = fd.define_tensor([8, 8]), fd.define_tensor([16, 8]), fd.define_tensor([8, 16])
+        fd.add_output(fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1), approximate="tanh"), w2))
+    for tv in (x, w1, w2):
+        tv.set_device_mesh(mesh)
+    for tv, dim in ((w1, 0), (w2, 1)):
+        tv.outer_split(dim, 2)
+        tv.axis(dim).parallelize(ParallelType.mesh_x)
+    return fd.compile([[8, 8], [16, 8], [8, 16]], rank=0, device="cuda")
+
+
+@pytest.mark.parametrize("fused_ms, want", [(1.0, FUSED), (3.0, SEQUENTIAL)])
+def test_a_segment_faster_sequential_alone_runs_fused_where_the_plan_is_faster_so(monkeypatch, fused_ms, want):
+    """Timed alone, a fused segment lost to its sequential collective; the whole plan is then timed with it
+    fused too, and the faster plan is kept (with a note saying why)."""
+    (i,) = [i for i, seg in enumerate(_tp_mlp_program().segments) if seg.fused is not None]
+    alone = _tp_mlp_program().with_choices({i: SEQUENTIAL}, cuda_graph=False, notes=())
+
+    class Timed:  # stands in for the Runner: "running" the plan returns its time in ms
+        def __init__(self, program):
+            self.program = program
+
+        def run_eager(self, inputs):
+            return fused_ms if self.program.segments[i].fused.mode == FUSED else 2.0
+
+    monkeypatch.setattr(tuning, "Runner", Timed)
+    monkeypatch.setattr(tuning, "time_ms", lambda fn, iters, warmup: fn())
+    monkeypatch.setattr(tuning, "slowest", lambda values, pg, device: values)  # one rank, no GPU
+    chosen, runner = tuning._fused_if_faster_in_plan(alone, Timed(alone), [i], [])
+    assert chosen.segments[i].fused.mode == want and runner.program is chosen
+    assert chosen.notes == (f"whole plan: segment(s) {i} sequential 2.000 ms, fused {fused_ms:.3f} ms -> {want}",)

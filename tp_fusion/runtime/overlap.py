@@ -128,51 +128,33 @@ def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: s
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def linear_allreduce(x, weight, bias=None, *, pg, mode: str, tuning: Tuning | None = None,
-                     async_op: bool = False):
+def linear_allreduce(x, weight, bias=None, *, pg, mode: str,
+                     tuning: Tuning | None = None) -> torch.Tensor:
     """``sum over group ranks of F.linear(x, weight)``, plus ``bias`` (added once). Fused: each rank
     reduces its share of the rows (GEMM+reduce_scatter) and sends the sums on to every peer while
-    the next rows are computed; this needs rows that split evenly over the ranks.
-
-    ``async_op``: return ``finish()`` instead, which makes the current stream wait for the last
-    transfers (the fused kernel's sums travelling to the peers, or the sequential allreduce) and
-    returns the result; the GEMMs are issued before it returns. Work issued in between overlaps that
-    tail (the runner's asynchronous fused segments, ``program.schedule_collectives``)."""
+    the next rows are computed; this needs rows that split evenly over the ranks."""
     n = _group_size(pg)
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     if n == 1:
-        return _done(F.linear(x, weight, bias), async_op)
+        return F.linear(x, weight, bias)
     tuning = tuning or DEFAULT_TUNING
     mode = _resolve("linear_allreduce", mode, x2, weight, bias, None, pg, tuning)
     if mode == FUSED and rows % n:
         raise ValueError(f"linear_allreduce(mode='fused'): the {rows} rows of x do not split evenly over "
                          f"{n} ranks; use mode='sequential' or pad the rows to a multiple of {n}")
-    shape = (*x.shape[:-1], -1)
     with _label(f"tp_fusion::linear_allreduce[{mode}]"):
         if mode == SEQUENTIAL:
-            out = F.linear(x2, weight, bias if dist.group_rank(pg) == 0 else None).view(shape)
-            work = dist.all_reduce(out, pg, async_op=async_op)
-            if work is None:
-                return out
-
-            def finish() -> torch.Tensor:
-                work.wait()
-                return out
-            return finish
-        if x2.is_cuda:
-            finish = _symm_linear_allreduce(x2.contiguous(), weight, bias, pg, tuning)
-            return (lambda: finish().view(shape)) if async_op else finish().view(shape)
-        x3 = x2.reshape(n, rows // n, -1).contiguous()
-        mine = _ring_linear_reduce_scatter(x3, weight, bias, pg)
-        out = mine.new_empty((rows, mine.shape[-1]))
-        dist.all_gather(out, mine, pg)
-    return _done(out.view(shape), async_op)
-
-
-def _done(out: torch.Tensor, async_op: bool):
-    """``out``, or with ``async_op`` a ``finish()`` returning it (nothing is left to wait for)."""
-    return (lambda: out) if async_op else out
+            out = F.linear(x2, weight, bias if dist.group_rank(pg) == 0 else None)
+            dist.all_reduce(out, pg)
+        elif x2.is_cuda:
+            out = _symm_linear_allreduce(x2.contiguous(), weight, bias, pg, tuning)
+        else:
+            x3 = x2.reshape(n, rows // n, -1).contiguous()
+            mine = _ring_linear_reduce_scatter(x3, weight, bias, pg)
+            out = mine.new_empty((rows, mine.shape[-1]))
+            dist.all_gather(out, mine, pg)
+    return out.view(*x.shape[:-1], -1)
 
 
 def linear(x, weight, bias=None, epilogue=None, gelu_in_gemm: bool = True) -> torch.Tensor:
@@ -438,12 +420,11 @@ def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
         torch.sum(slots, dim=0, out=out)
 
 
-def _symm_linear_allreduce(x2, weight, bias, pg, tuning):
+def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
     """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
     k, rank r pushes its partials of the peers' rows, GEMMs its own rows (plus the bias; on a second
     stream with ``rs_streams=2``), sums what it received, and pushes the sums to every peer while piece
-    k+1 is computed; the comm stream copies the peers' sums into the output as they arrive. Returns
-    ``finish()``: the current stream waits for those copies, and the result is returned."""
+    k+1 is computed; the comm stream copies the peers' sums into the output as they arrive."""
     device = x2.device
     rows, out_cols = x2.shape[0], weight.shape[0]
     n = dist.group_size(pg)
@@ -475,13 +456,5 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning):
             src = (r - step) % n
             sums.wait_ready(comm, src, k)
             driver.copy(comm, out[src, k], sums.slot(src, k))
-    done = torch.cuda.Event()  # this call's own: another call's tail may be pending too
-    done.record(comm)
-    # The caller's stream may go on before the pushes have read ``staging``: the allocator must not hand
-    # its memory to that work before the comm stream is done with it.
-    staging.record_stream(comm)
-
-    def finish() -> torch.Tensor:
-        torch.cuda.current_stream(device).wait_event(done)
-        return out.view(rows, out_cols)
-    return finish
+    symm.stream_wait(main, comm)
+    return out.view(rows, out_cols)

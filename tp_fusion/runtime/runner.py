@@ -40,30 +40,23 @@ class Runner:
             dist.group(ranks)
         self._regions = regions.mode()
         self._readers = _readers(program) if self._regions else {}
-        segments = program.segments
-        # Asynchronous segments (Program.overlapped). A fused allreduce runs where it stands and returns
-        # ``finish()`` for its tail. A collective is issued after a segment (-1: at the start), in the order
-        # they are awaited: segment -> (start, its input). Both are awaited before a segment (len: at the end).
+        self._runs = [self._segment(seg) for seg in program.segments]
+        # Asynchronous collectives (Program.overlapped): what to issue after each segment (-1: at the
+        # start), in the order they are awaited, and what to await before each (len: at the end).
+        # segment -> (start, its input, its output)
         self._async = {i: (collectives.step_fn(step, program, async_op=True) if step.runs_here else _nothing,
-                           step.op.inputs[0])
-                       for i in program.overlapped if segments[i].kind == "communication" for step in segments[i].steps}
-        self._async_out = {i: segments[i].fused.out if segments[i].kind == "fused"
-                           else segments[i].steps[0].op.outputs[0] for i in program.overlapped}
-        self._runs = [self._segment(seg, async_op=i in self._async_out) for i, seg in enumerate(segments)]
+                           step.op.inputs[0], step.op.outputs[0])
+                       for i in program.overlapped for step in program.segments[i].steps}
         self._issue_after: dict[int, list[int]] = {}
         self._await_before: dict[int, list[int]] = {}
         for i, (issue, wait) in sorted(program.overlapped.items(), key=lambda kv: (kv[1][1], kv[0])):
-            if i in self._async:
-                self._issue_after.setdefault(issue, []).append(i)
+            self._issue_after.setdefault(issue, []).append(i)
             self._await_before.setdefault(wait, []).append(i)
         self.graph: graphs.GraphedRun | None = None
 
     # --- building --------------------------------------------------------------------------------
 
-    def _segment(self, seg: ProgramSegment, async_op: bool) -> Callable[[Env], object]:
-        """``run(env)``; for an asynchronous fused segment ``run(env)`` returns ``finish()`` (its result)."""
-        if async_op and seg.kind == "fused":
-            return _fused(seg.fused, self.program, async_op=True)
+    def _segment(self, seg: ProgramSegment) -> Callable[[Env], None]:
         if seg.fused is not None and seg.fused.runs_here and seg.fused.mode != SEQUENTIAL:
             return _fused(seg.fused, self.program)
         steps = []
@@ -143,11 +136,7 @@ class Runner:
                 self._await(i, env, pending, report_faults)
                 if i in self._async:
                     continue
-            result = self._in_segment(i, lambda run=run: run(env), report_faults)
-            if i in self._async_out:  # a fused segment's tail
-                pending[i] = result
-                if not overlapping:
-                    self._await_one(i, env, pending, report_faults)
+            self._in_segment(i, lambda run=run: run(env), report_faults)
             if overlapping:
                 self._issue(i, env, pending, report_faults)
         if overlapping:
@@ -168,18 +157,15 @@ class Runner:
     def _issue(self, after: int, env: Env, pending: dict, report_faults: bool) -> None:
         """Start the asynchronous collectives scheduled after segment ``after``."""
         for j in self._issue_after.get(after, ()):
-            start, x = self._async[j]
+            start, x, _ = self._async[j]
             pending[j] = self._in_segment(j, lambda start=start, x=x: start(env.get(x)), report_faults)
 
     def _await(self, before: int, env: Env, pending: dict, report_faults: bool) -> None:
-        """Wait for the asynchronous segments whose results segment ``before`` reads (or the outputs)."""
+        """Wait for the asynchronous collectives whose results segment ``before`` reads (or the outputs)."""
         for j in self._await_before.get(before, ()):
-            self._await_one(j, env, pending, report_faults)
-
-    def _await_one(self, j: int, env: Env, pending: dict, report_faults: bool) -> None:
-        finish = pending.pop(j)
-        if finish is not None:
-            env[self._async_out[j]] = self._in_segment(j, finish, report_faults)
+            finish = pending.pop(j)
+            if finish is not None:
+                env[self._async[j][2]] = self._in_segment(j, finish, report_faults)
 
     def _in_segment(self, i: int, fn: Callable[[], object], report_faults: bool):
         """``fn()``, a part of segment ``i``; a failure is reported as that segment's (see ``faults``)."""
@@ -243,14 +229,9 @@ def _gemm_gelu(gemm: Compute, act: Compute, in_gemm: bool) -> Callable[[Env], No
     return run
 
 
-def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None,
-           async_op: bool = False) -> Callable[[Env], object]:
+def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None) -> Callable[[Env], None]:
     """``run(env)`` for a fused segment through ``tp_fusion.runtime.overlap``, in ``f.mode``, with a
-    tanh-GELU epilogue in the GEMM unless ``program.gelu_apart`` (or ``gelu_in_gemm``) says otherwise.
-    ``async_op`` (an allreduce): ``run(env)`` returns ``finish()``, which waits for the last transfers and
-    returns the result (None on a rank that takes no part)."""
-    if not f.runs_here:
-        return lambda env: None
+    tanh-GELU epilogue in the GEMM unless ``program.gelu_apart`` (or ``gelu_in_gemm``) says otherwise."""
     pg = dist.group(f.group)
     mode = f.mode or FUSED
     epilogue = _epilogue(f.epilogue)
@@ -261,7 +242,7 @@ def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None,
     def operands(env):
         w = env[w_name].t() if transpose else env[w_name]
         return env[x_name], w, None if b_name is None else env[b_name]
-    inner = _fused_run(f, pg, mode, epilogue, operands, tuning, async_op)
+    inner = _fused_run(f, pg, mode, epilogue, operands, tuning)
     n = dist.group_size(pg)
 
     def run(env):
@@ -277,14 +258,11 @@ def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None,
         elif f.collective is Collective.REDUCE_SCATTER:
             shape[dim] //= n
         y = torch.nn.functional.linear(x.new_zeros(shape), w, b)
-        y = epilogue(y) if (epilogue is not None and f.collective is Collective.ALLGATHER) else y
-        if async_op:
-            return lambda: y
-        env[out] = y
+        env[out] = epilogue(y) if (epilogue is not None and f.collective is Collective.ALLGATHER) else y
     return run
 
 
-def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands, tuning, async_op: bool) -> Callable[[Env], object]:
+def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands, tuning) -> Callable[[Env], None]:
     out, dim = f.out, f.dim
     if f.collective is Collective.ALLGATHER:
         def run(env):
@@ -295,10 +273,6 @@ def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands, tuning, async_op
         def run(env):
             x, w, b = operands(env)
             env[out] = overlap.linear_reduce_scatter(x, w, b, scatter_dim=dim, pg=pg, mode=mode)
-    elif async_op:
-        def run(env):
-            x, w, b = operands(env)
-            return overlap.linear_allreduce(x, w, b, pg=pg, mode=mode, async_op=True)
     else:
         def run(env):
             x, w, b = operands(env)

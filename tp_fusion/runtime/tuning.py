@@ -5,8 +5,10 @@
   one GEMM): ``sequential`` where the segment's group spans hosts (symmetric memory maps peers over
   NVLink, so it needs one host; decided on every backend, so a CPU run shows a GPU job's plan); else
   on CUDA under NCCL both are timed on this segment's own operand shapes, bias and epilogue included
-  (what actually runs), and the group takes the max over its ranks; elsewhere (gloo, CPU) ``fused``,
-  so the decomposition is what CI exercises;
+  (what actually runs), and the group takes the max over its ranks; a segment that timed faster
+  ``sequential`` alone is timed ``fused`` within the whole plan too, and the faster plan is kept
+  (``_fused_if_faster_in_plan``); elsewhere (gloo, CPU) ``fused``, so the decomposition is what CI
+  exercises;
 - for each linear+bias followed by a tanh-GELU (a fused segment's epilogue, or a pair in a compute
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
@@ -98,21 +100,23 @@ def _fastest(runs: dict, env: dict, pg, device) -> dict:
     return dict(zip(runs, slowest([min(r) for r in rounds.values()], pg, device)))
 
 
-def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool, str]:
-    """(mode, whether a tanh-GELU epilogue runs apart from the GEMM, why) for fused segment ``i``,
-    whose group's ranks are on ``hosts``."""
+def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool, str, bool]:
+    """(mode, whether a tanh-GELU epilogue runs apart from the GEMM, why, whether timings chose it) for
+    fused segment ``i``, whose group's ranks are on ``hosts``."""
     seg = program.segments[i]
     f = seg.fused
     if f.runs_here and len(hosts) > 1:
-        return SEQUENTIAL, False, (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
-                                   f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
+        why = (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
+               f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
+        return SEQUENTIAL, False, why, False
     if f.runs_here and f.collective is Collective.ALLREDUCE and \
             math.prod(local_shape(program.fusion, f.x)[:-1]) % len(f.group):
-        return SEQUENTIAL, False, ""  # rows that do not split over the ranks: nothing to pipeline
+        return SEQUENTIAL, False, "", False  # rows that do not split over the ranks: nothing to pipeline
     if not _measures(program) or not f.runs_here:
-        return FUSED, False, ""
+        return FUSED, False, "", False
     if symm.driver() is None:
-        return SEQUENTIAL, False, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}"
+        return SEQUENTIAL, False, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}", \
+            False
     gelu_choices = (True, False) if _has_gelu_epilogue(f) else (True,)
     runs = {(mode, in_gemm): _fused(dataclasses.replace(f, mode=mode), program, gelu_in_gemm=in_gemm)
             for mode in (FUSED, SEQUENTIAL) for in_gemm in gelu_choices}
@@ -121,7 +125,7 @@ def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool,
     in_gemm = len(gelu_choices) == 1 or _keeps_gelu_in_gemm(ms[mode, True], ms[mode, False])
     timings = ", ".join(f"{m} {ms[m, True]:.3f} ms" + (f" (GELU apart {ms[m, False]:.3f})" if len(gelu_choices) > 1
                                                         else "") for m in (FUSED, SEQUENTIAL))
-    return mode, not in_gemm, f"segment {i} {seg.note}: {timings} -> {mode}" + ("" if in_gemm else ", GELU apart")
+    return mode, not in_gemm, f"segment {i} {seg.note}: {timings} -> {mode}" + ("" if in_gemm else ", GELU apart"), True
 
 
 def _keeps_gelu_in_gemm(in_gemm_ms: float, apart_ms: float) -> bool:
@@ -191,6 +195,36 @@ def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: flo
                                         f"{'graph' if keep else 'eager'}"
 
 
+def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[int],
+                             inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
+    """Fused segments that timed faster ``sequential`` on their own (``candidates``, this rank's) are run
+    ``fused`` where the whole plan runs faster so. Timed alone, back to back, a fused kernel can lose to
+    the collective where its GEMM is shorter than its transfers; within the plan, the sequential
+    collective also waits for the slower rank at a point where nothing else runs (tp transformer layer
+    8192x4096 on 2x H200: the out-projection's allreduce timed 0.441 ms sequential and 0.464 fused alone,
+    yet the layer ran 3.27 ms with it sequential and 3.05 with it fused). Both plans are launched
+    eagerly in interleaved rounds; the faster min, max over the world, wins (collective over the world)."""
+    (anywhere,) = slowest([float(bool(candidates))], None, program.device)
+    if not anywhere:
+        return program, runner
+    alternative = program.with_choices({i: FUSED for i in candidates}, cuda_graph=False, notes=program.notes)
+    runners = {"as timed alone": runner, "fused": Runner(alternative)}
+    rounds = {key: [] for key in runners}
+    with torch.no_grad():
+        for _ in range(ROUNDS):
+            for key, r in runners.items():
+                rounds[key].append(time_ms(lambda r=r: r.run_eager(inputs), TIMED_ITERS, WARMUP))
+    alone_ms, fused_ms = slowest([min(r) for r in rounds.values()], None, program.device)
+    keep = "fused" if fused_ms < alone_ms else "as timed alone"
+    which = ", ".join(str(i) for i in candidates) or "none on this rank"
+    note = (f"whole plan: segment(s) {which} sequential {alone_ms:.3f} ms, fused {fused_ms:.3f} ms -> "
+            f"{'fused' if keep == 'fused' else 'sequential'}")
+    chosen = alternative if keep == "fused" else program
+    chosen = chosen.with_choices({}, cuda_graph=False, notes=(*program.notes, note))
+    runners[keep].program = chosen
+    return chosen, runners[keep]
+
+
 def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
     """The runner's plan launched eagerly, ms per call, max over the world (collective)."""
     (ms,) = slowest([time_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP)], None, inputs[0].device)
@@ -202,17 +236,21 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     of the world calls it for the same program)."""
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
-    modes, apart, notes = {}, set(), []
+    modes, apart, notes, timed_sequential = {}, set(), [], []
     for i, seg_hosts in zip(fused, hosts):
-        modes[i], gelu_apart, note = _choose_mode(i, program, seg_hosts)
+        modes[i], gelu_apart, note, timed = _choose_mode(i, program, seg_hosts)
         if gelu_apart:
             apart.add(program.segments[i].fused.out)
         if note:
             notes.append(note)
+        if timed and modes[i] == SEQUENTIAL:
+            timed_sequential.append(i)
     compute_apart, compute_notes = _choose_gelus(program)
     tuned = program.with_choices(modes, cuda_graph=False, notes=(*notes, *compute_notes),
                                  gelu_apart=frozenset(apart | compute_apart))
     runner = Runner(tuned)
+    if _measures(program):
+        tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs)
     if _graphable(tuned):
         with torch.no_grad():
             graphed, note = _capture_if_faster(runner, inputs)
