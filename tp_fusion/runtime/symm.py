@@ -118,6 +118,14 @@ def comm_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @functools.cache
+def recv_stream(device: torch.device) -> torch.cuda.Stream:
+    """A second copy stream for work that waits on a peer's flag and then copies what arrived: on
+    ``comm_stream`` such a wait would hold up the pushes queued behind it (the peer's next wait may be
+    on one of those pushes, so the two ranks' pipelines would step in lockstep)."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
+@functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """A second compute stream, for compute/compute overlap (the tail wave of one GEMM with the next)."""
     return torch.cuda.Stream(device)
