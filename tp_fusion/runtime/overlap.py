@@ -424,8 +424,8 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
     """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
     k, rank r pushes its partials of the peers' rows, GEMMs its own rows (plus the bias; on a second
     stream with ``rs_streams=2``), sums what it received, and pushes the sums to every peer while piece
-    k+1 is computed; a second copy stream (``symm.recv_stream``) copies the peers' sums into the output
-    as they arrive, so that no push waits behind a wait for a peer."""
+    k+1 is computed; a second copy stream (``symm.comm_stream``'s lane 1) copies the peers' sums into the
+    output as they arrive, so that no push waits behind a wait for a peer."""
     device = x2.device
     rows, out_cols = x2.shape[0], weight.shape[0]
     n = dist.group_size(pg)
@@ -436,7 +436,7 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
     partials.start_call()
     sums.start_call()
     r, driver = partials.rank, symm.driver()
-    main, comm, recv = torch.cuda.current_stream(device), symm.comm_stream(device), symm.recv_stream(device)
+    main, comm, recv = torch.cuda.current_stream(device), symm.comm_stream(device), symm.comm_stream(device, 1)
     side = symm.side_stream(device) if tuning.rs_streams == 2 else main
     xs = x2.view(n, c, sub, -1)
     out = x2.new_empty((n, c, sub, out_cols))

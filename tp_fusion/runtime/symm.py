@@ -111,17 +111,16 @@ def driver() -> Driver | None:
         return None
 
 
-@functools.cache
-def comm_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream that issues the copy-engine pushes (high priority: they are tiny to launch)."""
-    return torch.cuda.Stream(device, priority=-1)
+def comm_stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
+    """A stream that issues copy-engine work (high priority: it is tiny to launch). Lane 0 pushes; lane
+    1 is for work that waits on a peer's flag and then copies what arrived: on lane 0 such a wait would
+    hold up the pushes queued behind it (the peer's next wait may be on one of those pushes, so the two
+    ranks' pipelines would step in lockstep)."""
+    return _comm_stream(device, lane)
 
 
 @functools.cache
-def recv_stream(device: torch.device) -> torch.cuda.Stream:
-    """A second copy stream for work that waits on a peer's flag and then copies what arrived: on
-    ``comm_stream`` such a wait would hold up the pushes queued behind it (the peer's next wait may be
-    on one of those pushes, so the two ranks' pipelines would step in lockstep)."""
+def _comm_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 

@@ -92,7 +92,8 @@ def _has_gelu_epilogue(f: FusedGemm) -> bool:
 
 
 def _fastest(runs: dict, env: dict, pg, device) -> dict:
-    """Each run's ms (the min of interleaved rounds, so clock drift hits all alike), max over ``pg``."""
+    """Each ``run(env)``'s ms (the min of interleaved rounds, so clock drift hits all alike), max over ``pg``
+    (None: the world)."""
     rounds = {key: [] for key in runs}
     for _ in range(ROUNDS):
         for key, run in runs.items():
@@ -203,26 +204,22 @@ def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[
     collective also waits for the slower rank at a point where nothing else runs (tp transformer layer
     8192x4096 on 2x H200: the out-projection's allreduce timed 0.441 ms sequential and 0.464 fused alone,
     yet the layer ran 3.27 ms with it sequential and 3.05 with it fused). Both plans are launched
-    eagerly in interleaved rounds; the faster min, max over the world, wins (collective over the world)."""
+    eagerly and timed as segments are (``_fastest``, max over the world: collective over the world)."""
     (anywhere,) = slowest([float(bool(candidates))], None, program.device)
     if not anywhere:
         return program, runner
     alternative = program.with_choices({i: FUSED for i in candidates}, cuda_graph=False, notes=program.notes)
-    runners = {"as timed alone": runner, "fused": Runner(alternative)}
-    rounds = {key: [] for key in runners}
+    runners = {SEQUENTIAL: runner, FUSED: Runner(alternative)}
     with torch.no_grad():
-        for _ in range(ROUNDS):
-            for key, r in runners.items():
-                rounds[key].append(time_ms(lambda r=r: r.run_eager(inputs), TIMED_ITERS, WARMUP))
-    alone_ms, fused_ms = slowest([min(r) for r in rounds.values()], None, program.device)
-    keep = "fused" if fused_ms < alone_ms else "as timed alone"
+        ms = _fastest({mode: lambda env, r=r: r.run_eager(inputs) for mode, r in runners.items()}, {}, None,
+                      program.device)
+    mode = FUSED if ms[FUSED] < ms[SEQUENTIAL] else SEQUENTIAL
     which = ", ".join(str(i) for i in candidates) or "none on this rank"
-    note = (f"whole plan: segment(s) {which} sequential {alone_ms:.3f} ms, fused {fused_ms:.3f} ms -> "
-            f"{'fused' if keep == 'fused' else 'sequential'}")
-    chosen = alternative if keep == "fused" else program
-    chosen = chosen.with_choices({}, cuda_graph=False, notes=(*program.notes, note))
-    runners[keep].program = chosen
-    return chosen, runners[keep]
+    note = f"whole plan: segment(s) {which} sequential {ms[SEQUENTIAL]:.3f} ms, fused {ms[FUSED]:.3f} ms -> {mode}"
+    chosen = (alternative if mode == FUSED else program).with_choices({}, cuda_graph=False,
+                                                                       notes=(*program.notes, note))
+    runners[mode].program = chosen
+    return chosen, runners[mode]
 
 
 def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
