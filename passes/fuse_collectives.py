@@ -3,10 +3,11 @@
 Patterns (the runtime overlaps their communication with the GEMM; see ``tp_fusion.runtime.overlap``):
 - allgather -> GEMM, gathering rows the GEMM consumes (a non-last dim of its left operand); the
   ``EPILOGUE`` ops that follow on the GEMM result alone join it;
-- GEMM without bias -> reduce_scatter over a non-last dim of the result, and the add of a bias
+- GEMM without bias -> reduce_scatter over a non-last dim of the result, then the add of a bias
   ``[out]`` to the reduced rows that insert_reshardings placed after it (a row-parallel linear; the
-  kernel adds it once, in one rank's GEMM epilogue);
-- GEMM without bias -> allreduce, and the add of a bias likewise.
+  kernel adds it once, in one rank's GEMM epilogue), then the add of a residual: a tensor sharded as
+  the reduced rows (the kernel adds it as the own rows' GEMM's C operand, so it costs no pass);
+- GEMM without bias -> allreduce, and the adds of a bias and a residual likewise.
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def _bias_add(fusion: Fusion, op: Op, result: int) -> bool:
             and bias.dtype == out.dtype and bias.sharding is not None and bias.sharding.is_replicated)
 
 
+def _residual_add(fusion: Fusion, op: Op, result: int) -> bool:
+    """``op`` adds to ``result`` (read by nothing else) a tensor of its shape, dtype and sharding."""
+    if OPS[op.kind] is not OPS["add"] or result not in op.inputs or not _single_use(fusion, result):
+        return False
+    other = op.inputs[1] if op.inputs[0] == result else op.inputs[0]
+    if not isinstance(other, int) or other == result:
+        return False
+    res, out = fusion.tensor(other), fusion.tensor(result)
+    return res.shape == out.shape and res.dtype == out.dtype and res.sharding == out.sharding
+
+
+def _adds_after(fusion: Fusion, ops: tuple[int, ...], result: int) -> list[int]:
+    """The leading ``ops`` that a fused GEMM+reduction takes: a bias add, then a residual add."""
+    taken = []
+    for accepts in (_bias_add, _residual_add):
+        if len(taken) < len(ops) and accepts(fusion, fusion.ops[ops[len(taken)]], result):
+            result = fusion.ops[ops[len(taken)]].outputs[0]
+            taken.append(ops[len(taken)])
+    return taken
+
+
 def fuse_collectives(fusion: Fusion) -> Fusion:
     """Requires: segment ran. Ensures: each matched pattern is one ``fused`` segment whose note
     names its ops (e.g. ``allgather+linear+gelu``); the other segments keep their ops in order."""
@@ -91,10 +113,11 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
                     out.append(Segment("compute", seg.ops[:-1]))
                 taken = [seg.ops[-1], nxt.ops[0]]
                 after = segs[i + 2] if i + 2 < len(segs) else None
-                if (after is not None and after.kind == "compute"
-                        and _bias_add(fusion, fusion.ops[after.ops[0]], comm.outputs[0])):
-                    taken.append(after.ops[0])
-                    segs[i + 2] = Segment("compute", after.ops[1:]) if len(after.ops) > 1 else None
+                if after is not None and after.kind == "compute":
+                    adds = _adds_after(fusion, after.ops, comm.outputs[0])
+                    taken += adds
+                    rest = after.ops[len(adds):]
+                    segs[i + 2] = Segment("compute", rest) if rest else None
                 out.append(Segment("fused", tuple(taken), "+".join(fusion.ops[k].kind for k in taken)))
                 i += 2
                 continue

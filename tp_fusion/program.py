@@ -49,14 +49,16 @@ class Communicate:
 @dataclass(frozen=True)
 class FusedGemm:
     """A GEMM and its collective run as one overlapped kernel (``tp_fusion.runtime.overlap``):
-    ``allgather`` of ``x`` then the GEMM (and ``epilogue``), or the GEMM then ``reduce_scatter``
-    (plus ``bias``) or ``allreduce``. ``mode`` is measured by tuning: ``fused`` or ``sequential``."""
+    ``allgather`` of ``x`` then the GEMM (and ``epilogue``), or the GEMM then ``reduce_scatter`` or
+    ``allreduce`` (plus ``bias``, then plus ``residual``, a tensor of the result's local shape).
+    ``mode`` is measured by tuning: ``fused`` or ``sequential``."""
 
     collective: Collective
     x: int
     weight: int
     transpose_weight: bool  # matmul's right operand is [in, out]; linear's weight is [out, in]
     bias: int | None
+    residual: int | None
     epilogue: tuple[tuple[str, tuple[tuple[str, object], ...]], ...]  # (kind, local attrs) in order
     out: int
     dim: int | None  # the gathered or scattered dim
@@ -308,12 +310,20 @@ def _fused(fusion: Fusion, ops: list[Op], steps: list[Instruction], rank: int) -
     runs_here = rank in mesh
     after = ops[ops.index(gemm) + 1:] if collective is Collective.ALLGATHER else []
     bias = gemm.inputs[2] if len(gemm.inputs) == 3 else None
-    if collective is not Collective.ALLGATHER and len(ops) == 3:
-        bias = ops[2].inputs[1]  # the row-parallel bias, added once to the reduced rows
+    residual = None
+    result = comm.outputs[0]
+    adds = ops[ops.index(comm) + 1:] if collective is not Collective.ALLGATHER else []
+    for add in adds:  # fuse_collectives takes a bias add ([out]), then a residual add, each optional
+        other = add.inputs[1] if add.inputs[0] == result else add.inputs[0]
+        if add is adds[0] and fusion.tensor(other).ndim == 1:
+            bias = other  # the row-parallel bias, added once to the reduced rows
+        else:
+            residual = other
+        result = add.outputs[0]
     by_op = {id(s.op): s for s in steps}
     return FusedGemm(
         collective=collective, x=comm.inputs[0] if collective is Collective.ALLGATHER else gemm.inputs[0],
-        weight=gemm.inputs[1], transpose_weight=not opdef(gemm.kind).weight_out_in, bias=bias,
+        weight=gemm.inputs[1], transpose_weight=not opdef(gemm.kind).weight_out_in, bias=bias, residual=residual,
         epilogue=tuple((op.kind, by_op[id(op)].attrs) for op in after), out=ops[-1].outputs[0],
         dim=comm.attr("dim"), group=mesh.axis_group(comm.attr("mesh_axis"), rank) if runs_here else (),
         runs_here=runs_here)

@@ -68,6 +68,12 @@ def _checks(rank: int, n: int) -> None:
                 assert torch.equal(got, (total + b2).chunk(n)[rank]), f"reduce_scatter bias {mode} {tuning}"
                 got = overlap.linear_allreduce(xs[rank], ws[rank], b2, pg=None, mode=mode, tuning=tuning)
                 assert torch.equal(got, total + b2), f"allreduce {mode} {tuning}"
+                res = _ints(gen, 16 * n, 32, 48, device=device)  # the same on every rank (same generator seed)
+                got = overlap.linear_reduce_scatter(xs[rank], ws[rank], b2, residual=res.chunk(n)[rank], scatter_dim=0,
+                                                    pg=None, mode=mode, tuning=tuning)
+                assert torch.equal(got, (total + b2 + res).chunk(n)[rank]), f"reduce_scatter residual {mode} {tuning}"
+                got = overlap.linear_allreduce(xs[rank], ws[rank], b2, residual=res, pg=None, mode=mode, tuning=tuning)
+                assert torch.equal(got, total + b2 + res), f"allreduce residual {mode} {tuning}"
     assert dist.backend() == "nccl"
 
 

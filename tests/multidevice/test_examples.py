@@ -66,17 +66,18 @@ def test_transformer_layer_forward_and_backward_validate():
 
 
 @pytest.mark.parametrize("mode,training,want", [
-    ("sp", True, ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear",
-                  "fused linear+reduce_scatter+add"]),
+    ("sp", True, ["fused allgather+linear", "fused linear+reduce_scatter+add+add", "fused allgather+linear",
+                  "fused linear+reduce_scatter+add+add"]),
     # Inference keeps no fc1 output for a backward, so its GELU joins the allgather's GEMM epilogue.
-    ("sp", False, ["fused allgather+linear", "fused linear+reduce_scatter+add", "fused allgather+linear+gelu",
-                   "fused linear+reduce_scatter+add"]),
-    ("tp", True, ["fused linear+allreduce+add", "fused linear+allreduce+add"]),
-    ("tp", False, ["fused linear+allreduce+add", "fused linear+allreduce+add"])])
+    ("sp", False, ["fused allgather+linear", "fused linear+reduce_scatter+add+add", "fused allgather+linear+gelu",
+                   "fused linear+reduce_scatter+add+add"]),
+    ("tp", True, ["fused linear+allreduce+add+add", "fused linear+allreduce+add+add"]),
+    ("tp", False, ["fused linear+allreduce+add+add", "fused linear+allreduce+add+add"])])
 def test_transformer_layer_plan_fuses_its_collectives_on_cuda(monkeypatch, mode, training, want):
     """Compiled for CUDA (no GPU needed), the forward's collectives are fused segments with their GEMMs:
     in sp the allgathers (before QKV and the MLP) and reduce_scatters (after the out-projection and the
-    MLP), in tp the allreduces after the out-projection and the MLP."""
+    MLP), in tp the allreduces after the out-projection and the MLP; the reductions take their bias
+    add and the residual add after it."""
     monkeypatch.syspath_prepend(str(ROOT))
     from examples.transformer_layer import INPUTS, Config, define_forward
     from tp_fusion import DataType

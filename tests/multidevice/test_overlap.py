@@ -41,6 +41,16 @@ def _check_group(pg, ranks) -> None:
         torch.testing.assert_close(got, (total + b).chunk(n, dim=1)[r], msg=f"linear_reduce_scatter bias {mode}")
         torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg, mode=mode), total)
         torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, pg=pg, mode=mode), total + b)
+        # A residual (of the result's shape: this rank's rows after a reduce_scatter) is added once.
+        res = _rand(5, 2 * n, 3 * n, 7)
+        for dim in (0, 1):
+            got = overlap.linear_reduce_scatter(xs[r], ws[r], b, residual=res.chunk(n, dim=dim)[r], scatter_dim=dim,
+                                                pg=pg, mode=mode)
+            torch.testing.assert_close(got, (total + b + res).chunk(n, dim=dim)[r],
+                                       msg=f"linear_reduce_scatter residual dim={dim} {mode}")
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], residual=res, pg=pg, mode=mode), total + res)
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, residual=res, pg=pg, mode=mode),
+                                   total + b + res)
     odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential
     torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg, mode="sequential"),
                                sum(F.linear(x, wg) for x, wg in zip(odd, ws, strict=True)))
@@ -61,6 +71,9 @@ def _all_checks(rank: int, world: int) -> None:
         overlap.linear_allreduce(torch.zeros(world, 3), torch.zeros(4, 3), pg=None, mode="overlapped")
     with pytest.raises(ValueError, match="split evenly"):
         overlap.linear_allreduce(torch.zeros(world + 1, 3), torch.zeros(4, 3), pg=None, mode="fused")
+    with pytest.raises(ValueError, match="residual of shape"):
+        overlap.linear_allreduce(torch.zeros(world, 3), torch.zeros(4, 3), residual=torch.zeros(world, 5), pg=None,
+                                 mode="fused")
 
 
 @pytest.mark.ranks(2, 4)
@@ -78,6 +91,11 @@ def test_single_process_needs_no_group():
         torch.testing.assert_close(overlap.linear_allreduce(x, w, pg=None, mode=mode), F.linear(x, w))
         torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, b, scatter_dim=0, pg=None, mode=mode),
                                    F.linear(x, w, b))
+        res = _rand(3, 4, 5)
+        torch.testing.assert_close(overlap.linear_allreduce(x, w, b, residual=res, pg=None, mode=mode),
+                                   F.linear(x, w, b) + res)
+        torch.testing.assert_close(overlap.linear_reduce_scatter(x, w, residual=res, scatter_dim=0, pg=None, mode=mode),
+                                   F.linear(x, w) + res)
 
 
 def test_tuning_is_validated():

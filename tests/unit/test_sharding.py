@@ -22,6 +22,7 @@ from tp_fusion import (
     passes,
 )
 from tp_fusion.ops import Trait, traits
+from tp_fusion.program import build_program
 
 X, Y = ParallelType.mesh_x, ParallelType.mesh_y
 R = Replicate()
@@ -121,6 +122,38 @@ def test_row_parallel_linear_with_bias_adds_bias_once():
     assert add.inputs == (ar.outputs[0], b.name) and add.outputs == (z.name,)  # ... added after the sum
     assert placements(f, z) == (R,)
     assert seg_summary(f) == [("fused", "linear+allreduce+add", ["linear", "allreduce", "add"])]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_residual_add_after_the_reduction_joins_the_fused_segment(sp):
+    """``x + linear(h, w, b)`` with a row-parallel linear: the bias add and then the residual add join the
+    GEMM+reduction (the kernel adds the residual as its own rows' GEMM's C operand); the program's fused
+    GEMM names both. An addend of another shape is left to a compute segment."""
+    with FusionDefinition() as fd:
+        x, h, w, b = fd.define_tensor([8, 6]), fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
+        z = fd.ops.add(x, fd.ops.linear(h, w, b))
+        fd.add_output(z)
+        shard(h, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+        shard(b, MESH2)
+        shard(x, MESH2, {0: X} if sp else {})
+        shard(z, MESH2, {0: X} if sp else {})
+    f = lower(fd)
+    reduction = "reduce_scatter" if sp else "allreduce"
+    assert seg_summary(f) == [("fused", f"linear+{reduction}+add+add", ["linear", reduction, "add", "add"])]
+    (fused,) = build_program(f, 0, torch.device("cpu")).segments
+    assert (fused.fused.bias, fused.fused.residual, fused.fused.out) == (b.name, x.name, z.name)
+
+    with FusionDefinition() as fd:  # a [1, 6] addend broadcasts over the rows: a compute segment adds it
+        x, h, w, b = fd.define_tensor([1, 6]), fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
+        z = fd.ops.add(fd.ops.linear(h, w, b), x)
+        fd.add_output(z)
+        shard(h, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+        for tv in (b, x, z):
+            shard(tv, MESH2)
+    assert seg_summary(lower(fd)) == [("fused", "linear+allreduce+add", ["linear", "allreduce", "add"]),
+                                      ("compute", "", ["add"])]
 
 
 def test_row_parallel_linear_with_bias_and_sharded_output_adds_bias_shard_once():

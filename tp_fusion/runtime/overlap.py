@@ -47,10 +47,10 @@ class Tuning:
     ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
-    rs_reduce: str = "sum"  # GEMM+RS: "sum": the local GEMM (bias in its epilogue) waits for nothing,
-    #                         then one pass adds the received partials; "inplace": the local GEMM
-    #                         accumulates onto the received partial, copied out on the copy engine
-    #                         (2 ranks; the bias rides in the peer's partial; wants rs_subchunks >= 2)
+    rs_reduce: str = "sum"  # GEMM+RS: "sum": the local GEMM waits for nothing, then one pass adds the
+    #                         received partials; "inplace": the local GEMM accumulates onto the
+    #                         received partial, copied out on the copy engine (2 ranks; wants
+    #                         rs_subchunks >= 2). Either way the bias rides in a peer's partial
     rs_subchunks: int = 1  # GEMM+RS: pieces per destination (a push of piece k overlaps GEMM k+1)
     rs_remote_store: bool = False  # GEMM+RS: the partial GEMM writes into the peer's slot (no copy engine)
     rs_streams: int = 1  # GEMM+RS and GEMM+AR ("sum"): 2 runs the GEMM of this rank's own rows on a
@@ -105,10 +105,11 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: str,
+def linear_reduce_scatter(x, weight, bias=None, *, residual=None, scatter_dim: int, pg, mode: str,
                           tuning: Tuning | None = None) -> torch.Tensor:
     """This rank's chunk along ``scatter_dim`` (not the last dim) of ``sum over ranks of F.linear(x, w)``,
-    plus ``bias`` (added once)."""
+    plus ``bias`` (added once), plus ``residual`` (a tensor of the result's shape: a residual stream
+    added in a GEMM, as its C operand, instead of in a pass of its own)."""
     dim = _non_last_dim(scatter_dim, x, "scatter_dim")
     n = _group_size(pg)
     if x.shape[dim] % n:
@@ -117,41 +118,49 @@ def linear_reduce_scatter(x, weight, bias=None, *, scatter_dim: int, pg, mode: s
     x_rows = x if dim == 0 else x.movedim(dim, 0)
     lead = (x_rows.shape[0] // n, *x_rows.shape[1:-1])
     x3 = x_rows.reshape(n, -1, x_rows.shape[-1]).contiguous()  # [destination rank, rows, in]
+    res = _residual_rows("linear_reduce_scatter", residual, dim,
+                         (*x.shape[:dim], x.shape[dim] // n, *x.shape[dim + 1:-1], weight.shape[0]))
     tuning = tuning or DEFAULT_TUNING
     if n == 1:
-        out = F.linear(x3[0], weight, bias)
+        out = _linear(x3[0], weight, bias, None, residual=res)
     else:
         mode = _resolve("linear_reduce_scatter", mode, x3.view(-1, x3.shape[-1]), weight, bias, None, pg, tuning)
         with _label(f"tp_fusion::linear_reduce_scatter[{mode}]"):
-            out = _linear_reduce_scatter_rows(x3, weight, bias, pg, mode, tuning)
+            out = _linear_reduce_scatter_rows(x3, weight, bias, res, pg, mode, tuning)
     out = out.view(*lead, -1)
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
-def linear_allreduce(x, weight, bias=None, *, pg, mode: str,
+def linear_allreduce(x, weight, bias=None, *, residual=None, pg, mode: str,
                      tuning: Tuning | None = None) -> torch.Tensor:
-    """``sum over group ranks of F.linear(x, weight)``, plus ``bias`` (added once). Fused: each rank
-    reduces its share of the rows (GEMM+reduce_scatter) and sends the sums on to every peer while
-    the next rows are computed; this needs rows that split evenly over the ranks."""
+    """``sum over group ranks of F.linear(x, weight)``, plus ``bias`` (added once), plus ``residual`` (as
+    in ``linear_reduce_scatter``). Fused: each rank reduces its share of the rows (GEMM+reduce_scatter)
+    and sends the sums on to every peer while the next rows are computed; this needs rows that split
+    evenly over the ranks."""
     n = _group_size(pg)
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
-    if n == 1:
-        return F.linear(x, weight, bias)
+    res = _residual_rows("linear_allreduce", residual, 0, (*x.shape[:-1], weight.shape[0]))
     tuning = tuning or DEFAULT_TUNING
+    if n == 1:
+        out = _linear(x2, weight, bias, None, residual=res)
+        return out.view(*x.shape[:-1], -1)
     mode = _resolve("linear_allreduce", mode, x2, weight, bias, None, pg, tuning)
     if mode == FUSED and rows % n:
         raise ValueError(f"linear_allreduce(mode='fused'): the {rows} rows of x do not split evenly over "
                          f"{n} ranks; use mode='sequential' or pad the rows to a multiple of {n}")
     with _label(f"tp_fusion::linear_allreduce[{mode}]"):
         if mode == SEQUENTIAL:
-            out = F.linear(x2, weight, bias if dist.group_rank(pg) == 0 else None)
+            r = dist.group_rank(pg)  # the bias rides in rank 0's GEMM, the residual in the last rank's
+            out = _linear(x2, weight, bias if r == 0 else None, None, residual=res if r == n - 1 else None)
             dist.all_reduce(out, pg)
         elif x2.is_cuda:
-            out = _symm_linear_allreduce(x2.contiguous(), weight, bias, pg, tuning)
+            out = _symm_linear_allreduce(x2.contiguous(), weight, bias, res, pg, tuning)
         else:
             x3 = x2.reshape(n, rows // n, -1).contiguous()
-            mine = _ring_linear_reduce_scatter(x3, weight, bias, pg)
+            r = dist.group_rank(pg)
+            mine = _ring_linear_reduce_scatter(x3, weight, bias, None if res is None else res.view(n, rows // n, -1)[r],
+                                               pg)
             out = mine.new_empty((rows, mine.shape[-1]))
             dist.all_gather(out, mine, pg)
     return out.view(*x.shape[:-1], -1)
@@ -197,13 +206,30 @@ def _non_last_dim(dim: int, t: torch.Tensor, name: str) -> int:
     return dim
 
 
-def _linear(x2, weight, bias, epilogue, out=None, gelu_in_gemm: bool = True) -> torch.Tensor:
-    """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2``, written into ``out`` if given. The bias
-    runs in the GEMM's epilogue; on CUDA with ``gelu_in_gemm`` a tanh-GELU after it too, else the
-    GELU is one in-place pass."""
+def _residual_rows(kind: str, residual, dim: int, shape: tuple) -> torch.Tensor | None:
+    """``residual`` (of the result's ``shape``, its rows along ``dim``) as a contiguous 2-D [rows, out]."""
+    if residual is None:
+        return None
+    if tuple(residual.shape) != tuple(shape):
+        raise ValueError(f"{kind}: residual of shape {tuple(residual.shape)}; the result's shape is {tuple(shape)}")
+    rows = residual if dim == 0 else residual.movedim(dim, 0)
+    return rows.reshape(-1, shape[-1]).contiguous()
+
+
+def _linear(x2, weight, bias, epilogue, out=None, gelu_in_gemm: bool = True, residual=None) -> torch.Tensor:
+    """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2`` (plus ``residual``, when there is no
+    epilogue), written into ``out`` if given. The bias runs in the GEMM's epilogue; on CUDA with
+    ``gelu_in_gemm`` a tanh-GELU after it too, else the GELU is one in-place pass. The residual is the
+    GEMM's C operand (beta=1); the kernels give a GEMM the bias or the residual, not both, as a bias
+    then takes a pass of its own."""
     wt = weight.t()
     if out is None:
         out = x2.new_empty((x2.shape[0], weight.shape[0]))
+    if residual is not None:
+        torch.addmm(residual, x2, wt, out=out)
+        if bias is not None:
+            out.add_(bias)
+        return out
     if epilogue is gelu_tanh and gelu_in_gemm and bias is not None and x2.is_cuda and out.is_contiguous():
         torch._addmm_activation(bias, x2, wt, use_gelu=True, out=out)
         return out
@@ -218,17 +244,18 @@ def _linear(x2, weight, bias, epilogue, out=None, gelu_in_gemm: bool = True) -> 
     return out
 
 
-def _linear_reduce_scatter_rows(x3, weight, bias, pg, mode, tuning) -> torch.Tensor:
-    """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``, plus ``bias``."""
+def _linear_reduce_scatter_rows(x3, weight, bias, residual, pg, mode, tuning) -> torch.Tensor:
+    """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``, plus ``bias``,
+    plus ``residual`` (this rank's rows)."""
     if mode == FUSED:
         if x3.is_cuda:
-            return _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning)
-        return _ring_linear_reduce_scatter(x3, weight, bias, pg)
+            return _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning)
+        return _ring_linear_reduce_scatter(x3, weight, bias, residual, pg)
     out = x3.new_empty((x3.shape[1], weight.shape[0]))
     # The bias rides in one rank's GEMM epilogue, so the reduction adds it once.
     partial = F.linear(x3.view(-1, x3.shape[2]), weight, bias if dist.group_rank(pg) == 0 else None)
     dist.reduce_scatter(out, partial, pg)
-    return out
+    return out if residual is None else out.add_(residual)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -253,10 +280,10 @@ def _ring_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
     return out.view(-1, weight.shape[0])
 
 
-def _ring_linear_reduce_scatter(x3, weight, bias, pg) -> torch.Tensor:
+def _ring_linear_reduce_scatter(x3, weight, bias, residual, pg) -> torch.Tensor:
     """The partial sum for chunk j starts at rank j+1 and travels the ring, each rank adding its own
     partial (computed while the previous transfer is in flight), until it reaches rank j, which adds
-    its own partial and the bias."""
+    its own partial, the bias and the residual."""
     n, r = dist.group_size(pg), dist.group_rank(pg)
     right, left = dist.global_rank(pg, (r + 1) % n), dist.global_rank(pg, (r - 1) % n)
     sends, recv, recv_req = [], None, None
@@ -268,7 +295,7 @@ def _ring_linear_reduce_scatter(x3, weight, bias, pg) -> torch.Tensor:
         sends.append(dist.isend(partial, right))
         recv = torch.empty_like(partial)
         recv_req = dist.irecv(recv, left)
-    mine = F.linear(x3[r], weight, bias)
+    mine = _linear(x3[r], weight, bias, None, residual=residual)
     recv_req.wait()
     mine += recv
     for req in sends:
@@ -354,12 +381,13 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
     return out
 
 
-def _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning) -> torch.Tensor:
-    """Rank r GEMMs the partial for r+1, r+2, ... and pushes each into that rank's slot (or stores it
-    there from the GEMM); then it reduces its own rows (``Tuning.rs_reduce``): "sum" GEMMs them (bias in
-    the epilogue, on a second stream with ``rs_streams=2``) without waiting, then adds the received
-    partials in one pass; "inplace" (2 ranks) accumulates its GEMM onto the received partial (which
-    carries the bias) and copies the result out on the copy engine, piece by piece."""
+def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
+    """Rank r GEMMs the partial for r+1, r+2, ... (the bias in the one for r+1) and pushes each into
+    that rank's slot (or stores it there from the GEMM); then it reduces its own rows
+    (``Tuning.rs_reduce``): "sum" GEMMs them (onto the residual, on a second stream with
+    ``rs_streams=2``) without waiting, then adds the received partials in one pass; "inplace" (2 ranks)
+    accumulates its GEMM onto the received partial and copies the result out on the copy engine,
+    piece by piece."""
     device = x3.device
     n_dst, rows, _ = x3.shape
     out_cols = weight.shape[0]
@@ -375,9 +403,10 @@ def _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning) -> torch.Tensor:
     if side is not main:
         symm.stream_wait(side, main)  # the inputs are ready; the own-rows GEMM needs nothing else
     staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
+    res = None if residual is None else residual.view(c, sub, out_cols)
     for step in range(1, n):
         dst = (r + step) % n
-        b = bias if inplace else None  # the bias is added once: by the partial that the reducer accumulates onto
+        b = bias if step == 1 else None  # the bias is added once: in the partial from rank dst-1
         for k in range(c):
             if staging is None:
                 _linear(xs[dst, k], weight, b, None, out=box.peer_slot(dst, k))
@@ -391,20 +420,22 @@ def _symm_linear_reduce_scatter(x3, weight, bias, pg, tuning) -> torch.Tensor:
         if inplace:
             received = box.slot((r + 1) % n, k)
             box.wait_ready(main, (r + 1) % n, k)
+            if res is not None:
+                received.add_(res[k])
             received.addmm_(xs[r, k], weight.t())
             symm.stream_wait(comm, main)
             symm.driver().copy(comm, out[k], received)
         else:
-            _reduce_part(box, k, xs[r, k], weight, bias, side, main, out[k])
+            _reduce_part(box, k, xs[r, k], weight, None if res is None else res[k], side, main, out[k])
     symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
 
 
-def _reduce_part(box, k: int, x_own, weight, bias, side, main, out: torch.Tensor) -> None:
-    """``out`` = this rank's partial of part ``k`` (its own rows plus the bias, GEMMed on ``side`` into
-    its own slot, which no peer pushes into) plus every peer's partial pushed into ``box``."""
+def _reduce_part(box, k: int, x_own, weight, residual, side, main, out: torch.Tensor) -> None:
+    """``out`` = this rank's partial of part ``k`` (its own rows, onto ``residual`` if given, GEMMed on
+    ``side`` into its own slot, which no peer pushes into) plus every peer's partial pushed into ``box``."""
     with _on(side, main):
-        _linear(x_own, weight, bias, None, out=box.slot(box.rank, k))
+        _linear(x_own, weight, None, None, out=box.slot(box.rank, k), residual=residual)
     if side is not main:
         symm.stream_wait(main, side)
     for step in range(1, box.n):
@@ -420,10 +451,10 @@ def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
         torch.sum(slots, dim=0, out=out)
 
 
-def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
+def _symm_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
-    k, rank r pushes its partials of the peers' rows, GEMMs its own rows (plus the bias; on a second
-    stream with ``rs_streams=2``), sums what it received, and pushes the sums to every peer while piece
+    k, rank r pushes its partials of the peers' rows (the bias in the one for r+1), GEMMs its own rows
+    (onto the residual; on a second stream with ``rs_streams=2``), sums what it received, and pushes the sums to every peer while piece
     k+1 is computed; a second copy stream (``symm.comm_stream``'s lane 1) copies the peers' sums into the
     output as they arrive, so that no push waits behind a wait for a peer."""
     device = x2.device
@@ -439,6 +470,7 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
     main, comm, recv = torch.cuda.current_stream(device), symm.comm_stream(device), symm.comm_stream(device, 1)
     side = symm.side_stream(device) if tuning.rs_streams == 2 else main
     xs = x2.view(n, c, sub, -1)
+    res = None if residual is None else residual.view(n, c, sub, out_cols)[r]
     out = x2.new_empty((n, c, sub, out_cols))
     staging = x2.new_empty((n - 1, c, sub, out_cols))
     for k in range(c):
@@ -446,10 +478,10 @@ def _symm_linear_allreduce(x2, weight, bias, pg, tuning) -> torch.Tensor:
             symm.stream_wait(side, main)
         for step in range(1, n):
             dst = (r + step) % n
-            _linear(xs[dst, k], weight, None, None, out=staging[step - 1, k])
+            _linear(xs[dst, k], weight, bias if step == 1 else None, None, out=staging[step - 1, k])
             symm.stream_wait(comm, main)
             partials.push(comm, dst, k, staging[step - 1, k])
-        _reduce_part(partials, k, xs[r, k], weight, bias, side, main, out[r, k])
+        _reduce_part(partials, k, xs[r, k], weight, None if res is None else res[k], side, main, out[r, k])
         symm.stream_wait(comm, main)
         for step in range(1, n):
             sums.push(comm, (r + step) % n, k, out[r, k])

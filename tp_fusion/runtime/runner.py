@@ -198,7 +198,7 @@ def _readers(program: Program) -> dict[int, set[int]]:
                 if isinstance(a, int):
                     readers.setdefault(a, set()).add(id(s))
         if seg.fused is not None:
-            for a in (seg.fused.x, seg.fused.weight, seg.fused.bias):
+            for a in (seg.fused.x, seg.fused.weight, seg.fused.bias, seg.fused.residual):
                 if a is not None:
                     readers.setdefault(a, set()).add(id(seg.fused))
     for o, _ in program.outputs:
@@ -237,28 +237,34 @@ def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None) -> 
     epilogue = _epilogue(f.epilogue)
     in_gemm = f.out not in program.gelu_apart if gelu_in_gemm is None else gelu_in_gemm
     tuning = dataclasses.replace(overlap.DEFAULT_TUNING, gelu_in_gemm=in_gemm)
-    x_name, w_name, b_name, out, dim, transpose = f.x, f.weight, f.bias, f.out, f.dim, f.transpose_weight
+    x_name, w_name, b_name, r_name, out, dim = f.x, f.weight, f.bias, f.residual, f.out, f.dim
 
     def operands(env):
-        w = env[w_name].t() if transpose else env[w_name]
-        return env[x_name], w, None if b_name is None else env[b_name]
+        w = env[w_name].t() if f.transpose_weight else env[w_name]
+        return (env[x_name], w, None if b_name is None else env[b_name],
+                None if r_name is None else env[r_name])
     inner = _fused_run(f, pg, mode, epilogue, operands, tuning)
     n = dist.group_size(pg)
 
     def run(env):
-        x, w, b = operands(env)
+        x, w, b, res = operands(env)
         if x.numel() and w.numel():
             return inner(env)
         # An empty operand (zero rows, or an empty contraction): the GEMM contributes nothing, so no
         # collective is needed (every rank holds alike-shaped shards of the same global shapes, so
-        # all skip it). The result is the bias (added once) broadcast over the output's shape.
+        # all skip it). The result is the bias (added once) broadcast over the output's shape, plus
+        # the residual.
         shape = list(x.shape)
         if f.collective is Collective.ALLGATHER:
             shape[dim] *= n
         elif f.collective is Collective.REDUCE_SCATTER:
             shape[dim] //= n
         y = torch.nn.functional.linear(x.new_zeros(shape), w, b)
-        env[out] = epilogue(y) if (epilogue is not None and f.collective is Collective.ALLGATHER) else y
+        if epilogue is not None and f.collective is Collective.ALLGATHER:
+            y = epilogue(y)
+        elif res is not None:
+            y = y + res
+        env[out] = y
     return run
 
 
@@ -266,17 +272,17 @@ def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands, tuning) -> Calla
     out, dim = f.out, f.dim
     if f.collective is Collective.ALLGATHER:
         def run(env):
-            x, w, b = operands(env)
+            x, w, b, _ = operands(env)
             env[out] = overlap.allgather_linear(x, w, b, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode,
                                                 tuning=tuning)
     elif f.collective is Collective.REDUCE_SCATTER:
         def run(env):
-            x, w, b = operands(env)
-            env[out] = overlap.linear_reduce_scatter(x, w, b, scatter_dim=dim, pg=pg, mode=mode)
+            x, w, b, res = operands(env)
+            env[out] = overlap.linear_reduce_scatter(x, w, b, residual=res, scatter_dim=dim, pg=pg, mode=mode)
     else:
         def run(env):
-            x, w, b = operands(env)
-            env[out] = overlap.linear_allreduce(x, w, b, pg=pg, mode=mode)
+            x, w, b, res = operands(env)
+            env[out] = overlap.linear_allreduce(x, w, b, residual=res, pg=pg, mode=mode)
     return run
 
 

@@ -121,7 +121,7 @@ def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool,
     gelu_choices = (True, False) if _has_gelu_epilogue(f) else (True,)
     runs = {(mode, in_gemm): _fused(dataclasses.replace(f, mode=mode), program, gelu_in_gemm=in_gemm)
             for mode in (FUSED, SEQUENTIAL) for in_gemm in gelu_choices}
-    ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias), dist.group(f.group), program.device)
+    ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias, f.residual), dist.group(f.group), program.device)
     mode = min((FUSED, SEQUENTIAL), key=lambda m: min(ms[m, g] for g in gelu_choices))
     in_gemm = len(gelu_choices) == 1 or _keeps_gelu_in_gemm(ms[mode, True], ms[mode, False])
     timings = ", ".join(f"{m} {ms[m, True]:.3f} ms" + (f" (GELU apart {ms[m, False]:.3f})" if len(gelu_choices) > 1

@@ -1,0 +1,114 @@
+"""What copy-engine traffic alone costs the GEMMs it overlaps: the floor of any copy-engine overlap design.
+
+    torchrun --nproc_per_node=2 benchmarks/contention.py [--shapes T,H,F ...] [--rounds 5]
+
+For each sequence-parallel MLP shape of ``benchmarks/tp_mlp.py`` (from 2048 tokens), every rank runs
+the best compute of its local work (``torch._addmm_activation`` with bias and GELU, then ``F.linear``;
+the yardstick of issue 13) three ways, in interleaved rounds:
+
+- ``compute``: alone;
+- ``compute+pushes``: while its copy stream pushes, with no flag and no dependency, the bytes that the
+  fused allgather and reduce_scatter push (this rank's rows of x and its partial of each peer's rows,
+  into each peer's symmetric memory, copy-engine writes over NVLink), issued when the compute starts;
+- ``pushes``: the pushes alone.
+
+``compute+pushes / compute`` is what the traffic costs the GEMMs when nothing waits on anything: a
+fused segment that moves the same bytes on the copy engines cannot beat it, however well it is
+scheduled. Prints ms (max over ranks, median of rounds) and the ratio per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from examples.cli import parser  # noqa: E402
+
+SHAPES = ((2048, 8192, 28672), (3072, 12288, 49152), (4096, 5120, 13824), (8192, 4096, 16384),
+          (8192, 8192, 28672), (8192, 12288, 49152), (16384, 8192, 28672))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser(__doc__)
+    shape = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+    p.add_argument("--shapes", nargs="*", type=shape, default=list(SHAPES), help="tokens,hidden,ffn triples")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help answers at once
+
+import torch  # noqa: E402
+
+from benchmarks.tp_mlp import time_ms  # noqa: E402
+from tp_fusion.launch import init_from_env  # noqa: E402
+from tp_fusion.runtime import dist, symm  # noqa: E402
+
+
+def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
+    n = dist.world_size()
+    gen = torch.Generator(device).manual_seed(dist.rank())
+    rand = lambda *shape: torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16) / shape[-1] ** 0.5  # noqa: E731
+    x, w1, b1, w2 = rand(tokens, hidden), rand(ffn // n, hidden), rand(ffn // n), rand(hidden, ffn // n)
+    rows = tokens // n
+    box = symm.mailbox("contention", 2, (rows, hidden), torch.bfloat16, None, device)
+    box.start_call()
+    main, comm, driver = torch.cuda.current_stream(device), symm.comm_stream(device), symm.driver()
+    sources = (x[:rows], rand(rows, hidden))  # this rank's rows of x; a partial of a peer's rows
+    peers = [(box.rank + step) % n for step in range(1, n)]
+
+    def compute():
+        y = torch._addmm_activation(b1, x, w1.t(), use_gelu=True)
+        return torch.nn.functional.linear(y, w2)
+
+    def push_all():
+        symm.stream_wait(comm, main)
+        for part, src in enumerate(sources):
+            for peer in peers:
+                driver.copy(comm, box.peer_slot(peer, part), src)
+
+    def pushes():
+        push_all()
+        symm.stream_wait(main, comm)
+
+    def both():
+        push_all()
+        compute()
+        symm.stream_wait(main, comm)
+    return {"compute": compute, "compute+pushes": both, "pushes": pushes}
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("benchmarks/contention.py: this machine has no CUDA GPU, so there is nothing to measure.")
+        return 0
+    device = init_from_env()
+    if dist.rank() == 0:
+        print(f"{dist.world_size()}x {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; ms per "
+              f"iteration, max over ranks, median of {args.rounds} rounds")
+        print(f"{'tokens,hidden,ffn':>20} {'compute':>9} {'+pushes':>9} {'pushes':>9} {'ratio':>7}")
+    for tokens, hidden, ffn in args.shapes:
+        fns = variants(tokens, hidden, ffn, device)
+        names, rounds = list(fns), {name: [] for name in fns}
+        for k in range(args.rounds):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                rounds[name].append(time_ms(fns[name], args.iters, args.warmup))
+        ms = {name: statistics.median(v) for name, v in rounds.items()}
+        if dist.rank() == 0:
+            print(f"{f'{tokens},{hidden},{ffn}':>20} {ms['compute']:9.3f} {ms['compute+pushes']:9.3f} "
+                  f"{ms['pushes']:9.3f} {ms['compute+pushes'] / ms['compute']:7.3f}", flush=True)
+        torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGS))
