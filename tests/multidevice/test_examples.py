@@ -105,3 +105,18 @@ def test_transformer_layer_benchmark_checks_its_variants_on_cpu():
     for mode in ("sp fwd", "tp fwd", "sp fwd_bwd", "tp fwd_bwd"):
         assert f"{mode}: checked against nccl_sequential: pytorch_tp" in proc.stdout, proc.stdout
         assert re.search(f"{mode}: .*tp_fusion \\d", proc.stdout), proc.stdout
+
+
+@pytest.mark.parametrize("script", ["benchmarks/tp_mlp.py", "benchmarks/transformer_layer.py",
+                                    "benchmarks/contention.py", "benchmarks/flag_overhead.py"])
+def test_a_gpu_benchmark_says_so_on_a_machine_without_gpus(tmp_path, script):
+    """Each GPU benchmark imports cleanly, says plainly that there is nothing to measure here, exits 0
+    and writes no results."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    args = ["--out", str(tmp_path)] if script in ("benchmarks/tp_mlp.py", "benchmarks/transformer_layer.py") else []
+    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "no CUDA GPU" in proc.stdout, proc.stdout
+    assert list(tmp_path.iterdir()) == []

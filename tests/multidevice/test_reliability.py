@@ -188,24 +188,34 @@ def test_lagged_agreement_raises_on_every_rank_a_batch_later(multidevice_test):
 
 
 @pytest.mark.ranks(2, 4)
-@pytest.mark.parametrize("rows,bias", [(0, False), (0, True), (4, False)])
-def test_zero_row_contraction_over_sharded_dim(multidevice_test, rows, bias):
+@pytest.mark.parametrize("rows,bias,residual", [(0, False, False), (0, True, False), (4, False, False),
+                                                (0, True, True), (4, True, True)])
+def test_zero_row_contraction_over_sharded_dim(multidevice_test, rows, bias, residual):
+    """A row-parallel linear (its fused GEMM+allreduce taking the bias and residual adds after it) on
+    rows that may be empty."""
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))
     with FusionDefinition() as fd:
         x = fd.define_tensor([rows, 2 * d])
         w = fd.define_tensor([3, 2 * d])
         b = fd.define_tensor([3]) if bias else None
+        r = fd.define_tensor([rows, 3]) if residual else None
         y = fd.ops.linear(x, w, b)
-        fd.add_output(y)
+        fd.add_output(fd.ops.add(r, y) if residual else y)
         shard(x, mesh, {1: X})
         shard(w, mesh, {1: X})
-        if bias:
-            shard(b, mesh)
+        for tv in (b, r):
+            if tv is not None:
+                shard(tv, mesh)
     f32 = torch.float32
-    full = [rand(6, rows, 2 * d, dtype=f32), rand(7, 3, 2 * d, dtype=f32)] + ([rand(8, 3, dtype=f32)] if bias else [])
-    (out,) = fd.execute([shard_tensor(t, tv, multidevice_test.rank) for t, tv in zip(full, [x, w, b])])
-    torch.testing.assert_close(out, F.linear(*full))
+    full = [rand(6, rows, 2 * d, dtype=f32), rand(7, 3, 2 * d, dtype=f32), rand(8, 3, dtype=f32) if bias else None,
+            rand(9, rows, 3, dtype=f32) if residual else None]
+    tvs = [x, w, b, r]
+    (out,) = fd.execute([shard_tensor(t, tv, multidevice_test.rank) for t, tv in zip(full, tvs) if t is not None])
+    want = F.linear(*full[:3])
+    torch.testing.assert_close(out, want + full[3] if residual else want)
+    if residual:
+        assert [seg.note for seg in fd.plan.segments] == ["linear+allreduce+add+add"]
 
 
 @pytest.mark.ranks(2)

@@ -158,9 +158,8 @@ def linear_allreduce(x, weight, bias=None, *, residual=None, pg, mode: str,
             out = _symm_linear_allreduce(x2.contiguous(), weight, bias, res, pg, tuning)
         else:
             x3 = x2.reshape(n, rows // n, -1).contiguous()
-            r = dist.group_rank(pg)
-            mine = _ring_linear_reduce_scatter(x3, weight, bias, None if res is None else res.view(n, rows // n, -1)[r],
-                                               pg)
+            res_mine = None if res is None else res.view(n, rows // n, -1)[dist.group_rank(pg)]
+            mine = _ring_linear_reduce_scatter(x3, weight, bias, res_mine, pg)
             out = mine.new_empty((rows, mine.shape[-1]))
             dist.all_gather(out, mine, pg)
     return out.view(*x.shape[:-1], -1)
@@ -454,9 +453,10 @@ def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
 def _symm_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
     k, rank r pushes its partials of the peers' rows (the bias in the one for r+1), GEMMs its own rows
-    (onto the residual; on a second stream with ``rs_streams=2``), sums what it received, and pushes the sums to every peer while piece
-    k+1 is computed; a second copy stream (``symm.comm_stream``'s lane 1) copies the peers' sums into the
-    output as they arrive, so that no push waits behind a wait for a peer."""
+    (onto the residual; on a second stream with ``rs_streams=2``), sums what it received, and pushes
+    the sums to every peer while piece k+1 is computed; a second copy stream (``symm.comm_stream``'s
+    lane 1) copies the peers' sums into the output as they arrive, so that no push waits behind a wait
+    for a peer."""
     device = x2.device
     rows, out_cols = x2.shape[0], weight.shape[0]
     n = dist.group_size(pg)
