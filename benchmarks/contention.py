@@ -1,20 +1,27 @@
-"""What copy-engine traffic alone costs the GEMMs it overlaps: the floor of any copy-engine overlap design.
+"""Where the fused MLP's time over the best compute goes: the copy-engine traffic, the chunking, the rest.
 
     torchrun --nproc_per_node=2 benchmarks/contention.py [--shapes T,H,F ...] [--rounds 5]
 
-For each sequence-parallel MLP shape of ``benchmarks/tp_mlp.py`` (from 2048 tokens), every rank runs
-the best compute of its local work (``torch._addmm_activation`` with bias and GELU, then ``F.linear``;
-the yardstick of issue 13) three ways, in interleaved rounds:
+For each sequence-parallel MLP shape of ``benchmarks/tp_mlp.py`` (from 2048 tokens), every rank runs,
+in interleaved rounds:
 
-- ``compute``: alone;
-- ``compute+pushes``: while its copy stream pushes, with no flag and no dependency, the bytes that the
-  fused allgather and reduce_scatter push (this rank's rows of x and its partial of each peer's rows,
-  into each peer's symmetric memory, copy-engine writes over NVLink), issued when the compute starts;
+- ``compute``: the best compute of its local work (``torch._addmm_activation`` with bias and GELU,
+  then ``F.linear``; the yardstick of issue 13);
+- ``chunked``: the GEMMs as the fused kernels split them, with no communication: one GEMM per rank's
+  rows (bias and GELU in the epilogue, every other one on a second stream, as ``Tuning.ag_streams=2``),
+  one per destination rank's rows, and the pass that adds the received partial;
+- ``compute+pushes`` and ``chunked+pushes``: the same while the copy stream pushes, with no flag and no
+  dependency, the bytes that the fused allgather and reduce_scatter push (this rank's rows of x and its
+  partial of each peer's rows, into each peer's symmetric memory, copy-engine writes over NVLink),
+  issued when the compute starts;
+- ``fused``: the fused kernels themselves (``overlap.allgather_linear`` then
+  ``overlap.linear_reduce_scatter``, ``mode="fused"``, the default ``Tuning``);
 - ``pushes``: the pushes alone.
 
-``compute+pushes / compute`` is what the traffic costs the GEMMs when nothing waits on anything: a
-fused segment that moves the same bytes on the copy engines cannot beat it, however well it is
-scheduled. Prints ms (max over ranks, median of rounds) and the ratio per shape.
+Over ``compute``: ``compute+pushes`` is what the traffic costs the GEMMs when nothing waits on anything
+(a fused design that moves the same bytes on the copy engines cannot beat it, however well it is
+scheduled), ``chunked`` what the chunking costs, and ``fused`` against ``chunked+pushes`` what the
+flags and waits cost. Prints ms (max over ranks, median of rounds) and the ratios per shape.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import torch  # noqa: E402
 
 from benchmarks.tp_mlp import time_ms  # noqa: E402
 from tp_fusion.launch import init_from_env  # noqa: E402
-from tp_fusion.runtime import dist, symm  # noqa: E402
+from tp_fusion.runtime import dist, overlap, symm  # noqa: E402
 
 
 def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
@@ -60,13 +67,26 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
     rows = tokens // n
     box = symm.mailbox("contention", 2, (rows, hidden), torch.bfloat16, None, device)
     box.start_call()
-    main, comm, driver = torch.cuda.current_stream(device), symm.comm_stream(device), symm.driver()
+    main, comm, side = torch.cuda.current_stream(device), symm.comm_stream(device), symm.side_stream(device)
+    driver = symm.driver()
     sources = (x[:rows], rand(rows, hidden))  # this rank's rows of x; a partial of a peer's rows
     peers = [(box.rank + step) % n for step in range(1, n)]
+    y, z = x.new_empty(tokens, ffn // n), x.new_empty(n, rows, hidden)
 
     def compute():
-        y = torch._addmm_activation(b1, x, w1.t(), use_gelu=True)
-        return torch.nn.functional.linear(y, w2)
+        h = torch._addmm_activation(b1, x, w1.t(), use_gelu=True)
+        return torch.nn.functional.linear(h, w2)
+
+    def chunked():
+        symm.stream_wait(side, main)
+        for c in range(n):
+            with torch.cuda.stream(side if c % 2 else main):
+                lo = slice(c * rows, (c + 1) * rows)
+                torch._addmm_activation(b1, x[lo], w1.t(), use_gelu=True, out=y[lo])
+        symm.stream_wait(main, side)
+        for c in range(n):
+            torch.mm(y[c * rows:(c + 1) * rows], w2.t(), out=z[c])
+        return z.sum(dim=0) if n > 2 else torch.add(z[0], z[-1])
 
     def push_all():
         symm.stream_wait(comm, main)
@@ -74,15 +94,23 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
             for peer in peers:
                 driver.copy(comm, box.peer_slot(peer, part), src)
 
+    def with_pushes(fn):
+        def run():
+            push_all()
+            fn()
+            symm.stream_wait(main, comm)
+        return run
+
+    def fused():
+        h = overlap.allgather_linear(x[:rows], w1, b1, gather_dim=0, pg=None, epilogue=overlap.gelu_tanh,
+                                     mode="fused")
+        return overlap.linear_reduce_scatter(h, w2, scatter_dim=0, pg=None, mode="fused")
+
     def pushes():
         push_all()
         symm.stream_wait(main, comm)
-
-    def both():
-        push_all()
-        compute()
-        symm.stream_wait(main, comm)
-    return {"compute": compute, "compute+pushes": both, "pushes": pushes}
+    return {"compute": compute, "chunked": chunked, "compute+pushes": with_pushes(compute),
+            "chunked+pushes": with_pushes(chunked), "fused": fused, "pushes": pushes}
 
 
 def main(args) -> int:
@@ -92,8 +120,7 @@ def main(args) -> int:
     device = init_from_env()
     if dist.rank() == 0:
         print(f"{dist.world_size()}x {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; ms per "
-              f"iteration, max over ranks, median of {args.rounds} rounds")
-        print(f"{'tokens,hidden,ffn':>20} {'compute':>9} {'+pushes':>9} {'pushes':>9} {'ratio':>7}")
+              f"iteration, max over ranks, median of {args.rounds} rounds; ratios over compute")
     for tokens, hidden, ffn in args.shapes:
         fns = variants(tokens, hidden, ffn, device)
         names, rounds = list(fns), {name: [] for name in fns}
@@ -102,8 +129,9 @@ def main(args) -> int:
                 rounds[name].append(time_ms(fns[name], args.iters, args.warmup))
         ms = {name: statistics.median(v) for name, v in rounds.items()}
         if dist.rank() == 0:
-            print(f"{f'{tokens},{hidden},{ffn}':>20} {ms['compute']:9.3f} {ms['compute+pushes']:9.3f} "
-                  f"{ms['pushes']:9.3f} {ms['compute+pushes'] / ms['compute']:7.3f}", flush=True)
+            print(f"{tokens},{hidden},{ffn}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()) + "\n    "
+                  + ", ".join(f"{k} {ms[k] / ms['compute']:.3f}" for k in ms if k not in ("compute", "pushes")),
+                  flush=True)
         torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
