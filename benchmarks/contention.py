@@ -71,7 +71,7 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
     driver = symm.driver()
     sources = (x[:rows], rand(rows, hidden))  # this rank's rows of x; a partial of a peer's rows
     peers = [(box.rank + step) % n for step in range(1, n)]
-    y, z = x.new_empty(tokens, ffn // n), x.new_empty(n, rows, hidden)
+    y, z, out = x.new_empty(tokens, ffn // n), x.new_empty(n, rows, hidden), x.new_empty(rows, hidden)
 
     def compute():
         h = torch._addmm_activation(b1, x, w1.t(), use_gelu=True)
@@ -86,17 +86,16 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
         symm.stream_wait(main, side)
         for c in range(n):
             torch.mm(y[c * rows:(c + 1) * rows], w2.t(), out=z[c])
-        return z.sum(dim=0) if n > 2 else torch.add(z[0], z[-1])
-
-    def push_all():
-        symm.stream_wait(comm, main)
-        for part, src in enumerate(sources):
-            for peer in peers:
-                driver.copy(comm, box.peer_slot(peer, part), src)
+        overlap._sum_slots(z, out)  # the fused reduce_scatter's add of the received partials
+        return out
 
     def with_pushes(fn):
+        """``fn`` while the copy stream pushes ``sources`` to every peer (no flags: nothing waits on them)."""
         def run():
-            push_all()
+            symm.stream_wait(comm, main)
+            for part, src in enumerate(sources):
+                for peer in peers:
+                    driver.copy(comm, box.peer_slot(peer, part), src)
             fn()
             symm.stream_wait(main, comm)
         return run
@@ -106,11 +105,8 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
                                      mode="fused")
         return overlap.linear_reduce_scatter(h, w2, scatter_dim=0, pg=None, mode="fused")
 
-    def pushes():
-        push_all()
-        symm.stream_wait(main, comm)
     return {"compute": compute, "chunked": chunked, "compute+pushes": with_pushes(compute),
-            "chunked+pushes": with_pushes(chunked), "fused": fused, "pushes": pushes}
+            "chunked+pushes": with_pushes(chunked), "fused": fused, "pushes": with_pushes(lambda: None)}
 
 
 def main(args) -> int:

@@ -68,13 +68,17 @@ def _residual_add(fusion: Fusion, op: Op, result: int) -> bool:
     return res.shape == out.shape and res.dtype == out.dtype and res.sharding == out.sharding
 
 
-def _adds_after(fusion: Fusion, ops: tuple[int, ...], result: int) -> list[int]:
-    """The leading ``ops`` that a fused GEMM+reduction takes: a bias add, then a residual add."""
-    taken = []
-    for accepts in (_bias_add, _residual_add):
-        if len(taken) < len(ops) and accepts(fusion, fusion.ops[ops[len(taken)]], result):
-            result = fusion.ops[ops[len(taken)]].outputs[0]
-            taken.append(ops[len(taken)])
+def reduction_addends(fusion: Fusion, result: int, ops: list[Op]) -> dict[str, int]:
+    """Of the leading ``ops`` after a GEMM+reduction whose result is ``result``, those that join its fused
+    segment, by role: ``{"bias": tensor, "residual": tensor}`` (each optional, in that order; the add
+    that takes the residual may have it on either side). ``fuse_collectives`` takes the adds named
+    here, and ``program`` reads the roles back from the segment's ops."""
+    taken: dict[str, int] = {}
+    for role, accepts in (("bias", _bias_add), ("residual", _residual_add)):
+        if len(taken) < len(ops) and accepts(fusion, ops[len(taken)], result):
+            op = ops[len(taken)]
+            taken[role] = op.inputs[1] if op.inputs[0] == result else op.inputs[0]
+            result = op.outputs[0]
     return taken
 
 
@@ -114,9 +118,9 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
                 taken = [seg.ops[-1], nxt.ops[0]]
                 after = segs[i + 2] if i + 2 < len(segs) else None
                 if after is not None and after.kind == "compute":
-                    adds = _adds_after(fusion, after.ops, comm.outputs[0])
-                    taken += adds
-                    rest = after.ops[len(adds):]
+                    adds = len(reduction_addends(fusion, comm.outputs[0], [fusion.ops[k] for k in after.ops]))
+                    taken += after.ops[:adds]
+                    rest = after.ops[adds:]
                     segs[i + 2] = Segment("compute", rest) if rest else None
                 out.append(Segment("fused", tuple(taken), "+".join(fusion.ops[k].kind for k in taken)))
                 i += 2

@@ -18,6 +18,7 @@ import torch
 
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.ops import Localize, Trait, is_tanh_gelu, opdef, traits
+from tp_fusion.passes.fuse_collectives import reduction_addends
 from tp_fusion.sharding.reshard import Collective
 from tp_fusion.types import DataType
 
@@ -309,21 +310,15 @@ def _fused(fusion: Fusion, ops: list[Op], steps: list[Instruction], rank: int) -
     mesh = fusion.tensor(comm.inputs[0]).sharding.mesh
     runs_here = rank in mesh
     after = ops[ops.index(gemm) + 1:] if collective is Collective.ALLGATHER else []
-    bias = gemm.inputs[2] if len(gemm.inputs) == 3 else None
-    residual = None
-    result = comm.outputs[0]
-    adds = ops[ops.index(comm) + 1:] if collective is not Collective.ALLGATHER else []
-    for add in adds:  # fuse_collectives takes a bias add ([out]), then a residual add, each optional
-        other = add.inputs[1] if add.inputs[0] == result else add.inputs[0]
-        if add is adds[0] and fusion.tensor(other).ndim == 1:
-            bias = other  # the row-parallel bias, added once to the reduced rows
-        else:
-            residual = other
-        result = add.outputs[0]
+    addends = {} if collective is Collective.ALLGATHER else \
+        reduction_addends(fusion, comm.outputs[0], ops[ops.index(comm) + 1:])
+    # A reduction's GEMM has no bias of its own: a row-parallel bias is added once, to the reduced rows.
+    bias = gemm.inputs[2] if len(gemm.inputs) == 3 else addends.get("bias")
     by_op = {id(s.op): s for s in steps}
     return FusedGemm(
         collective=collective, x=comm.inputs[0] if collective is Collective.ALLGATHER else gemm.inputs[0],
-        weight=gemm.inputs[1], transpose_weight=not opdef(gemm.kind).weight_out_in, bias=bias, residual=residual,
+        weight=gemm.inputs[1], transpose_weight=not opdef(gemm.kind).weight_out_in, bias=bias,
+        residual=addends.get("residual"),
         epilogue=tuple((op.kind, by_op[id(op)].attrs) for op in after), out=ops[-1].outputs[0],
         dim=comm.attr("dim"), group=mesh.axis_group(comm.attr("mesh_axis"), rank) if runs_here else (),
         runs_here=runs_here)

@@ -238,9 +238,10 @@ def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None) -> 
     in_gemm = f.out not in program.gelu_apart if gelu_in_gemm is None else gelu_in_gemm
     tuning = dataclasses.replace(overlap.DEFAULT_TUNING, gelu_in_gemm=in_gemm)
     x_name, w_name, b_name, r_name, out, dim = f.x, f.weight, f.bias, f.residual, f.out, f.dim
+    transpose = f.transpose_weight
 
     def operands(env):
-        w = env[w_name].t() if f.transpose_weight else env[w_name]
+        w = env[w_name].t() if transpose else env[w_name]
         return (env[x_name], w, None if b_name is None else env[b_name],
                 None if r_name is None else env[r_name])
     inner = _fused_run(f, pg, mode, epilogue, operands, tuning)

@@ -115,7 +115,8 @@ def comm_stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
     """A stream that issues copy-engine work (high priority: it is tiny to launch). Lane 0 pushes; lane
     1 is for work that waits on a peer's flag and then copies what arrived: on lane 0 such a wait would
     hold up the pushes queued behind it (the peer's next wait may be on one of those pushes, so the two
-    ranks' pipelines would step in lockstep)."""
+    ranks' pipelines would step in lockstep). (The cache is keyed on the arguments as given, so this
+    wrapper passes ``lane`` explicitly: ``comm_stream(d)`` and ``comm_stream(d, 0)`` are one stream.)"""
     return _comm_stream(device, lane)
 
 
