@@ -90,8 +90,10 @@ SP_DESIGNS = {
     "rs_two_streams": overlap.Tuning(rs_streams=2),
     "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
     "rs_remote_store": overlap.Tuning(rs_remote_store=True),
-    "rs_inplace_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2),
-    "rs_inplace_remote_2_pieces": overlap.Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
+    "rs_ring_1_piece": overlap.Tuning(rs_reduce="ring"),
+    "rs_ring_2_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=2),
+    "rs_ring_4_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=4),
+    "rs_sum_2_pieces": overlap.Tuning(rs_subchunks=2),
 }
 TP_DESIGNS = {"ar_two_streams": overlap.Tuning(rs_streams=2), "ar_1_piece": overlap.Tuning(ar_subchunks=1),
               "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}

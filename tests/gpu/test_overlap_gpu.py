@@ -28,9 +28,9 @@ def _ints(gen, *shape, device) -> torch.Tensor:
 def _tunings():
     from tp_fusion.runtime.overlap import Tuning
 
-    return [Tuning(), Tuning(ag_streams=1, rs_reduce="inplace", rs_subchunks=2), Tuning(rs_remote_store=True),
-            Tuning(ag_streams=1, rs_streams=1, ar_subchunks=1),
-            Tuning(rs_reduce="inplace", rs_subchunks=2, rs_remote_store=True),
+    return [Tuning(), Tuning(ag_streams=1, rs_reduce="ring", rs_subchunks=2), Tuning(rs_remote_store=True),
+            Tuning(ag_streams=1, rs_streams=1, ar_subchunks=1), Tuning(rs_reduce="ring"),
+            Tuning(rs_reduce="ring", rs_subchunks=2, rs_remote_store=True),
             Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4)]
 
 
@@ -106,3 +106,22 @@ def test_fused_matches_sequential_on_two_gpus():
     while not errors.empty():
         failures.append(errors.get())
     assert not failures and all(p.exitcode == 0 for p in procs), failures or [p.exitcode for p in procs]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_addmm_into_reads_c_and_writes_a_separate_output(dtype):
+    from tp_fusion.runtime import cublaslt
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    x, w = _ints(gen, 192, 64, device="cuda").to(dtype), _ints(gen, 96, 64, device="cuda").to(dtype)
+    c = _ints(gen, 192, 96, device="cuda").to(dtype)
+    c_before = c.clone()
+    out = torch.full((192, 96), float("nan"), dtype=dtype, device="cuda")
+    assert cublaslt.addmm_into(c, x, w, out) is out
+    assert torch.equal(out, c_before + x @ w.t()) and torch.equal(c, c_before)
+    assert cublaslt._library() is not None and cublaslt._gemms, "cuBLASLt was not used"
+    # Row views with a leading dim wider than the row (a piece of a wider buffer) and C = D.
+    wide = torch.zeros(192, 128, dtype=dtype, device="cuda")
+    wide[:, :96] = c_before
+    cublaslt.addmm_into(wide[:, :96], x, w, wide[:, :96])
+    assert torch.equal(wide[:, :96], c_before + x @ w.t()) and not wide[:, 96:].any()

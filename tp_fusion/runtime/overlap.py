@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_fusion.program import FUSED, SEQUENTIAL
-from tp_fusion.runtime import dist, symm
+from tp_fusion.runtime import cublaslt, dist, symm
 
 MODES = (FUSED, SEQUENTIAL)
 
@@ -47,10 +47,12 @@ class Tuning:
     ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
-    rs_reduce: str = "sum"  # GEMM+RS: "sum": the local GEMM waits for nothing, then one pass adds the
-    #                         received partials; "inplace": the local GEMM accumulates onto the
-    #                         received partial, copied out on the copy engine (2 ranks; wants
-    #                         rs_subchunks >= 2). Either way the bias rides in a peer's partial
+    rs_reduce: str = "sum"  # GEMM+RS: "sum": every rank pushes its partial straight to the chunk's
+    #                         owner, whose own-rows GEMM waits for nothing, then one pass adds the
+    #                         received partials; "ring": each chunk's partial travels the ring, every
+    #                         GEMM reading what arrived as its C operand (cuBLASLt: no pass at all;
+    #                         wants rs_subchunks >= 2, else a step waits for a whole push). Either
+    #                         way the bias rides in a peer's partial
     rs_subchunks: int = 1  # GEMM+RS: pieces per destination (a push of piece k overlaps GEMM k+1)
     rs_remote_store: bool = False  # GEMM+RS: the partial GEMM writes into the peer's slot (no copy engine)
     rs_streams: int = 1  # GEMM+RS and GEMM+AR ("sum"): 2 runs the GEMM of this rank's own rows on a
@@ -64,9 +66,9 @@ class Tuning:
     def __post_init__(self):
         if self.ag_streams not in (1, 2) or self.rs_streams not in (1, 2) \
                 or self.ag_gemm not in ("chunks", "async_input") \
-                or self.rs_reduce not in ("sum", "inplace") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
+                or self.rs_reduce not in ("sum", "ring") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
             raise ValueError(f"invalid {self}: ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or "
-                             "'async_input', rs_reduce 'sum' or 'inplace', sub-chunk counts >= 1")
+                             "'async_input', rs_reduce 'sum' or 'ring', sub-chunk counts >= 1")
 
 
 DEFAULT_TUNING = Tuning()
@@ -382,11 +384,11 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
 
 def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """Rank r GEMMs the partial for r+1, r+2, ... (the bias in the one for r+1) and pushes each into
-    that rank's slot (or stores it there from the GEMM); then it reduces its own rows
-    (``Tuning.rs_reduce``): "sum" GEMMs them (onto the residual, on a second stream with
-    ``rs_streams=2``) without waiting, then adds the received partials in one pass; "inplace" (2 ranks)
-    accumulates its GEMM onto the received partial and copies the result out on the copy engine,
-    piece by piece."""
+    that rank's slot (or stores it there from the GEMM); then it GEMMs its own rows (onto the residual,
+    on a second stream with ``rs_streams=2``) without waiting, and adds the received partials in one
+    pass. ``rs_reduce="ring"`` runs ``_symm_ring_linear_reduce_scatter`` instead."""
+    if tuning.rs_reduce == "ring":
+        return _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning)
     device = x3.device
     n_dst, rows, _ = x3.shape
     out_cols = weight.shape[0]
@@ -397,8 +399,7 @@ def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch
     n, r = box.n, box.rank
     main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
     xs = x3.view(n, c, sub, -1)
-    inplace = tuning.rs_reduce == "inplace" and n == 2
-    side = symm.side_stream(device) if tuning.rs_streams == 2 and not inplace else main
+    side = symm.side_stream(device) if tuning.rs_streams == 2 else main
     if side is not main:
         symm.stream_wait(side, main)  # the inputs are ready; the own-rows GEMM needs nothing else
     staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
@@ -416,16 +417,51 @@ def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch
                 box.push(comm, dst, k, staging[step - 1, k])
     out = x3.new_empty((c, sub, out_cols))
     for k in range(c):
-        if inplace:
-            received = box.slot((r + 1) % n, k)
-            box.wait_ready(main, (r + 1) % n, k)
-            if res is not None:
-                received.add_(res[k])
-            received.addmm_(xs[r, k], weight.t())
-            symm.stream_wait(comm, main)
-            symm.driver().copy(comm, out[k], received)
-        else:
-            _reduce_part(box, k, xs[r, k], weight, None if res is None else res[k], side, main, out[k])
+        _reduce_part(box, k, xs[r, k], weight, None if res is None else res[k], side, main, out[k])
+    symm.stream_wait(main, comm)
+    return out.view(rows, out_cols)
+
+
+def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
+    """The CPU ring's order (``_ring_linear_reduce_scatter``) on the copy engines: the partial for
+    chunk j starts at rank j+1 (with the bias) and travels right, each rank's GEMM reading what arrived
+    as its C operand and writing the sum it passes on (``cublaslt.addmm_into``: no pass adds it), until
+    rank j's GEMM of its own rows writes the result (a residual is added to what arrived first). Each
+    step runs in ``rs_subchunks`` pieces, so that the push of piece k overlaps the GEMM of piece k+1.
+    Rank r's slot for chunk j holds what its left neighbour passed on for j (``slot=j``)."""
+    device = x3.device
+    rows, out_cols = x3.shape[1], weight.shape[0]
+    c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
+    sub = rows // c
+    box = symm.mailbox("linear_reduce_scatter.ring", c, (sub, out_cols), x3.dtype, pg, device)
+    box.start_call()
+    n, r = box.n, box.rank
+    right = (r + 1) % n
+    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
+    xs = x3.view(n, c, sub, -1)
+    staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
+    for step in range(n - 1):
+        j = (r - step - 1) % n
+        for k in range(c):
+            sums = box.peer_slot(right, k, slot=j) if staging is None else staging[step, k]
+            if step == 0:
+                _linear(xs[j, k], weight, bias, None, out=sums)
+            else:
+                box.wait_ready(main, j, k)
+                cublaslt.addmm_into(box.slot(j, k), xs[j, k], weight, sums)
+            if staging is None:
+                box.mark_ready(main, right, k, slot=j)
+            else:
+                symm.stream_wait(comm, main)
+                box.push(comm, right, k, sums, slot=j)
+    out = x3.new_empty((c, sub, out_cols))
+    res = None if residual is None else residual.view(c, sub, out_cols)
+    for k in range(c):
+        received = box.slot(r, k)
+        box.wait_ready(main, r, k)
+        if res is not None:
+            received.add_(res[k])
+        cublaslt.addmm_into(received, xs[r, k], weight, out[k])
     symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
 

@@ -148,14 +148,17 @@ class Mailbox:
 
     ``slot(src, part)`` holds what group rank ``src`` pushed here in this call (a slot may be pushed
     in ``parts`` pieces); calls alternate between two buffers. ``flags[src, part]`` is the epoch of
-    src's last push into it, written by src through its mapping. Every call bumps ``epoch`` alike on
+    src's last push into it, written by src through its mapping. (A kernel may name its slots
+    otherwise: the reduce_scatter's ring keys them by chunk, all pushed by the left neighbour, through
+    the ``slot=`` argument of ``push``, ``mark_ready`` and ``peer_slot``.) Every call bumps ``epoch`` alike on
     every rank (they make the same calls in the same order), so flags only grow and never need
     resetting.
 
-    No "slot free" flags are needed: each call is a full exchange (every rank pushes to and waits for
-    every peer), and a rank's pushes of call e are stream-ordered after its waits of call e-1. So when
-    rank p pushes into q's buffer of call e+1 (the one q read in call e-1), p has seen q's push of
-    call e, which q issued after it had finished call e-1.
+    No "slot free" flags are needed: in each call a rank's pushes to a peer come after (are
+    stream-ordered after) its waits of the previous call, and each peer's reads of call e-1 come before
+    some push of its in call e on which the pusher's waits of call e depend, directly (every rank
+    pushes to every peer) or along the ring. So when rank p pushes into q's buffer of call e+1 (the
+    one q read in call e-1), q has finished call e-1.
     """
 
     def __init__(self, parts: int, part_shape, dtype, pg, device):
@@ -168,7 +171,7 @@ class Mailbox:
         flags_handle = rendezvous(flags, pg)
         # What this rank pushes to peer p lands in p's slots[., rank]; what it flags, in p's flags.
         peer_slots = [peer_tensor(slots_handle, p, self.slots) for p in range(n)]
-        self._peer_slots = [[peer_slots[p][b, self.rank] for p in range(n)] for b in range(2)]
+        self._peer_slots = [[peer_slots[p][b] for p in range(n)] for b in range(2)]
         self._flags = flags  # kept alive: the addresses below point into it and into its peers' copies
         self._flag_base = flags.data_ptr()
         self._peer_flag_base = [peer_tensor(flags_handle, p, flags).data_ptr() for p in range(n)]
@@ -187,22 +190,25 @@ class Mailbox:
         """This call's piece ``part`` from every rank, stacked: [n, *part_shape]."""
         return self.slots[self.epoch % 2, :, part]
 
-    def peer_slot(self, dst: int, part: int) -> torch.Tensor:
-        """The piece ``part`` of ``dst``'s slot for this rank, in this call's buffer (for a remote store)."""
-        return self._peer_slots[self.epoch % 2][dst][part]
+    def peer_slot(self, dst: int, part: int, slot: int | None = None) -> torch.Tensor:
+        """The piece ``part`` of ``dst``'s slot ``slot`` (default: the one for this rank), in this call's
+        buffer (for a remote store)."""
+        return self._peer_slots[self.epoch % 2][dst][self.rank if slot is None else slot, part]
 
     def _flag_offset(self, src: int, part: int) -> int:
         return 4 * (src * self.parts + part)
 
-    def push(self, stream: torch.cuda.Stream, dst: int, part: int, src: torch.Tensor) -> None:
+    def push(self, stream: torch.cuda.Stream, dst: int, part: int, src: torch.Tensor,
+             slot: int | None = None) -> None:
         """On ``stream``: copy ``src`` into ``dst``'s slot (a copy-engine write into the peer's memory),
         then raise dst's ready flag for it."""
-        driver().copy(stream, self.peer_slot(dst, part), src)
-        self.mark_ready(stream, dst, part)
+        driver().copy(stream, self.peer_slot(dst, part, slot), src)
+        self.mark_ready(stream, dst, part, slot)
 
-    def mark_ready(self, stream: torch.cuda.Stream, dst: int, part: int) -> None:
+    def mark_ready(self, stream: torch.cuda.Stream, dst: int, part: int, slot: int | None = None) -> None:
         """Once the work before it on ``stream`` is done, raise ``dst``'s ready flag for our piece."""
-        driver().write(stream, self._peer_flag_base[dst] + self._flag_offset(self.rank, part), self.epoch)
+        slot = self.rank if slot is None else slot
+        driver().write(stream, self._peer_flag_base[dst] + self._flag_offset(slot, part), self.epoch)
 
     def release(self, stream: torch.cuda.Stream) -> None:
         """Raise every flag of this rank's mailbox for good: its waits pass (after a peer died)."""
