@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 benchmarks/contention.py [--shapes T,H,F ...] [--rounds 5]
 
 For each sequence-parallel MLP shape of ``benchmarks/tp_mlp.py`` (from 2048 tokens), every rank runs,
-in interleaved rounds:
+in interleaved rounds timed as ``tp_mlp.py`` times them (``time_rounds``):
 
 - ``compute``: the best compute of its local work (``torch._addmm_activation`` with bias and GELU,
   then ``F.linear``; the yardstick of issue 13);
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from examples.cli import parser  # noqa: E402
+from examples.cli import add_timing_options, parser  # noqa: E402
 
 SHAPES = ((2048, 8192, 28672), (3072, 12288, 49152), (4096, 5120, 13824), (8192, 4096, 16384),
           (8192, 8192, 28672), (8192, 12288, 49152), (16384, 8192, 28672))
@@ -43,9 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__)
     shape = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
     p.add_argument("--shapes", nargs="*", type=shape, default=list(SHAPES), help="tokens,hidden,ffn triples")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per variant")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
+    add_timing_options(p, iters=20, warmup=5, rounds=5)
     return p.parse_args(argv)
 
 
@@ -54,7 +51,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from benchmarks.tp_mlp import time_ms  # noqa: E402
+from benchmarks.tp_mlp import time_rounds  # noqa: E402
 from tp_fusion.launch import init_from_env  # noqa: E402
 from tp_fusion.runtime import dist, overlap, symm  # noqa: E402
 
@@ -118,12 +115,9 @@ def main(args) -> int:
         print(f"{dist.world_size()}x {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; ms per "
               f"iteration, max over ranks, median of {args.rounds} rounds; ratios over compute")
     for tokens, hidden, ffn in args.shapes:
-        fns = variants(tokens, hidden, ffn, device)
-        names, rounds = list(fns), {name: [] for name in fns}
-        for k in range(args.rounds):
-            for name in names[k % len(names):] + names[:k % len(names)]:
-                rounds[name].append(time_ms(fns[name], args.iters, args.warmup))
-        ms = {name: statistics.median(v) for name, v in rounds.items()}
+        row = {"ms_rounds": {}}
+        time_rounds(row, variants(tokens, hidden, ffn, device), args)
+        ms = row["ms"]
         if dist.rank() == 0:
             print(f"{tokens},{hidden},{ffn}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()) + "\n    "
                   + ", ".join(f"{k} {ms[k] / ms['compute']:.3f}" for k in ms if k not in ("compute", "pushes")),

@@ -1,7 +1,8 @@
 """Tensor-parallel MLP forward, bf16, against the best single-GPU compute of the same local work.
 
 Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/tp_mlp.py [--sp T,H,F ...] [--tp T,H,F ...]
-        [--designs] [--profile DIR] [--power] [--iters 20] [--warmup 5] [--rounds 3] [--out benchmarks/results]
+        [--designs] [--profile DIR] [--power] [--iters 20] [--warmup 5] [--min-ms 100] [--rounds 5]
+        [--out benchmarks/results]
 
 Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [hidden, ffn/N]):
 - sp (sequence parallel): x sharded on tokens -> allgather -> linear+bias -> tanh-GELU -> linear
@@ -10,8 +11,9 @@ Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [
   TP (the same, one NCCL allreduce).
 
 Per shape, in one process, each variant's CUDA-event time per iteration (``--iters`` after
-``--warmup``), max over ranks, median of ``--rounds`` interleaved rounds, each round in a rotated order
-(clocks and power drift):
+``--warmup``, each at least ``--min-ms`` long), max over ranks, median of ``--rounds`` interleaved
+rounds, each round in its own random order (clocks and power drift, and a GPU at its power limit
+carries one variant's clocks into the next):
 compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
 (``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
 yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
@@ -37,7 +39,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from examples.cli import parser  # noqa: E402
+from examples.cli import add_timing_options, parser  # noqa: E402
 
 SP_SHAPES = ((256, 1024, 4096), (1024, 4096, 16384), (2048, 8192, 28672), (3072, 12288, 49152),
              (4096, 5120, 13824), (8192, 4096, 16384), (8192, 8192, 28672), (8192, 12288, 49152),
@@ -51,15 +53,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     shapes = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
     p.add_argument("--sp", nargs="*", type=shapes, default=list(SP_SHAPES), help="tokens,hidden,ffn triples")
     p.add_argument("--tp", nargs="*", type=shapes, default=list(TP_SHAPES), help="tokens,hidden,ffn triples")
-    p.add_argument("--designs", action="store_true", help="also time the kernel designs tried")
+    p.add_argument("--designs", nargs="*", metavar="NAME",
+                   help="also time the kernel designs tried (these, or with no name all of them)")
     p.add_argument("--profile", metavar="DIR", help="trace the profiled shapes; reports and timelines in DIR")
     p.add_argument("--profile-shapes", nargs="*", type=shapes, default=None,
                    help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
     p.add_argument("--power", action="store_true",
                    help="also sample the GPUs' SM clock and power (nvidia-smi) while each variant is timed")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per variant")
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds; the median is reported")
+    add_timing_options(p, iters=20, warmup=5, rounds=5)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
     return p.parse_args(argv)
 
@@ -71,6 +72,7 @@ import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import random  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 
@@ -219,8 +221,8 @@ def sp_variants(tokens, hidden, ffn, n, inp, designs):
            "comm_only": comm_only, "nccl_sequential": nccl_sequential, "async_tp": async_tp,
            "tp_fusion": tp_fusion,
            "tp_fusion_kernels": kernels(overlap.DEFAULT_TUNING)}
-    if designs:
-        fns.update({f"design:{name}": kernels(t) for name, t in SP_DESIGNS.items()})
+    if designs is not None:
+        fns.update({f"design:{name}": kernels(t) for name, t in SP_DESIGNS.items() if not designs or name in designs})
     return fns, fd
 
 
@@ -246,8 +248,8 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
            "comm_only": lambda: dist.all_reduce(z, None) or z, "classic_tp": classic_tp,
            "tp_fusion": tp_fusion,
            "tp_fusion_kernels": kernels(overlap.DEFAULT_TUNING)}
-    if designs:
-        fns.update({f"design:{name}": kernels(t) for name, t in TP_DESIGNS.items()})
+    if designs is not None:
+        fns.update({f"design:{name}": kernels(t) for name, t in TP_DESIGNS.items() if not designs or name in designs})
     return fns, fd
 
 
@@ -255,8 +257,14 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
 # Measuring
 # --------------------------------------------------------------------------------------------------
 
-def time_ms(fn, iters, warmup) -> float:
-    """CUDA-event time per iteration (tp_fusion's own timer), max over ranks; the ranks start together."""
+def time_ms(fn, iters, warmup, min_ms: float = 0.0) -> float:
+    """CUDA-event time per iteration (tp_fusion's own timer), max over ranks; the ranks start together.
+    With ``min_ms`` the warmup and the timed iterations each span at least that long (their counts come
+    from one timed call, max over ranks, so that every rank runs as many): the GPUs run at their power
+    limit, and a short timing would measure the clocks its predecessor left rather than its own."""
+    if min_ms:
+        calls = math.ceil(min_ms / max(tuning.slowest([tuning.time_ms(fn, 1, 1)], None, "cuda")[0], 1e-3))
+        iters, warmup = max(iters, calls), max(warmup, calls)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -265,14 +273,16 @@ def time_ms(fn, iters, warmup) -> float:
 
 
 def time_rounds(row: dict, fns: dict, args) -> None:
-    """Time each of ``fns`` in ``args.rounds`` interleaved rounds, each round in another order (clocks
-    and power drift, and no variant keeps a fixed neighbour); fill ``row``'s ``ms_rounds``, ``ms`` (the
-    medians) and, with ``args.power``, ``power`` (the GPUs' clock and power per variant, sampled on rank 0)."""
+    """Time each of ``fns`` in ``args.rounds`` interleaved rounds, each round in its own random order
+    (seeded by the round, so alike on every rank: clocks and power drift, and no variant keeps a
+    neighbour); fill ``row``'s ``ms_rounds``, ``ms`` (the medians) and, with ``args.power``, ``power``
+    (the GPUs' clock and power per variant, sampled on rank 0)."""
     names = list(fns)
     power = {} if getattr(args, "power", False) and dist.rank() == 0 else None  # rank 0 sees every GPU
     for k in range(args.rounds):
-        for name in names[k % len(names):] + names[:k % len(names)]:
-            ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup), power, name)
+        for name in random.Random(k).sample(names, len(names)):
+            ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup, args.min_ms),
+                                     power, name)
             row["ms_rounds"].setdefault(name, []).append(ms)
     row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in names}
     if power:
@@ -476,9 +486,9 @@ def main(args: argparse.Namespace) -> int:
         result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
                   "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
-                  "rounds": args.rounds, "tuning": dataclasses.asdict(overlap.DEFAULT_TUNING),
+                  "min_ms": args.min_ms, "rounds": args.rounds, "tuning": dataclasses.asdict(overlap.DEFAULT_TUNING),
                   "designs": {k: dataclasses.asdict(v) for k, v in {**SP_DESIGNS, **TP_DESIGNS}.items()}
-                  if args.designs else {}, "goals": checks, "shapes": rows}
+                  if args.designs is not None else {}, "goals": checks, "shapes": rows}
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"{slug}.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -2,7 +2,7 @@
 
 Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/transformer_layer.py [--shapes T,H ...]
         [--modes tp sp] [--passes fwd fwd_bwd] [--variants ...] [--compile-shapes T,H ...] [--seq 4096]
-        [--head-dim 128] [--iters 10] [--warmup 3] [--rounds 3] [--power] [--out benchmarks/results]
+        [--head-dim 128] [--iters 10] [--warmup 3] [--min-ms 100] [--rounds 3] [--power] [--out benchmarks/results]
 Check the variants on CPU ranks (gloo, tiny shapes, nothing timed or written):
         python benchmarks/transformer_layer.py --check
 
@@ -33,10 +33,11 @@ Every variant is checked against nccl_sequential (output; for fwd_bwd also the g
 input, the QKV weight shard and the fc2 weight shard) before it is timed; one that disagrees, or
 that fails (e.g. torch.compile where it cannot run), is reported and not timed.
 
-Timing: tp_fusion's timer (CUDA events around ``--iters`` calls after ``--warmup``), max over ranks,
-median of ``--rounds`` interleaved rounds. Results go to ``{out}/transformer_layer_{gpu}x{N}.json``,
-named after the machine the run is on, after every row (a run cut short keeps what it measured);
-rows of an earlier run on the same machine are kept unless this run measured the same row again.
+Timing: tp_fusion's timer (CUDA events around ``--iters`` calls after ``--warmup``, each at least
+``--min-ms`` long), max over ranks, median of ``--rounds`` rounds, each in its own random order.
+Results go to ``{out}/transformer_layer_{gpu}x{N}.json``, named after the machine the run is on,
+after every row (a run cut short keeps what it measured); rows of an earlier run on the same machine
+are kept unless this run measured the same row again.
 Without a CUDA GPU (and without --check) it says so and exits 0.
 """
 
@@ -48,7 +49,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from examples.cli import parser  # noqa: E402
+from examples.cli import add_timing_options, parser  # noqa: E402
 
 SHAPES = ((4096, 4096), (8192, 4096), (16384, 4096), (4096, 8192), (8192, 8192), (16384, 8192))
 VARIANTS = ("compute_eager", "compute_epilogue", "compute_compiled", "nccl_sequential", "pytorch_tp",
@@ -72,9 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens,hidden pairs on which the torch.compile variants run (slow to compile)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (tokens = batch x seq)")
     p.add_argument("--head-dim", type=int, default=128, help="attention head dim (heads = hidden / head_dim)")
-    p.add_argument("--iters", type=int, default=10, help="timed iterations per variant")
-    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; the median is reported")
+    add_timing_options(p, iters=10, warmup=3, rounds=3)
     p.add_argument("--power", action="store_true",
                    help="also sample the GPUs' SM clock and power (nvidia-smi) while each variant is timed")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
@@ -509,7 +508,7 @@ def save(rows, args, n) -> str:
     result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
               "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
-              "rounds": args.rounds, "goals": goals(merged), "shapes": merged}
+              "min_ms": args.min_ms, "rounds": args.rounds, "goals": goals(merged), "shapes": merged}
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

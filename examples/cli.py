@@ -26,3 +26,15 @@ def add_inspect_options(p: argparse.ArgumentParser) -> None:
     """--explain and --profile, for the examples that print plans and trace a step."""
     p.add_argument("--explain", action="store_true", help="also print the plan summaries (bytes, FLOPs)")
     p.add_argument("--profile", metavar="DIR", help="write per-rank Chrome traces and DIR/timeline.png")
+
+
+def add_timing_options(p: argparse.ArgumentParser, iters: int, warmup: int, rounds: int) -> None:
+    """How the GPU benchmarks time each variant (``benchmarks.tp_mlp.time_rounds``)."""
+    p.add_argument("--iters", type=int, default=iters, help="timed iterations per variant (at least)")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed iterations first (at least)")
+    p.add_argument("--min-ms", type=float, default=100.0,
+                   help="the warmup and the timed iterations each span at least this many ms, so that a variant "
+                        "is timed in its own steady state and not in the one its predecessor left")
+    p.add_argument("--rounds", type=int, default=rounds,
+                   help="timing rounds, each in its own random order of the variants; the median is reported")
+
