@@ -258,18 +258,15 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
 # --------------------------------------------------------------------------------------------------
 
 def time_ms(fn, iters, warmup, min_ms: float = 0.0) -> float:
-    """CUDA-event time per iteration (tp_fusion's own timer), max over ranks; the ranks start together.
-    With ``min_ms`` the warmup and the timed iterations each span at least that long (their counts come
-    from one timed call, max over ranks, so that every rank runs as many): the GPUs run at their power
-    limit, and a short timing would measure the clocks its predecessor left rather than its own."""
-    if min_ms:
-        calls = math.ceil(min_ms / max(tuning.slowest([tuning.time_ms(fn, 1, 1)], None, "cuda")[0], 1e-3))
-        iters, warmup = max(iters, calls), max(warmup, calls)
-    for _ in range(warmup):
+    """CUDA-event time per iteration (tp_fusion's own timer), max over ranks, the ranks starting the timed
+    iterations together; with ``min_ms`` the warmup and the timed iterations each span at least that
+    long (``tuning.calls_spanning``)."""
+    calls = tuning.calls_spanning(fn, min_ms, None, "cuda")
+    for _ in range(max(warmup, calls)):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
-    return tuning.slowest([tuning.time_ms(fn, iters, 0)], None, "cuda")[0]
+    return tuning.slowest([tuning.time_ms(fn, max(iters, calls), 0)], None, "cuda")[0]
 
 
 def time_rounds(row: dict, fns: dict, args) -> None:

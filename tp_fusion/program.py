@@ -52,7 +52,8 @@ class FusedGemm:
     """A GEMM and its collective run as one overlapped kernel (``tp_fusion.runtime.overlap``):
     ``allgather`` of ``x`` then the GEMM (and ``epilogue``), or the GEMM then ``reduce_scatter`` or
     ``allreduce`` (plus ``bias``, then plus ``residual``, a tensor of the result's local shape).
-    ``mode`` is measured by tuning: ``fused`` or ``sequential``."""
+    ``mode`` is measured by tuning: ``fused`` or ``sequential``; so is ``tuning``, the fused kernel's
+    knobs (``overlap.Tuning``; None: the defaults)."""
 
     collective: Collective
     x: int
@@ -66,6 +67,7 @@ class FusedGemm:
     group: tuple[int, ...]
     runs_here: bool
     mode: str | None = None
+    tuning: object | None = None  # tp_fusion.runtime.overlap.Tuning (the runtime is not imported here)
 
 
 Instruction = Compute | Communicate
@@ -124,11 +126,15 @@ class Program:
         return summarize(self)
 
     def with_choices(self, modes: dict[int, str], cuda_graph: bool, notes: tuple[str, ...],
-                     gelu_apart: frozenset[int] | None = None) -> Program:
-        """The program with tuning's choices recorded: ``modes`` by fused segment index, and (if given)
-        which GELUs run apart from their GEMM."""
-        segs = tuple(dataclasses.replace(seg, fused=dataclasses.replace(seg.fused, mode=modes[i]))
-                     if i in modes else seg for i, seg in enumerate(self.segments))
+                     gelu_apart: frozenset[int] | None = None, kernels: dict | None = None) -> Program:
+        """The program with tuning's choices recorded: ``modes`` by fused segment index, (if given) the
+        fused kernels' knobs by index (``kernels``: ``overlap.Tuning``) and which GELUs run apart from
+        their GEMM."""
+        kernels = kernels or {}
+        segs = tuple(seg if i not in modes and i not in kernels else dataclasses.replace(
+            seg, fused=dataclasses.replace(seg.fused, mode=modes.get(i, seg.fused.mode),
+                                           tuning=kernels.get(i, seg.fused.tuning)))
+            for i, seg in enumerate(self.segments))
         return dataclasses.replace(self, segments=segs, cuda_graph=cuda_graph, notes=notes,
                                    gelu_apart=self.gelu_apart if gelu_apart is None else gelu_apart)
 

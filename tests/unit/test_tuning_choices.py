@@ -109,3 +109,75 @@ def test_a_segment_faster_sequential_alone_runs_fused_where_the_plan_is_faster_s
     chosen, runner = tuning._fused_if_faster_in_plan(alone, Timed(alone), [i], [])
     assert chosen.segments[i].fused.mode == want and runner.program is chosen
     assert chosen.notes == (f"whole plan: segment(s) {i} sequential 2.000 ms, fused {fused_ms:.3f} ms -> {want}",)
+
+
+def _sp_mlp_program():
+    """An SP MLP compiled for CUDA on rank 0 of 2: a fused allgather+linear+gelu and a fused
+    linear+reduce_scatter."""
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        x, w1, b1, w2 = (fd.define_tensor(s) for s in ([8, 8], [16, 8], [16], [8, 16]))
+        z = fd.ops.linear(fd.ops.gelu(fd.ops.linear(x, w1, b1), approximate="tanh"), w2)
+        fd.add_output(z)
+    for tv, dim in ((x, 0), (w1, 0), (b1, 0), (w2, 1), (z, 0)):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(dim, 2)
+        tv.axis(dim).parallelize(ParallelType.mesh_x)
+    return fd.compile([[8, 8], [16, 8], [16], [8, 16]], rank=0, device="cuda")
+
+
+def test_each_fused_segment_runs_the_kernel_variant_measured_fastest(gpu_tuning, monkeypatch):
+    """Every variant of ``KERNEL_VARIANTS`` is timed against the sequential collective (and the GELU in
+    and apart from the epilogue); the fastest is recorded in the program, and the note says why."""
+    from tp_fusion.runtime.overlap import DEFAULT_TUNING, Tuning
+    from tp_fusion.sharding.reshard import Collective
+
+    program = _sp_mlp_program()
+    index = {seg.fused.collective: i for i, seg in enumerate(program.segments) if seg.fused is not None}
+    winners = {Tuning(ag_streams=1), Tuning(rs_reduce="ring", rs_subchunks=2)}
+    timed = []
+
+    def fastest(runs, env, pg, device):  # the winners with the GELU in the epilogue: 1 ms; all else 2 ms
+        timed.append(set(runs))
+        return {key: 1.0 if key[0] == FUSED and key[1] in winners and key[2] else 2.0 for key in runs}
+
+    monkeypatch.setattr(tuning, "_fastest", fastest)
+    monkeypatch.setattr(tuning, "_random_env", lambda program, *names: {})
+    monkeypatch.setattr(tuning, "_fused", lambda f, program, gelu_in_gemm: None)
+    monkeypatch.setattr(tuning.symm, "driver", lambda: object())
+    monkeypatch.setattr(tuning.dist, "group", lambda ranks: None)
+
+    ag = tuning._choose_mode(index[Collective.ALLGATHER], program, ["host"])
+    assert ag[:3] == (FUSED, Tuning(ag_streams=1), False) and ag[4]
+    assert ag[3] == ("segment 0 allgather+linear+gelu: fused 2.000 ms (GELU apart 2.000), fused (ag_streams=1) "
+                     "1.000 ms (GELU apart 2.000), sequential 2.000 ms (GELU apart 2.000) -> fused (ag_streams=1)")
+    assert timed[0] == {(mode, t, g) for mode, t in [(FUSED, Tuning(ag_streams=2)), (FUSED, Tuning(ag_streams=1)),
+                                                     (SEQUENTIAL, DEFAULT_TUNING)] for g in (True, False)}
+    rs = tuning._choose_mode(index[Collective.REDUCE_SCATTER], program, ["host"])
+    assert rs[:3] == (FUSED, Tuning(rs_reduce="ring", rs_subchunks=2), False)
+    assert rs[3].endswith("fused 2.000 ms, fused (rs_reduce='ring', rs_subchunks=2) 1.000 ms, sequential 2.000 ms "
+                          "-> fused (rs_reduce='ring', rs_subchunks=2)")
+    chosen = program.with_choices({index[Collective.REDUCE_SCATTER]: FUSED}, cuda_graph=False, notes=(),
+                                  kernels={index[Collective.REDUCE_SCATTER]: rs[1]})
+    assert chosen.segments[index[Collective.REDUCE_SCATTER]].fused.tuning == rs[1]
+    assert chosen.segments[index[Collective.ALLGATHER]].fused.tuning is None
+
+
+def test_the_runner_gives_a_fused_kernel_the_knobs_tuning_recorded(monkeypatch):
+    from tp_fusion.runtime import overlap, runner
+    from tp_fusion.runtime.overlap import Tuning
+    from tp_fusion.sharding.reshard import Collective
+
+    program = _sp_mlp_program()
+    (i,) = [i for i, seg in enumerate(program.segments)
+            if seg.fused is not None and seg.fused.collective is Collective.REDUCE_SCATTER]
+    knobs = Tuning(rs_reduce="ring", rs_subchunks=2)
+    program = program.with_choices({i: FUSED}, cuda_graph=False, notes=(), kernels={i: knobs})
+    got = {}
+    monkeypatch.setattr(overlap, "linear_reduce_scatter", lambda *a, **kw: got.update(kw))
+    monkeypatch.setattr(runner.dist, "group", lambda ranks: None)
+    monkeypatch.setattr(runner.dist, "group_size", lambda pg: 2)
+    f = program.segments[i].fused
+    env = {name: torch.ones(2, 2) for name in (f.x, f.weight)}
+    runner._fused(f, program)(env)
+    assert got["tuning"] == knobs and got["mode"] == FUSED

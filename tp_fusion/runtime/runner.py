@@ -236,7 +236,7 @@ def _fused(f: FusedGemm, program: Program, gelu_in_gemm: bool | None = None) -> 
     mode = f.mode or FUSED
     epilogue = _epilogue(f.epilogue)
     in_gemm = f.out not in program.gelu_apart if gelu_in_gemm is None else gelu_in_gemm
-    tuning = dataclasses.replace(overlap.DEFAULT_TUNING, gelu_in_gemm=in_gemm)
+    tuning = dataclasses.replace(f.tuning or overlap.DEFAULT_TUNING, gelu_in_gemm=in_gemm)
     x_name, w_name, b_name, r_name, out, dim = f.x, f.weight, f.bias, f.residual, f.out, f.dim
     transpose = f.transpose_weight
 
@@ -279,11 +279,12 @@ def _fused_run(f: FusedGemm, pg, mode: str, epilogue, operands, tuning) -> Calla
     elif f.collective is Collective.REDUCE_SCATTER:
         def run(env):
             x, w, b, res = operands(env)
-            env[out] = overlap.linear_reduce_scatter(x, w, b, residual=res, scatter_dim=dim, pg=pg, mode=mode)
+            env[out] = overlap.linear_reduce_scatter(x, w, b, residual=res, scatter_dim=dim, pg=pg, mode=mode,
+                                                     tuning=tuning)
     else:
         def run(env):
             x, w, b, res = operands(env)
-            env[out] = overlap.linear_allreduce(x, w, b, residual=res, pg=pg, mode=mode)
+            env[out] = overlap.linear_allreduce(x, w, b, residual=res, pg=pg, mode=mode, tuning=tuning)
     return run
 
 

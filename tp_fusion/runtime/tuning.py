@@ -38,6 +38,14 @@ from tp_fusion.runtime import dist, graphs, overlap, symm
 from tp_fusion.runtime.runner import Runner, _epilogue, _fused, _gemm_gelu
 
 TIMED_ITERS, WARMUP, ROUNDS = 8, 2, 3
+MIN_MS = 20.0  # and each timing, and its warmup, spans at least this many ms: GPUs at their power limit run
+#                a short timing at the clocks that the work before it left, not at its own
+KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the fastest on some shapes of the
+    #                  SP MLP on 2x H200, measured in the steady state (docs/performance.md, round 10)
+    Collective.ALLGATHER: (overlap.Tuning(ag_streams=2), overlap.Tuning(ag_streams=1)),
+    Collective.REDUCE_SCATTER: (overlap.Tuning(), overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
+    Collective.ALLREDUCE: (overlap.Tuning(),),
+}
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
 SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: a CUDA graph of
 #                      it with every fused segment sequential (capturable) is timed against it
@@ -59,6 +67,23 @@ def time_ms(fn, iters: int, warmup: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def calls_spanning(fn, min_ms: float, pg, device) -> int:
+    """How many calls of ``fn`` span ``min_ms`` (0 for none): from one timed call after an untimed one,
+    max over the ranks of ``pg`` (None: the world), so that every rank makes as many (collective)."""
+    if not min_ms:
+        return 0
+    (one,) = slowest([time_ms(fn, 1, 1)], pg, device)
+    return math.ceil(min_ms / max(one, 1e-3))
+
+
+def steady_ms(fn, iters: int, warmup: int, min_ms: float, pg, device) -> float:
+    """``time_ms``, max over the ranks of ``pg`` (None: the world), with the warmup and the timed calls
+    each spanning at least ``min_ms`` (``calls_spanning``; collective over ``pg``)."""
+    calls = calls_spanning(fn, min_ms, pg, device)
+    (ms,) = slowest([time_ms(fn, max(iters, calls), max(warmup, calls))], pg, device)
+    return ms
 
 
 def slowest(values: list[float], pg, device) -> list[float]:
@@ -92,41 +117,51 @@ def _has_gelu_epilogue(f: FusedGemm) -> bool:
 
 
 def _fastest(runs: dict, env: dict, pg, device) -> dict:
-    """Each ``run(env)``'s ms (the min of interleaved rounds, so clock drift hits all alike), max over ``pg``
-    (None: the world)."""
+    """Each ``run(env)``'s ms, max over ``pg`` (None: the world), the min of interleaved rounds (so clock
+    drift hits all alike), each timing in its steady state (``steady_ms``; collective over ``pg``)."""
     rounds = {key: [] for key in runs}
     for _ in range(ROUNDS):
         for key, run in runs.items():
-            rounds[key].append(time_ms(lambda run=run: run(dict(env)), TIMED_ITERS, WARMUP))
-    return dict(zip(runs, slowest([min(r) for r in rounds.values()], pg, device)))
+            rounds[key].append(steady_ms(lambda run=run: run(dict(env)), TIMED_ITERS, WARMUP, MIN_MS, pg, device))
+    return {key: min(r) for key, r in rounds.items()}
 
 
-def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, bool, str, bool]:
-    """(mode, whether a tanh-GELU epilogue runs apart from the GEMM, why, whether timings chose it) for
-    fused segment ``i``, whose group's ranks are on ``hosts``."""
+def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, overlap.Tuning | None, bool, str, bool]:
+    """(mode, the fused kernel's knobs, whether a tanh-GELU epilogue runs apart from the GEMM, why, whether
+    timings chose it) for fused segment ``i``, whose group's ranks are on ``hosts``."""
     seg = program.segments[i]
     f = seg.fused
     if f.runs_here and len(hosts) > 1:
         why = (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
                f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
-        return SEQUENTIAL, False, why, False
+        return SEQUENTIAL, None, False, why, False
     if f.runs_here and f.collective is Collective.ALLREDUCE and \
             math.prod(local_shape(program.fusion, f.x)[:-1]) % len(f.group):
-        return SEQUENTIAL, False, "", False  # rows that do not split over the ranks: nothing to pipeline
+        return SEQUENTIAL, None, False, "", False  # rows that do not split over the ranks: nothing to pipeline
     if not _measures(program) or not f.runs_here:
-        return FUSED, False, "", False
+        return FUSED, None, False, "", False
     if symm.driver() is None:
-        return SEQUENTIAL, False, f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}", \
-            False
+        return SEQUENTIAL, None, False, \
+            f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}", False
     gelu_choices = (True, False) if _has_gelu_epilogue(f) else (True,)
-    runs = {(mode, in_gemm): _fused(dataclasses.replace(f, mode=mode), program, gelu_in_gemm=in_gemm)
-            for mode in (FUSED, SEQUENTIAL) for in_gemm in gelu_choices}
+    kernels = [(FUSED, t) for t in KERNEL_VARIANTS[f.collective]] + [(SEQUENTIAL, overlap.DEFAULT_TUNING)]
+    runs = {(mode, t, in_gemm): _fused(dataclasses.replace(f, mode=mode, tuning=t), program, gelu_in_gemm=in_gemm)
+            for mode, t in kernels for in_gemm in gelu_choices}
     ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias, f.residual), dist.group(f.group), program.device)
-    mode = min((FUSED, SEQUENTIAL), key=lambda m: min(ms[m, g] for g in gelu_choices))
-    in_gemm = len(gelu_choices) == 1 or _keeps_gelu_in_gemm(ms[mode, True], ms[mode, False])
-    timings = ", ".join(f"{m} {ms[m, True]:.3f} ms" + (f" (GELU apart {ms[m, False]:.3f})" if len(gelu_choices) > 1
-                                                        else "") for m in (FUSED, SEQUENTIAL))
-    return mode, not in_gemm, f"segment {i} {seg.note}: {timings} -> {mode}" + ("" if in_gemm else ", GELU apart"), True
+    mode, t = min(kernels, key=lambda k: min(ms[(*k, g)] for g in gelu_choices))
+    in_gemm = len(gelu_choices) == 1 or _keeps_gelu_in_gemm(ms[mode, t, True], ms[mode, t, False])
+    timings = ", ".join(f"{_kernel_name(m, k)} {ms[m, k, True]:.3f} ms"
+                        + (f" (GELU apart {ms[m, k, False]:.3f})" if len(gelu_choices) > 1 else "")
+                        for m, k in kernels)
+    why = f"segment {i} {seg.note}: {timings} -> {_kernel_name(mode, t)}" + ("" if in_gemm else ", GELU apart")
+    return mode, (t if mode == FUSED else None), not in_gemm, why, True
+
+
+def _kernel_name(mode: str, t: overlap.Tuning) -> str:
+    """``fused`` or ``sequential``, with the knobs a fused kernel sets apart from the defaults."""
+    knobs = [f"{field.name}={getattr(t, field.name)!r}" for field in dataclasses.fields(t)
+             if getattr(t, field.name) != getattr(overlap.DEFAULT_TUNING, field.name)]
+    return f"{mode} ({', '.join(knobs)})" if mode == FUSED and knobs else mode
 
 
 def _keeps_gelu_in_gemm(in_gemm_ms: float, apart_ms: float) -> bool:
@@ -188,7 +223,7 @@ def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: flo
         return None, "cuda graph: a rank could not capture the plan -> eager"
     if eager_ms is None:
         eager_ms = _plan_ms(runner, inputs)
-    (graph_ms,) = slowest([time_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP)], None, inputs[0].device)
+    graph_ms = steady_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
     keep = graph_ms < eager_ms * GRAPH_MARGIN
     if not keep:
         graphed.release()
@@ -224,8 +259,7 @@ def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[
 
 def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
     """The runner's plan launched eagerly, ms per call, max over the world (collective)."""
-    (ms,) = slowest([time_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP)], None, inputs[0].device)
-    return ms
+    return steady_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
 
 
 def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
@@ -233,9 +267,9 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     of the world calls it for the same program)."""
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
-    modes, apart, notes, timed_sequential = {}, set(), [], []
+    modes, kernels, apart, notes, timed_sequential = {}, {}, set(), [], []
     for i, seg_hosts in zip(fused, hosts):
-        modes[i], gelu_apart, note, timed = _choose_mode(i, program, seg_hosts)
+        modes[i], kernels[i], gelu_apart, note, timed = _choose_mode(i, program, seg_hosts)
         if gelu_apart:
             apart.add(program.segments[i].fused.out)
         if note:
@@ -244,7 +278,7 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
             timed_sequential.append(i)
     compute_apart, compute_notes = _choose_gelus(program)
     tuned = program.with_choices(modes, cuda_graph=False, notes=(*notes, *compute_notes),
-                                 gelu_apart=frozenset(apart | compute_apart))
+                                 gelu_apart=frozenset(apart | compute_apart), kernels=kernels)
     runner = Runner(tuned)
     if _measures(program):
         tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs)
