@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
 from tp_fusion.program import FUSED, SEQUENTIAL
-from tp_fusion.runtime import graphs, tuning
+from tp_fusion.runtime import graphs, overlap, runner, tuning
+from tp_fusion.runtime.overlap import DEFAULT_TUNING, Tuning
 
 
 def _dropout_like(seeded: bool):
@@ -129,9 +131,6 @@ def _sp_mlp_program():
 def test_each_fused_segment_runs_the_kernel_variant_measured_fastest(gpu_tuning, monkeypatch):
     """Every variant of ``KERNEL_VARIANTS`` is timed against the sequential collective (and the GELU in
     and apart from the epilogue); the fastest is recorded in the program, and the note says why."""
-    from tp_fusion.runtime.overlap import DEFAULT_TUNING, Tuning
-    from tp_fusion.sharding.reshard import Collective
-
     program = _sp_mlp_program()
     index = {seg.fused.collective: i for i, seg in enumerate(program.segments) if seg.fused is not None}
     winners = {Tuning(ag_streams=1), Tuning(rs_reduce="ring", rs_subchunks=2)}
@@ -164,10 +163,6 @@ def test_each_fused_segment_runs_the_kernel_variant_measured_fastest(gpu_tuning,
 
 
 def test_the_runner_gives_a_fused_kernel_the_knobs_tuning_recorded(monkeypatch):
-    from tp_fusion.runtime import overlap, runner
-    from tp_fusion.runtime.overlap import Tuning
-    from tp_fusion.sharding.reshard import Collective
-
     program = _sp_mlp_program()
     (i,) = [i for i, seg in enumerate(program.segments)
             if seg.fused is not None and seg.fused.collective is Collective.REDUCE_SCATTER]

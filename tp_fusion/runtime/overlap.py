@@ -11,8 +11,9 @@ computes, in one of two modes that the caller chooses:
 - ``"sequential"``: one collective and one GEMM.
 
 Every rank issues the same kernels in the same order and starts with its local chunk; nothing
-assumes two ranks. Knobs of the CUDA pipelines are explicit (``Tuning``). The mode is the caller's:
-``tp_fusion.runtime.tuning`` measures both once per program and records the choice.
+assumes two ranks. Knobs of the CUDA pipelines are explicit (``Tuning``). The mode and the knobs are
+the caller's: ``tp_fusion.runtime.tuning`` measures both modes and a few variants of the knobs once per
+program and records the choice.
 """
 
 from __future__ import annotations

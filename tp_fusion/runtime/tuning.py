@@ -5,7 +5,8 @@
   one GEMM): ``sequential`` where the segment's group spans hosts (symmetric memory maps peers over
   NVLink, so it needs one host; decided on every backend, so a CPU run shows a GPU job's plan); else
   on CUDA under NCCL both are timed on this segment's own operand shapes, bias and epilogue included
-  (what actually runs), and the group takes the max over its ranks; a segment that timed faster
+  (what actually runs), ``fused`` in each of its kernel variants (``KERNEL_VARIANTS``; the fastest
+  is recorded as ``FusedGemm.tuning``), and the group takes the max over its ranks; a segment that timed faster
   ``sequential`` alone is timed ``fused`` within the whole plan too, and the faster plan is kept
   (``_fused_if_faster_in_plan``); elsewhere (gloo, CPU) ``fused``, so the decomposition is what CI
   exercises;
