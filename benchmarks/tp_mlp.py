@@ -258,15 +258,10 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
 # --------------------------------------------------------------------------------------------------
 
 def time_ms(fn, iters, warmup, min_ms: float = 0.0) -> float:
-    """CUDA-event time per iteration (tp_fusion's own timer), max over ranks, the ranks starting the timed
-    iterations together; with ``min_ms`` the warmup and the timed iterations each span at least that
-    long (``tuning.calls_spanning``)."""
-    calls = tuning.calls_spanning(fn, min_ms, None, "cuda")
-    for _ in range(max(warmup, calls)):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    return tuning.slowest([tuning.time_ms(fn, max(iters, calls), 0)], None, "cuda")[0]
+    """tp_fusion's own timer (``tuning.steady_ms``): CUDA-event time per iteration, max over ranks, the
+    ranks starting the timed iterations together; with ``min_ms`` the warmup and the timed iterations
+    each span at least that long."""
+    return tuning.steady_ms(fn, iters, warmup, min_ms, None, "cuda")
 
 
 def time_rounds(row: dict, fns: dict, args) -> None:

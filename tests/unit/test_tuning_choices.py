@@ -176,3 +176,20 @@ def test_the_runner_gives_a_fused_kernel_the_knobs_tuning_recorded(monkeypatch):
     env = {name: torch.ones(2, 2) for name in (f.x, f.weight)}
     runner._fused(f, program)(env)
     assert got["tuning"] == knobs and got["mode"] == FUSED
+
+
+def test_a_segment_left_sequential_keeps_its_fastest_fused_knobs_for_the_plan_timing(gpu_tuning, monkeypatch):
+    """Sequential won alone, so the mode is sequential; the knobs are the fastest fused variant's, which
+    ``_fused_if_faster_in_plan`` runs if the segment does better fused within the whole plan."""
+    program = _sp_mlp_program()
+    (i,) = [i for i, seg in enumerate(program.segments)
+            if seg.fused is not None and seg.fused.collective is Collective.REDUCE_SCATTER]
+    ring = Tuning(rs_reduce="ring", rs_subchunks=2)
+    monkeypatch.setattr(tuning, "_fastest", lambda runs, env, pg, device: {
+        key: {SEQUENTIAL: 1.0}.get(key[0], 1.5 if key[1] == ring else 2.0) for key in runs})
+    monkeypatch.setattr(tuning, "_random_env", lambda program, *names: {})
+    monkeypatch.setattr(tuning, "_fused", lambda f, program, gelu_in_gemm: None)
+    monkeypatch.setattr(tuning.symm, "driver", lambda: object())
+    monkeypatch.setattr(tuning.dist, "group", lambda ranks: None)
+    mode, knobs, _, why, timed = tuning._choose_mode(i, program, ["host"])
+    assert (mode, knobs, timed) == (SEQUENTIAL, ring, True) and why.endswith("-> sequential")

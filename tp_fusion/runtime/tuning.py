@@ -81,9 +81,13 @@ def calls_spanning(fn, min_ms: float, pg, device) -> int:
 
 def steady_ms(fn, iters: int, warmup: int, min_ms: float, pg, device) -> float:
     """``time_ms``, max over the ranks of ``pg`` (None: the world), with the warmup and the timed calls
-    each spanning at least ``min_ms`` (``calls_spanning``; collective over ``pg``)."""
+    each spanning at least ``min_ms`` (``calls_spanning``), the ranks starting the timed calls together
+    (collective over ``pg``)."""
     calls = calls_spanning(fn, min_ms, pg, device)
-    (ms,) = slowest([time_ms(fn, max(iters, calls), max(warmup, calls))], pg, device)
+    for _ in range(max(warmup, calls)):
+        fn()
+    slowest([0.0], pg, device)  # a barrier: its all_reduce follows the warmup on every rank's GPU
+    (ms,) = slowest([time_ms(fn, max(iters, calls), 0)], pg, device)
     return ms
 
 
@@ -129,7 +133,9 @@ def _fastest(runs: dict, env: dict, pg, device) -> dict:
 
 def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, overlap.Tuning | None, bool, str, bool]:
     """(mode, the fused kernel's knobs, whether a tanh-GELU epilogue runs apart from the GEMM, why, whether
-    timings chose it) for fused segment ``i``, whose group's ranks are on ``hosts``."""
+    timings chose it) for fused segment ``i``, whose group's ranks are on ``hosts``. The knobs are those
+    of the fastest fused variant even where ``sequential`` won: ``_fused_if_faster_in_plan`` may yet run
+    the segment fused."""
     seg = program.segments[i]
     f = seg.fused
     if f.runs_here and len(hosts) > 1:
@@ -149,13 +155,16 @@ def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, overl
     runs = {(mode, t, in_gemm): _fused(dataclasses.replace(f, mode=mode, tuning=t), program, gelu_in_gemm=in_gemm)
             for mode, t in kernels for in_gemm in gelu_choices}
     ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias, f.residual), dist.group(f.group), program.device)
-    mode, t = min(kernels, key=lambda k: min(ms[(*k, g)] for g in gelu_choices))
+    def best(mode, t):
+        return min(ms[mode, t, g] for g in gelu_choices)
+    fastest_fused = min(KERNEL_VARIANTS[f.collective], key=lambda t: best(FUSED, t))
+    mode, t = (FUSED, fastest_fused) if best(FUSED, fastest_fused) <= best(*kernels[-1]) else kernels[-1]
     in_gemm = len(gelu_choices) == 1 or _keeps_gelu_in_gemm(ms[mode, t, True], ms[mode, t, False])
     timings = ", ".join(f"{_kernel_name(m, k)} {ms[m, k, True]:.3f} ms"
                         + (f" (GELU apart {ms[m, k, False]:.3f})" if len(gelu_choices) > 1 else "")
                         for m, k in kernels)
     why = f"segment {i} {seg.note}: {timings} -> {_kernel_name(mode, t)}" + ("" if in_gemm else ", GELU apart")
-    return mode, (t if mode == FUSED else None), not in_gemm, why, True
+    return mode, fastest_fused, not in_gemm, why, True
 
 
 def _kernel_name(mode: str, t: overlap.Tuning) -> str:
