@@ -35,3 +35,13 @@ def test_forms_it_does_not_have_are_refused(kwargs):
         kwargs["bias"] = b
     with pytest.raises(ValueError, match="gelu needs a bias, and c takes neither"):
         cublaslt.linear_into(x, w, torch.empty(6, 5), **kwargs)
+
+
+def test_recordings_nest():
+    """Tuning records the GEMMs of each timing within the recording of the whole compile; two empty
+    recordings are equal sets, yet each is closed as itself."""
+    with cublaslt.recording() as outer:
+        with cublaslt.recording() as inner:
+            assert cublaslt._recorders == [outer, inner] and cublaslt._recorders[1] is inner
+        assert cublaslt._recorders[0] is outer and len(cublaslt._recorders) == 1
+    assert not cublaslt._recorders

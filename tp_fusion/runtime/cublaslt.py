@@ -258,7 +258,7 @@ def recording() -> Iterator[set]:
     try:
         yield keys
     finally:
-        _recorders.remove(keys)
+        _recorders.pop()  # the innermost (recordings nest; a set compares by value, so no remove)
 
 
 def search(keys, time_ms: Callable[[Callable[[], None]], float], rounds: int = 2) -> None:
