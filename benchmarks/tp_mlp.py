@@ -16,10 +16,7 @@ rounds, each round in its own random order (clocks and power drift, and a GPU at
 carries one variant's clocks into the next):
 compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
 (``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
-yardstick; compute_searched (the fused-epilogue compute through ``tp_fusion.runtime.cublaslt`` with
-each GEMM's algorithm searched, as tp_fusion's compile searches its own: what tp_fusion's GEMMs cost
-with no communication and no chunking, so ``tp_fusion/compute_searched`` is the cost of the overlap
-alone); comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
+yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
 tp_fusion_kernels (``tp_fusion.runtime.overlap`` with mode="fused"). ``--designs`` adds the kernel
 designs tried (``overlap.Tuning`` variants). Every variant is checked against NCCL sequential
 (classic TP) before it is timed; one that disagrees is reported and not timed.
@@ -83,12 +80,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import gpu_monitor  # noqa: E402
-from tp_fusion.runtime import cublaslt, dist, overlap, tuning  # noqa: E402
+from tp_fusion.runtime import dist, overlap, tuning  # noqa: E402
 
-SP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "compute_searched", "comm_only", "nccl_sequential",
-               "async_tp", "tp_fusion", "tp_fusion_kernels")
-TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "compute_searched", "comm_only", "classic_tp",
+SP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "nccl_sequential", "async_tp",
                "tp_fusion", "tp_fusion_kernels")
+TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classic_tp", "tp_fusion",
+               "tp_fusion_kernels")
 # The kernel designs tried (docs/performance.md says what each measured); the defaults are tp_fusion_kernels.
 SP_DESIGNS = {
     "ag_one_stream": overlap.Tuning(ag_streams=1),
@@ -143,12 +140,6 @@ def mlp_local(x, w1, b1, w2):
 def mlp_local_fused(x, w1, b1, w2):
     """The same with bias and GELU in the first GEMM's epilogue (cuBLASLt GELU_BIAS)."""
     return F.linear(torch._addmm_activation(b1, x, w1.t(), use_gelu=True), w2)
-
-
-def mlp_local_searched(x, w1, b1, w2):
-    """The fused-epilogue form through tp_fusion's cuBLASLt binding (the algorithms ``run_shape`` searched)."""
-    h = cublaslt.linear_into(x, w1, x.new_empty(x.shape[0], w1.shape[0]), bias=b1, gelu=True)
-    return cublaslt.linear_into(h, w2, x.new_empty(x.shape[0], w2.shape[0]))
 
 
 def define_mlp(tokens, hidden, ffn, n, mode):
@@ -227,7 +218,6 @@ def sp_variants(tokens, hidden, ffn, n, inp, designs):
     tp_fusion, fd = tp_fusion_runner(tokens, hidden, ffn, n, inp, "sp")
     fns = {"compute_unfused": lambda: mlp_local(x_full, w1, b1, w2),
            "compute_fused_epilogue": lambda: mlp_local_fused(x_full, w1, b1, w2),
-           "compute_searched": lambda: mlp_local_searched(x_full, w1, b1, w2),
            "comm_only": comm_only, "nccl_sequential": nccl_sequential, "async_tp": async_tp,
            "tp_fusion": tp_fusion,
            "tp_fusion_kernels": kernels(overlap.DEFAULT_TUNING)}
@@ -255,7 +245,6 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
     tp_fusion, fd = tp_fusion_runner(tokens, hidden, ffn, n, inp, "tp")
     fns = {"compute_unfused": lambda: mlp_local(x_full, w1, b1, w2),
            "compute_fused_epilogue": lambda: mlp_local_fused(x_full, w1, b1, w2),
-           "compute_searched": lambda: mlp_local_searched(x_full, w1, b1, w2),
            "comm_only": lambda: dist.all_reduce(z, None) or z, "classic_tp": classic_tp,
            "tp_fusion": tp_fusion,
            "tp_fusion_kernels": kernels(overlap.DEFAULT_TUNING)}
@@ -323,34 +312,28 @@ def run_shape(mode, tokens, hidden, ffn, args, device):
     row = {"mode": mode, "tokens": tokens, "hidden": hidden, "ffn": ffn, "ms": {}, "ms_rounds": {},
            "rel_err": {}, "failed": {}}
     timed = []
-    with cublaslt.recording() as gemms:  # the GEMMs through tp_fusion's binding, searched below as its compile does
-        for name in names:
-            if name.startswith("compute") or name == "comm_only":
-                if name == "compute_searched":
-                    fns[name]()
-                timed.append(name)  # other work: nothing to compare
-                continue
-            try:
-                out = fns[name]()
-                error = None
-            except Exception as e:  # every rank raises alike for a shape a design cannot run
-                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-                out, error = None, f"{type(e).__name__}: {first}"
-            if any_rank(error is not None, device):
-                row["failed"][name] = error or "failed on another rank"
-                continue
-            row["rel_err"][name] = max_rel_err(out, ref)
-            if row["rel_err"][name] > TOLERANCE:
-                row["failed"][name] = f"relative error {row['rel_err'][name]:.2e} against {REFERENCE[mode]}"
-                continue
-            timed.append(name)
-    torch.cuda.synchronize()
-    cublaslt.search(gemms, tuning.gemm_ms)
+    for name in names:
+        if name.startswith("compute") or name == "comm_only":
+            timed.append(name)  # other work: nothing to compare
+            continue
+        try:
+            out = fns[name]()
+            error = None
+        except Exception as e:  # every rank raises alike for a shape a design cannot run
+            out, error = None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        if any_rank(error is not None, device):
+            row["failed"][name] = error or "failed on another rank"
+            continue
+        row["rel_err"][name] = max_rel_err(out, ref)
+        if row["rel_err"][name] > TOLERANCE:
+            row["failed"][name] = f"relative error {row['rel_err'][name]:.2e} against {REFERENCE[mode]}"
+            continue
+        timed.append(name)
     row["plan"] = plan_segments(fd)
     time_rounds(row, {name: fns[name] for name in timed}, args)
     ms = row["ms"]
     ms["best_compute"] = min(ms["compute_unfused"], ms["compute_fused_epilogue"])
-    base = ("best_compute", "compute_searched") + (("nccl_sequential", "async_tp") if mode == "sp" else ("classic_tp",))
+    base = ("best_compute", "nccl_sequential", "async_tp") if mode == "sp" else ("best_compute", "classic_tp")
     row["ratios"] = {f"{name}/{b}": ms[name] / ms[b] for name in timed if name.startswith(("tp_fusion", "design"))
                      for b in base if b in ms}
     return row, fns

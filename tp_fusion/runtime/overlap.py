@@ -220,20 +220,28 @@ def _residual_rows(kind: str, residual, dim: int, shape: tuple) -> torch.Tensor 
 
 def _linear(x2, weight, bias, epilogue, out=None, gelu_in_gemm: bool = True, residual=None) -> torch.Tensor:
     """``epilogue(F.linear(x2, weight, bias))`` for a 2-D ``x2`` (plus ``residual``, when there is no
-    epilogue), written into ``out`` if given, through ``cublaslt.linear_into`` (the algorithm tuning
-    measured for the shape). The bias runs in the GEMM's epilogue; on CUDA with ``gelu_in_gemm`` a
-    tanh-GELU after it too, else the GELU is one in-place pass. The residual is the GEMM's C operand;
-    the kernels give a GEMM the bias or the residual, not both, as a bias then takes a pass of its own."""
+    epilogue), written into ``out`` if given. The bias runs in the GEMM's epilogue; on CUDA with
+    ``gelu_in_gemm`` a tanh-GELU after it too, else the GELU is one in-place pass. The residual is the
+    GEMM's C operand (beta=1); the kernels give a GEMM the bias or the residual, not both, as a bias
+    then takes a pass of its own."""
+    wt = weight.t()
     if out is None:
         out = x2.new_empty((x2.shape[0], weight.shape[0]))
     if residual is not None:
-        cublaslt.linear_into(x2, weight, out, c=residual)
-        return out if bias is None else out.add_(bias)
-    in_gemm = epilogue is gelu_tanh and gelu_in_gemm and bias is not None and x2.is_cuda and out.is_contiguous()
-    cublaslt.linear_into(x2, weight, out, bias=bias, gelu=in_gemm)
-    if epilogue is gelu_tanh and not in_gemm:
+        torch.addmm(residual, x2, wt, out=out)
+        if bias is not None:
+            out.add_(bias)
+        return out
+    if epilogue is gelu_tanh and gelu_in_gemm and bias is not None and x2.is_cuda and out.is_contiguous():
+        torch._addmm_activation(bias, x2, wt, use_gelu=True, out=out)
+        return out
+    if bias is None:
+        torch.mm(x2, wt, out=out)
+    else:
+        torch.addmm(bias, x2, wt, out=out)
+    if epilogue is gelu_tanh:
         torch.ops.aten.gelu_(out, approximate="tanh")
-    elif epilogue is not None and epilogue is not gelu_tanh:
+    elif epilogue is not None:
         out.copy_(epilogue(out))
     return out
 
@@ -247,7 +255,7 @@ def _linear_reduce_scatter_rows(x3, weight, bias, residual, pg, mode, tuning) ->
         return _ring_linear_reduce_scatter(x3, weight, bias, residual, pg)
     out = x3.new_empty((x3.shape[1], weight.shape[0]))
     # The bias rides in one rank's GEMM epilogue, so the reduction adds it once.
-    partial = _linear(x3.view(-1, x3.shape[2]), weight, bias if dist.group_rank(pg) == 0 else None, None)
+    partial = F.linear(x3.view(-1, x3.shape[2]), weight, bias if dist.group_rank(pg) == 0 else None)
     dist.reduce_scatter(out, partial, pg)
     return out if residual is None else out.add_(residual)
 
@@ -418,7 +426,7 @@ def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch
 def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """The CPU ring's order (``_ring_linear_reduce_scatter``) on the copy engines: the partial for
     chunk j starts at rank j+1 (with the bias) and travels right, each rank's GEMM reading what arrived
-    as its C operand and writing the sum it passes on (``cublaslt.linear_into``: no pass adds it), until
+    as its C operand and writing the sum it passes on (``cublaslt.addmm_into``: no pass adds it), until
     rank j's GEMM of its own rows writes the result (a residual is added to what arrived first). Each
     step runs in ``rs_subchunks`` pieces, so that the push of piece k overlaps the GEMM of piece k+1.
     Rank r's slot for chunk j holds what its left neighbour passed on for j (``slot=j``)."""
@@ -441,7 +449,7 @@ def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> 
                 _linear(xs[j, k], weight, bias, None, out=sums)
             else:
                 box.wait_ready(main, j, k)
-                cublaslt.linear_into(xs[j, k], weight, sums, c=box.slot(j, k))
+                cublaslt.addmm_into(box.slot(j, k), xs[j, k], weight, sums)
             if staging is None:
                 box.mark_ready(main, right, k, slot=j)
             else:
@@ -454,7 +462,7 @@ def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> 
         box.wait_ready(main, r, k)
         if res is not None:
             received.add_(res[k])
-        cublaslt.linear_into(xs[r, k], weight, out[k], c=received)
+        cublaslt.addmm_into(received, xs[r, k], weight, out[k])
     symm.stream_wait(main, comm)
     return out.view(rows, out_cols)
 

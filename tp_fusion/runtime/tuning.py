@@ -11,9 +11,6 @@
   (``_fused_if_faster_in_plan``); then each segment left ``fused`` has its kernel variants timed
   within the whole plan too (``_kernels_in_plan``); elsewhere (gloo, CPU) ``fused``, so the
   decomposition is what CI exercises;
-- for each GEMM those timings run (the fused segments' GEMMs, in either mode, go through
-  ``cublaslt.linear_into``): the algorithm, the fastest of the cuBLASLt heuristic's top picks whose
-  output equals its first pick's bit for bit, on each rank for its own GEMMs (``cublaslt.search``);
 - for each linear+bias followed by a tanh-GELU (a fused segment's epilogue, or a pair in a compute
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
@@ -39,7 +36,7 @@ from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.ops import opdef
 from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
-from tp_fusion.runtime import cublaslt, dist, graphs, overlap, symm
+from tp_fusion.runtime import dist, graphs, overlap, symm
 from tp_fusion.runtime.runner import Runner, _epilogue, _fused, _gemm_gelu
 
 TIMED_ITERS, WARMUP, ROUNDS = 8, 2, 3
@@ -51,7 +48,6 @@ KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the 
     Collective.REDUCE_SCATTER: (overlap.Tuning(), overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
     Collective.ALLREDUCE: (overlap.Tuning(),),
 }
-GEMM_MIN_MS = 5.0  # each timing of a GEMM algorithm in ``cublaslt.search`` (and its warmup) spans at least this
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
 SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: a CUDA graph of
 #                      it with every fused segment sequential (capturable) is timed against it
@@ -126,23 +122,9 @@ def _has_gelu_epilogue(f: FusedGemm) -> bool:
     return f.collective is Collective.ALLGATHER and f.bias is not None and _epilogue(f.epilogue) is overlap.gelu_tanh
 
 
-def gemm_ms(fn) -> float:
-    """GPU ms per call of one GEMM on this rank alone, warmup and timing each spanning ``GEMM_MIN_MS``."""
-    calls = max(3, math.ceil(GEMM_MIN_MS / max(time_ms(fn, 1, 1), 1e-3)))
-    return time_ms(fn, calls, calls)
-
-
 def _fastest(runs: dict, env: dict, pg, device) -> dict:
     """Each ``run(env)``'s ms, max over ``pg`` (None: the world), the min of interleaved rounds (so clock
-    drift hits all alike), each timing in its steady state (``steady_ms``; collective over ``pg``). Each
-    run first goes once, and the cuBLASLt GEMMs it ran have their algorithms measured (``cublaslt.search``,
-    on each rank for its own GEMMs), so that every run is timed with its GEMMs' fastest."""
-    with cublaslt.recording() as gemms:
-        for run in runs.values():
-            run(dict(env))
-    if gemms:
-        torch.cuda.synchronize(device)
-        cublaslt.search(gemms, gemm_ms)
+    drift hits all alike), each timing in its steady state (``steady_ms``; collective over ``pg``)."""
     rounds = {key: [] for key in runs}
     for _ in range(ROUNDS):
         for key, run in runs.items():
@@ -328,17 +310,16 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
     modes, kernels, apart, notes, timed_sequential = {}, {}, set(), [], []
-    with cublaslt.recording() as gemms:
-        for i, seg_hosts in zip(fused, hosts):
-            modes[i], kernels[i], gelu_apart, note, timed = _choose_mode(i, program, seg_hosts)
-            if gelu_apart:
-                apart.add(program.segments[i].fused.out)
-            if note:
-                notes.append(note)
-            if timed and modes[i] == SEQUENTIAL:
-                timed_sequential.append(i)
-        compute_apart, compute_notes = _choose_gelus(program)
-    tuned = program.with_choices(modes, cuda_graph=False, notes=(*notes, *compute_notes, *cublaslt.notes(gemms)),
+    for i, seg_hosts in zip(fused, hosts):
+        modes[i], kernels[i], gelu_apart, note, timed = _choose_mode(i, program, seg_hosts)
+        if gelu_apart:
+            apart.add(program.segments[i].fused.out)
+        if note:
+            notes.append(note)
+        if timed and modes[i] == SEQUENTIAL:
+            timed_sequential.append(i)
+    compute_apart, compute_notes = _choose_gelus(program)
+    tuned = program.with_choices(modes, cuda_graph=False, notes=(*notes, *compute_notes),
                                  gelu_apart=frozenset(apart | compute_apart), kernels=kernels)
     runner = Runner(tuned)
     if _measures(program):
