@@ -8,9 +8,8 @@
   (what actually runs), ``fused`` in each of its kernel variants (``KERNEL_VARIANTS``; the fastest
   is recorded as ``FusedGemm.tuning``), and the group takes the max over its ranks; a segment that timed faster
   ``sequential`` alone is timed ``fused`` within the whole plan too, and the faster plan is kept
-  (``_fused_if_faster_in_plan``); then each segment left ``fused`` has its kernel variants timed
-  within the whole plan too (``_kernels_in_plan``); elsewhere (gloo, CPU) ``fused``, so the
-  decomposition is what CI exercises;
+  (``_fused_if_faster_in_plan``); elsewhere (gloo, CPU) ``fused``, so the decomposition is what CI
+  exercises;
 - for each linear+bias followed by a tanh-GELU (a fused segment's epilogue, or a pair in a compute
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
@@ -44,7 +43,8 @@ MIN_MS = 20.0  # and each timing, and its warmup, spans at least this many ms: G
 #                a short timing at the clocks that the work before it left, not at its own
 KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the fastest on some shapes of the
     #                  SP MLP on 2x H200, measured in the steady state (docs/performance.md, round 10)
-    Collective.ALLGATHER: (overlap.Tuning(ag_streams=2), overlap.Tuning(ag_streams=1)),
+    Collective.ALLGATHER: (overlap.Tuning(ag_streams=2), overlap.Tuning(ag_streams=1),
+                           overlap.Tuning(ag_gemm="lead", ag_lead=0.125), overlap.Tuning(ag_gemm="lead")),
     Collective.REDUCE_SCATTER: (overlap.Tuning(), overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
     Collective.ALLREDUCE: (overlap.Tuning(),),
 }
@@ -268,37 +268,6 @@ def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[
     return chosen, runners[mode]
 
 
-def _kernels_in_plan(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
-    """Each fused segment that runs ``fused`` somewhere has its kernel variants (``KERNEL_VARIANTS``)
-    timed within the whole plan, one segment after another (the others as chosen so far), and the
-    fastest plan is kept. Alone, a variant can win by a margin the plan does not keep: SP MLP on 2x H200,
-    the two-stream allgather timed 2-16% faster alone and the one-stream one 1.6-3.2% faster in the MLP
-    on three shapes (docs/performance.md, round 10). Every rank times every variant of the same segments
-    (collective over the world; a rank outside a segment's group runs the plan all the same)."""
-    fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
-    runs_fused = slowest([float(program.segments[i].fused.runs_here and program.segments[i].fused.mode == FUSED)
-                          for i in fused], None, program.device) if fused else []
-    notes = []
-    for i, anywhere in zip(fused, runs_fused):
-        variants = KERNEL_VARIANTS[program.segments[i].fused.collective]
-        if not anywhere or len(variants) < 2:
-            continue
-        plans = [program.with_choices({}, cuda_graph=False, notes=program.notes, kernels={i: t}) for t in variants]
-        runners = [Runner(plan) for plan in plans]
-        with torch.no_grad():
-            ms = _fastest({j: lambda env, r=r: r.run_eager(inputs) for j, r in enumerate(runners)}, {}, None,
-                          program.device)
-        best = min(ms, key=ms.get)
-        notes.append(f"whole plan: segment {i} " + ", ".join(f"{_kernel_name(FUSED, t)} {ms[j]:.3f} ms"
-                                                             for j, t in enumerate(variants))
-                     + f" -> {_kernel_name(FUSED, variants[best])}")
-        program, runner = plans[best], runners[best]
-    if notes:
-        program = program.with_choices({}, cuda_graph=False, notes=(*program.notes, *notes))
-        runner.program = program
-    return program, runner
-
-
 def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
     """The runner's plan launched eagerly, ms per call, max over the world (collective)."""
     return steady_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
@@ -324,7 +293,6 @@ def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[
     runner = Runner(tuned)
     if _measures(program):
         tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs)
-        tuned, runner = _kernels_in_plan(tuned, runner, inputs)
     if _graphable(tuned):
         with torch.no_grad():
             graphed, note = _capture_if_faster(runner, inputs)
