@@ -88,12 +88,9 @@ TP_VARIANTS = ("compute_unfused", "compute_fused_epilogue", "comm_only", "classi
                "tp_fusion_kernels")
 # The kernel designs tried (docs/performance.md says what each measured); the defaults are tp_fusion_kernels.
 SP_DESIGNS = {
-    "ag_one_stream": overlap.Tuning(ag_streams=1),
+    "ag_two_streams": overlap.Tuning(ag_streams=2),
     "rs_two_streams": overlap.Tuning(rs_streams=2),
     "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
-    "ag_lead_eighth": overlap.Tuning(ag_gemm="lead", ag_lead=0.125),
-    "ag_lead_quarter": overlap.Tuning(ag_gemm="lead", ag_lead=0.25),
-    "ag_lead_half": overlap.Tuning(ag_gemm="lead", ag_lead=0.5),
     "rs_remote_store": overlap.Tuning(rs_remote_store=True),
     "rs_ring_1_piece": overlap.Tuning(rs_reduce="ring"),
     "rs_ring_2_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=2),

@@ -28,11 +28,11 @@ def _ints(gen, *shape, device) -> torch.Tensor:
 def _tunings():
     from tp_fusion.runtime.overlap import Tuning
 
-    return [Tuning(), Tuning(ag_streams=1, rs_reduce="ring", rs_subchunks=2), Tuning(rs_remote_store=True),
+    return [Tuning(), Tuning(ag_streams=2, rs_reduce="ring", rs_subchunks=2),
+            Tuning(ag_streams=2, rs_remote_store=True),
             Tuning(ag_streams=1, rs_streams=1, ar_subchunks=1), Tuning(rs_reduce="ring"),
             Tuning(rs_reduce="ring", rs_subchunks=2, rs_remote_store=True),
-            Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4),
-            Tuning(ag_gemm="lead", ag_lead=0.125), Tuning(ag_gemm="lead", ag_lead=1.0)]
+            Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4)]
 
 
 def _checks(rank: int, n: int) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +43,12 @@ class Tuning:
     (docs/performance.md says what each alternative measured); every combination computes the same
     result."""
 
-    ag_streams: int = 2  # AG+GEMM: 2 puts every other peer chunk's GEMM on a second stream, so that
-    #                      the tail wave of one GEMM overlaps the next (within noise of 1 on 2x H200)
+    ag_streams: int = 1  # AG+GEMM: 2 puts every other peer chunk's GEMM on a second stream, so that
+    #                      the tail wave of one GEMM overlaps the next: faster in short timings, but in
+    #                      the MLP's steady state at the power limit 0-4% slower (2x H200, round 11)
     ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
-    #                          "lead": one GEMM of a lead of this rank's rows (``ag_lead`` of them)
-    #                          while the chunks arrive, then one GEMM of all the other gathered rows
-    #                          (two for a rank in the middle), so that no GEMM has a chunk's few rows;
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
-    ag_lead: float = 0.25  # "lead": the share of this rank's rows in the lead GEMM (rounded up to 128)
     rs_reduce: str = "sum"  # GEMM+RS: "sum": every rank pushes its partial straight to the chunk's
     #                         owner, whose own-rows GEMM waits for nothing, then one pass adds the
     #                         received partials; "ring": each chunk's partial travels the ring, every
@@ -71,10 +67,10 @@ class Tuning:
 
     def __post_init__(self):
         if self.ag_streams not in (1, 2) or self.rs_streams not in (1, 2) \
-                or self.ag_gemm not in ("chunks", "lead", "async_input") or not 0 < self.ag_lead <= 1 \
+                or self.ag_gemm not in ("chunks", "async_input") \
                 or self.rs_reduce not in ("sum", "ring") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
-            raise ValueError(f"invalid {self}: ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks', 'lead' or "
-                             "'async_input', ag_lead in (0, 1], rs_reduce 'sum' or 'ring', sub-chunk counts >= 1")
+            raise ValueError(f"invalid {self}: ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or "
+                             "'async_input', rs_reduce 'sum' or 'ring', sub-chunk counts >= 1")
 
 
 DEFAULT_TUNING = Tuning()
@@ -322,11 +318,9 @@ def _on(stream: torch.cuda.Stream, main: torch.cuda.Stream):
 def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tensor:
     """Rank r GEMMs its own rows while the comm stream pushes them to r-1, r-2, ...; then it GEMMs the
     rows of r+1, r+2, ... in that order, each as soon as its ready flag is set (every other one on a
-    second stream, so that one GEMM's tail wave overlaps the next)."""
+    second stream with ``ag_streams=2``, so that one GEMM's tail wave overlaps the next)."""
     if tuning.ag_gemm == "async_input":
         return _async_input_allgather_linear(x2, weight, bias, epilogue, pg)
-    if tuning.ag_gemm == "lead":
-        return _lead_allgather_linear(x2, weight, bias, epilogue, pg, tuning)
     device = x2.device
     box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
     box.start_call()
@@ -351,44 +345,6 @@ def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tens
     if side is not main:
         symm.stream_wait(main, side)
     return out.view(-1, weight.shape[0])
-
-
-LEAD_ROWS_MULTIPLE = 128  # the lead GEMM's rows: whole row tiles of cuBLAS's kernels
-
-
-def _lead_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tensor:
-    """Rank r GEMMs a lead of its own rows (``tuning.ag_lead`` of them: the head on the first half of
-    the ranks, the tail on the rest) while the comm stream pushes its rows to every peer, then GEMMs
-    all the other gathered rows at once, as one GEMM where they are contiguous (ranks 0 and n-1) or
-    two. The chunk pipeline's GEMMs have a rank's rows each, which can leave a last wave of tiles
-    mostly idle (2x H200, 2048x8192x28672: two GEMMs of 1024 rows took 9.6% longer than one of 2048);
-    here the rows after the lead are one GEMM, whole. Own rows are copied into this rank's own slot
-    (on the copy engine, ahead of the pushes), so the mailbox holds the gathered matrix in rank order."""
-    device = x2.device
-    rows = x2.shape[0]
-    box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
-    box.start_call()
-    n, r = box.n, box.rank
-    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    gathered = box.slots_of_part(0).view(n * rows, x2.shape[1])
-    out = x2.new_empty((n * rows, weight.shape[0]))
-    lead = min(rows, math.ceil(rows * tuning.ag_lead / LEAD_ROWS_MULTIPLE) * LEAD_ROWS_MULTIPLE)
-    start = r * rows + (0 if r < n / 2 else rows - lead)
-    symm.stream_wait(comm, main)  # x2 is written, and this rank's reads of the last call are issued
-    _linear(x2[start - r * rows:start - r * rows + lead], weight, bias, epilogue, out=out[start:start + lead],
-            gelu_in_gemm=tuning.gelu_in_gemm)
-    with torch.cuda.stream(comm):
-        box.slot(r, 0).copy_(x2)
-    symm.stream_wait(main, comm)  # after the lead GEMM, main waits for the own rows to be in the slot
-    for step in range(1, n):
-        box.push(comm, (r - step) % n, 0, x2)
-    for step in range(1, n):
-        box.wait_ready(main, (r + step) % n, 0)
-    for a, b in ((0, start), (start + lead, n * rows)):
-        if a < b:
-            _linear(gathered[a:b], weight, bias, epilogue, out=out[a:b], gelu_in_gemm=tuning.gelu_in_gemm)
-    symm.stream_wait(main, comm)
-    return out
 
 
 def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:

@@ -43,8 +43,10 @@ MIN_MS = 20.0  # and each timing, and its warmup, spans at least this many ms: G
 #                a short timing at the clocks that the work before it left, not at its own
 KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the fastest on some shapes of the
     #                  SP MLP on 2x H200, measured in the steady state (docs/performance.md, round 10)
-    Collective.ALLGATHER: (overlap.Tuning(ag_streams=2), overlap.Tuning(ag_streams=1),
-                           overlap.Tuning(ag_gemm="lead", ag_lead=0.125), overlap.Tuning(ag_gemm="lead")),
+    #                  (The allgather's second stream, ag_streams=2, is not timed: tuning's 20 ms timings found it
+    #                  5-10% faster per segment, yet in the MLP's steady state at the power limit one stream
+    #                  was as fast or faster on 6 of 7 shapes, twice: docs/performance.md, round 11.)
+    Collective.ALLGATHER: (overlap.Tuning(),),
     Collective.REDUCE_SCATTER: (overlap.Tuning(), overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
     Collective.ALLREDUCE: (overlap.Tuning(),),
 }
