@@ -44,8 +44,8 @@ class Tuning:
     result."""
 
     ag_streams: int = 1  # AG+GEMM: 2 puts every other peer chunk's GEMM on a second stream, so that
-    #                      the tail wave of one GEMM overlaps the next: faster in short timings, but in
-    #                      the MLP's steady state at the power limit 0-4% slower (2x H200, round 11)
+    #                      the tail wave of one GEMM overlaps the next: faster in short timings, within
+    #                      the noise (+-3%) of one stream in the MLP's steady state (2x H200, round 11)
     ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)

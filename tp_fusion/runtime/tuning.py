@@ -43,9 +43,11 @@ MIN_MS = 20.0  # and each timing, and its warmup, spans at least this many ms: G
 #                a short timing at the clocks that the work before it left, not at its own
 KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the fastest on some shapes of the
     #                  SP MLP on 2x H200, measured in the steady state (docs/performance.md, round 10)
-    #                  (The allgather's second stream, ag_streams=2, is not timed: tuning's 20 ms timings found it
-    #                  5-10% faster per segment, yet in the MLP's steady state at the power limit one stream
-    #                  was as fast or faster on 6 of 7 shapes, twice: docs/performance.md, round 11.)
+    #                  (The allgather's second stream, ag_streams=2, is not timed: tuning's 20 ms timings of a
+    #                  segment find it 5-10% faster on every shape, yet in the whole MLP's steady state three
+    #                  runs put it 3% ahead or 3% behind one stream, shape by shape, with no side winning:
+    #                  a choice tuning would make on a margin that does not carry over. docs/performance.md,
+    #                  round 11.)
     Collective.ALLGATHER: (overlap.Tuning(),),
     Collective.REDUCE_SCATTER: (overlap.Tuning(), overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
     Collective.ALLREDUCE: (overlap.Tuning(),),
