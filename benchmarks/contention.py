@@ -8,7 +8,8 @@ in interleaved rounds timed as ``tp_mlp.py`` times them (``time_rounds``):
 - ``compute``: the best compute of its local work (``torch._addmm_activation`` with bias and GELU,
   then ``F.linear``; the yardstick of issue 13);
 - ``chunked``: the GEMMs as the fused kernels split them, with no communication: one GEMM per rank's
-  rows (bias and GELU in the epilogue, every other one on a second stream, as ``Tuning.ag_streams=2``),
+  rows (bias and GELU in the epilogue; every other one on a second stream where the default ``Tuning``
+  has ``ag_streams=2``, as until round 11),
   one per destination rank's rows, and the pass that adds the received partial;
 - ``compute+pushes`` and ``chunked+pushes``: the same while the copy stream pushes, with no flag and no
   dependency, the bytes that the fused allgather and reduce_scatter push (this rank's rows of x and its
@@ -64,7 +65,8 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
     rows = tokens // n
     box = symm.mailbox("contention", 2, (rows, hidden), torch.bfloat16, None, device)
     box.start_call()
-    main, comm, side = torch.cuda.current_stream(device), symm.comm_stream(device), symm.side_stream(device)
+    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
+    side = symm.side_stream(device) if overlap.DEFAULT_TUNING.ag_streams == 2 else main
     driver = symm.driver()
     sources = (x[:rows], rand(rows, hidden))  # this rank's rows of x; a partial of a peer's rows
     peers = [(box.rank + step) % n for step in range(1, n)]
@@ -75,12 +77,14 @@ def variants(tokens: int, hidden: int, ffn: int, device) -> dict:
         return torch.nn.functional.linear(h, w2)
 
     def chunked():
-        symm.stream_wait(side, main)
+        if side is not main:
+            symm.stream_wait(side, main)
         for c in range(n):
             with torch.cuda.stream(side if c % 2 else main):
                 lo = slice(c * rows, (c + 1) * rows)
                 torch._addmm_activation(b1, x[lo], w1.t(), use_gelu=True, out=y[lo])
-        symm.stream_wait(main, side)
+        if side is not main:
+            symm.stream_wait(main, side)
         for c in range(n):
             torch.mm(y[c * rows:(c + 1) * rows], w2.t(), out=z[c])
         overlap._sum_slots(z, out)  # the fused reduce_scatter's add of the received partials
