@@ -463,6 +463,10 @@ def profile(fns: dict, names, out_dir: str, tag: str, title: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    unknown = sorted(set(args.designs or ()) - set(SP_DESIGNS) - set(TP_DESIGNS))
+    if unknown:  # a design renamed or misspelt would otherwise time nothing, silently
+        raise SystemExit(f"benchmarks/tp_mlp.py: --designs: no design named {', '.join(unknown)}; the designs are "
+                         f"{', '.join(sorted({**SP_DESIGNS, **TP_DESIGNS}))}")
     if not torch.cuda.is_available():
         print("benchmarks/tp_mlp.py: this machine has no CUDA GPU, so there is nothing to measure; "
               "no results were written. Run it under torchrun on a machine with GPUs.")

@@ -120,3 +120,15 @@ def test_a_gpu_benchmark_says_so_on_a_machine_without_gpus(tmp_path, script):
     assert proc.returncode == 0, f"exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "no CUDA GPU" in proc.stdout, proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_mlp_benchmark_refuses_a_design_it_does_not_have():
+    """A design renamed since (round 10's ag_one_stream is the default kernel now) or misspelt is an
+    error naming the designs there are, before anything runs, rather than a run that times none."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "benchmarks/tp_mlp.py", "--designs", "ag_one_stream", "rs_ring_2_pieces"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--designs: no design named ag_one_stream; the designs are ag_async_input_mm, ag_two_streams" \
+        in proc.stderr, proc.stderr[-2000:]
