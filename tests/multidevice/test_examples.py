@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import ROOT, user_env
 
 
 @pytest.mark.parametrize("script,args,expect", [
@@ -21,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("examples/dp_tp_mlp.py", [], ["mesh [2, 2]", "collectives: ['allreduce']", "allreduce(T8, mesh_axis=1)"]),
 ])
 def test_example_runs_and_validates(script, args, expect):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = user_env()
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=240)
     out = proc.stdout
@@ -34,7 +31,7 @@ def test_example_runs_and_validates(script, args, expect):
 
 def test_example_fails_loudly_on_a_bad_mesh():
     # 3 ranks do not form rows of 2 tensor-parallel ranks: every rank exits with an error, none hangs.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = user_env()
     proc = subprocess.run([sys.executable, "examples/dp_tp_mlp.py", "--nproc", "3"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
@@ -44,7 +41,7 @@ def test_example_fails_loudly_on_a_bad_mesh():
 
 def test_transformer_layer_forward_and_backward_validate():
     """Both modes, with dropout, in one run (spawning ranks is the slow part)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = user_env()
     proc = subprocess.run([sys.executable, "examples/transformer_layer.py", "--dropout", "0.1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     out = proc.stdout
@@ -97,7 +94,7 @@ def test_transformer_layer_benchmark_checks_its_variants_on_cpu():
     """benchmarks/transformer_layer.py --check: every variant it would time (but the compiled ones)
     agrees with NCCL-sequential on gloo ranks, in both passes (fwd: tp_fusion's inference forward);
     tp_fusion and PyTorch TP included."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = user_env()
     proc = subprocess.run([sys.executable, "benchmarks/transformer_layer.py", "--check", "--passes", "fwd", "fwd_bwd"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -112,7 +109,7 @@ def test_transformer_layer_benchmark_checks_its_variants_on_cpu():
 def test_a_gpu_benchmark_says_so_on_a_machine_without_gpus(tmp_path, script):
     """Each GPU benchmark imports cleanly, says plainly that there is nothing to measure here, exits 0
     and writes no results."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = user_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     args = ["--out", str(tmp_path)] if script in ("benchmarks/tp_mlp.py", "benchmarks/transformer_layer.py") else []
     proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -125,7 +122,7 @@ def test_a_gpu_benchmark_says_so_on_a_machine_without_gpus(tmp_path, script):
 def test_the_mlp_benchmark_refuses_a_design_it_does_not_have():
     """A design renamed since (round 10's ag_one_stream is the default kernel now) or misspelt is an
     error naming the designs there are, before anything runs, rather than a run that times none."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = user_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([sys.executable, "benchmarks/tp_mlp.py", "--designs", "ag_one_stream", "rs_ring_2_pieces"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
