@@ -1,7 +1,7 @@
 """Tensor-parallel MLP forward, bf16, against the best single-GPU compute of the same local work.
 
 Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/tp_mlp.py [--sp T,H,F ...] [--tp T,H,F ...]
-        [--designs] [--profile DIR] [--power] [--iters 20] [--warmup 5] [--min-ms 100] [--rounds 5]
+        [--designs] [--profile DIR] [--power] [--iters 20] [--warmup 5] [--min-ms 100] [--settle-ms 3000] [--rounds 7]
         [--out benchmarks/results]
 
 Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [hidden, ffn/N]):
@@ -13,7 +13,8 @@ Two modes, each rank holding its shards (w1: [ffn/N, hidden], b1: [ffn/N], w2: [
 Per shape, in one process, each variant's CUDA-event time per iteration (``--iters`` after
 ``--warmup``, each at least ``--min-ms`` long), max over ranks, median of ``--rounds`` interleaved
 rounds, each round in its own random order (clocks and power drift, and a GPU at its power limit
-carries one variant's clocks into the next):
+carries one variant's clocks into the next), after ``--settle-ms`` of the variants untimed (the
+power controller's transient after idle time, ``settle``):
 compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
 (``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
 yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
@@ -60,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens,hidden,ffn triples to profile (default: the first shape of each mode)")
     p.add_argument("--power", action="store_true",
                    help="also sample the GPUs' SM clock and power (nvidia-smi) while each variant is timed")
-    add_timing_options(p, iters=20, warmup=5, rounds=5)
+    add_timing_options(p, iters=20, warmup=5, rounds=7)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results folder")
     return p.parse_args(argv)
 
@@ -70,6 +71,7 @@ if __name__ == "__main__":
 
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
@@ -267,15 +269,30 @@ def time_ms(fn, iters, warmup, min_ms: float = 0.0) -> float:
     return tuning.steady_ms(fn, iters, warmup, min_ms, None, "cuda")
 
 
+_TIME_ROUNDS_CALLS = itertools.count()  # numbers time_rounds' calls alike on every rank (they make the same calls)
+
+
+def settle(fns: dict, ms: float) -> None:
+    """Run each of ``fns`` in turn, untimed, for about ``ms`` in all (``--settle-ms``). From idle
+    (compiling, checking) to full load, the GPUs' power controller boosts above the 700 W cap and then
+    overshoots below it for a second or two: clocks of 1245-1350 MHz against a steady 1450-1530 on
+    2x H200, timings up to 18% slow, on whichever variants fall there (docs/performance.md, round 12)."""
+    for fn in fns.values():
+        for _ in range(tuning.calls_spanning(fn, ms / len(fns), None, "cuda") if ms > 0 else 0):
+            fn()
+
+
 def time_rounds(row: dict, fns: dict, args) -> None:
-    """Time each of ``fns`` in ``args.rounds`` interleaved rounds, each round in its own random order
-    (seeded by the round, so alike on every rank: clocks and power drift, and no variant keeps a
-    neighbour); fill ``row``'s ``ms_rounds``, ``ms`` (the medians) and, with ``args.power``, ``power``
-    (the GPUs' clock and power per variant, sampled on rank 0)."""
-    names = list(fns)
+    """Time each of ``fns`` in ``args.rounds`` interleaved rounds after ``settle`` (``args.settle_ms``),
+    each round in its own random order (seeded by this call and the round, so alike on every rank and
+    different from shape to shape: clocks and power drift, and no variant keeps a neighbour or a place
+    in the run); fill ``row``'s ``ms_rounds``, ``ms`` (the medians), ``spread`` and, with
+    ``args.power``, ``power`` (the GPUs' clock and power per variant, sampled on rank 0)."""
+    names, call = list(fns), next(_TIME_ROUNDS_CALLS)
     power = {} if getattr(args, "power", False) and dist.rank() == 0 else None  # rank 0 sees every GPU
+    settle(fns, args.settle_ms)
     for k in range(args.rounds):
-        for name in random.Random(k).sample(names, len(names)):
+        for name in random.Random(f"{call}/{k}").sample(names, len(names)):
             ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup, args.min_ms),
                                      power, name)
             row["ms_rounds"].setdefault(name, []).append(ms)
@@ -494,7 +511,8 @@ def main(args: argparse.Namespace) -> int:
         result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
                   "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
                   "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
-                  "min_ms": args.min_ms, "rounds": args.rounds, "tuning": dataclasses.asdict(overlap.DEFAULT_TUNING),
+                  "min_ms": args.min_ms, "settle_ms": args.settle_ms, "rounds": args.rounds,
+                  "tuning": dataclasses.asdict(overlap.DEFAULT_TUNING),
                   "designs": {k: dataclasses.asdict(v) for k, v in {**SP_DESIGNS, **TP_DESIGNS}.items()}
                   if args.designs is not None else {}, "goals": checks, "shapes": rows}
         os.makedirs(args.out, exist_ok=True)

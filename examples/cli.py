@@ -35,6 +35,9 @@ def add_timing_options(p: argparse.ArgumentParser, iters: int, warmup: int, roun
     p.add_argument("--min-ms", type=float, default=100.0,
                    help="the warmup and the timed iterations each span at least this many ms, so that a variant "
                         "is timed in its own steady state and not in the one its predecessor left")
+    p.add_argument("--settle-ms", type=float, default=3000.0,
+                   help="before a shape's rounds, run its variants untimed for this long, so that the GPUs' power "
+                        "controller has left the transient that follows idle time (benchmarks.tp_mlp.settle)")
     p.add_argument("--rounds", type=int, default=rounds,
                    help="timing rounds, each in its own random order of the variants; the median is reported")
 
