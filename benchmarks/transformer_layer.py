@@ -508,7 +508,8 @@ def save(rows, args, n) -> str:
     result = {"machine": f"{n}x {torch.cuda.get_device_name()}", "torch": torch.__version__,
               "nccl": ".".join(map(str, torch.cuda.nccl.version())), "cuda": torch.version.cuda,
               "date": datetime.date.today().isoformat(), "iters": args.iters, "warmup": args.warmup,
-              "min_ms": args.min_ms, "rounds": args.rounds, "goals": goals(merged), "shapes": merged}
+              "min_ms": args.min_ms, "settle_ms": args.settle_ms, "rounds": args.rounds, "goals": goals(merged),
+              "shapes": merged}
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
