@@ -104,8 +104,8 @@ TP_DESIGNS = {"ar_two_streams": overlap.Tuning(rs_streams=2), "ar_1_piece": over
 REFERENCE = {"sp": "nccl_sequential", "tp": "classic_tp"}
 TOLERANCE = 3e-2  # relative error (norm) against the reference; bf16 GEMM chains land near 5e-3
 SPREAD_FLAG = 1.05  # a variant whose slowest round took this much longer than its fastest is flagged: on
-#                     2x H200 whole rounds of one variant ran 10-20% slow now and then (docs/performance.md,
-#                     round 11), and a median of 5 rounds with 3 such rounds is one of them
+#                     2x H200 whole rounds ran 10-20% slow when the power controller pulled the clocks down
+#                     (docs/performance.md, rounds 11 and 12), and a median with many such rounds is one
 
 
 def machine_slug(n: int) -> str:
