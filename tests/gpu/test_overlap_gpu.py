@@ -30,7 +30,7 @@ def _tunings():
 
     return [Tuning(), Tuning(ag_streams=2, rs_reduce="ring", rs_subchunks=2),
             Tuning(ag_streams=2, rs_remote_store=True),
-            Tuning(ag_streams=1, rs_streams=1, ar_subchunks=1), Tuning(rs_reduce="ring"),
+            Tuning(rs_streams=2, rs_subchunks=2, ar_subchunks=1), Tuning(rs_reduce="ring"),
             Tuning(rs_reduce="ring", rs_subchunks=2, rs_remote_store=True),
             Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4)]
 

@@ -384,6 +384,36 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _ReduceScatterCall:
+    """What both reduce_scatter pipelines set up for a call: this call's mailbox (``pieces`` pieces
+    per destination rank), the input by destination and piece, the staging buffers the pushes read
+    (None with ``rs_remote_store``: the GEMMs write into the peers' slots), the output and the
+    residual by piece, and the compute and copy streams."""
+
+    box: symm.Mailbox
+    pieces: int
+    xs: torch.Tensor  # [n, pieces, sub, in]
+    staging: torch.Tensor | None  # [n - 1, pieces, sub, out]
+    out: torch.Tensor  # [pieces, sub, out]
+    res: torch.Tensor | None  # [pieces, sub, out]
+    main: torch.cuda.Stream
+    comm: torch.cuda.Stream
+
+
+def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _ReduceScatterCall:
+    rows, out_cols = x3.shape[1], weight.shape[0]
+    c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
+    sub = rows // c
+    box = symm.mailbox(kind, c, (sub, out_cols), x3.dtype, pg, x3.device)
+    box.start_call()
+    return _ReduceScatterCall(
+        box, c, x3.view(box.n, c, sub, -1),
+        None if tuning.rs_remote_store else x3.new_empty((box.n - 1, c, sub, out_cols)),
+        x3.new_empty((c, sub, out_cols)), None if residual is None else residual.view(c, sub, out_cols),
+        torch.cuda.current_stream(x3.device), symm.comm_stream(x3.device))
+
+
 def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """Rank r GEMMs the partial for r+1, r+2, ... (the bias in the one for r+1) and pushes each into
     that rank's slot (or stores it there from the GEMM); then it GEMMs its own rows (onto the residual,
@@ -391,37 +421,28 @@ def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch
     pass. ``rs_reduce="ring"`` runs ``_symm_ring_linear_reduce_scatter`` instead."""
     if tuning.rs_reduce == "ring":
         return _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning)
-    device = x3.device
-    n_dst, rows, _ = x3.shape
-    out_cols = weight.shape[0]
-    c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
-    sub = rows // c
-    box = symm.mailbox("linear_reduce_scatter", c, (sub, out_cols), x3.dtype, pg, device)
-    box.start_call()
+    call = _reduce_scatter_call("linear_reduce_scatter", x3, weight, residual, pg, tuning)
+    box, main, comm, staging = call.box, call.main, call.comm, call.staging
     n, r = box.n, box.rank
-    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    xs = x3.view(n, c, sub, -1)
-    side = symm.side_stream(device) if tuning.rs_streams == 2 else main
+    side = symm.side_stream(x3.device) if tuning.rs_streams == 2 else main
     if side is not main:
         symm.stream_wait(side, main)  # the inputs are ready; the own-rows GEMM needs nothing else
-    staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
-    res = None if residual is None else residual.view(c, sub, out_cols)
     for step in range(1, n):
         dst = (r + step) % n
         b = bias if step == 1 else None  # the bias is added once: in the partial from rank dst-1
-        for k in range(c):
+        for k in range(call.pieces):
             if staging is None:
-                _linear(xs[dst, k], weight, b, None, out=box.peer_slot(dst, k))
+                _linear(call.xs[dst, k], weight, b, None, out=box.peer_slot(dst, k))
                 box.mark_ready(main, dst, k)
             else:
-                _linear(xs[dst, k], weight, b, None, out=staging[step - 1, k])
+                _linear(call.xs[dst, k], weight, b, None, out=staging[step - 1, k])
                 symm.stream_wait(comm, main)
                 box.push(comm, dst, k, staging[step - 1, k])
-    out = x3.new_empty((c, sub, out_cols))
-    for k in range(c):
-        _reduce_part(box, k, xs[r, k], weight, None if res is None else res[k], side, main, out[k])
+    for k in range(call.pieces):
+        _reduce_part(box, k, call.xs[r, k], weight, None if call.res is None else call.res[k], side, main,
+                     call.out[k])
     symm.stream_wait(main, comm)
-    return out.view(rows, out_cols)
+    return call.out.view(-1, weight.shape[0])
 
 
 def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
@@ -431,20 +452,13 @@ def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> 
     rank j's GEMM of its own rows writes the result (a residual is added to what arrived first). Each
     step runs in ``rs_subchunks`` pieces, so that the push of piece k overlaps the GEMM of piece k+1.
     Rank r's slot for chunk j holds what its left neighbour passed on for j (``slot=j``)."""
-    device = x3.device
-    rows, out_cols = x3.shape[1], weight.shape[0]
-    c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
-    sub = rows // c
-    box = symm.mailbox("linear_reduce_scatter.ring", c, (sub, out_cols), x3.dtype, pg, device)
-    box.start_call()
+    call = _reduce_scatter_call("linear_reduce_scatter.ring", x3, weight, residual, pg, tuning)
+    box, main, comm, staging, xs = call.box, call.main, call.comm, call.staging, call.xs
     n, r = box.n, box.rank
     right = (r + 1) % n
-    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    xs = x3.view(n, c, sub, -1)
-    staging = None if tuning.rs_remote_store else x3.new_empty((n - 1, c, sub, out_cols))
     for step in range(n - 1):
         j = (r - step - 1) % n
-        for k in range(c):
+        for k in range(call.pieces):
             sums = box.peer_slot(right, k, slot=j) if staging is None else staging[step, k]
             if step == 0:
                 _linear(xs[j, k], weight, bias, None, out=sums)
@@ -456,16 +470,14 @@ def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> 
             else:
                 symm.stream_wait(comm, main)
                 box.push(comm, right, k, sums, slot=j)
-    out = x3.new_empty((c, sub, out_cols))
-    res = None if residual is None else residual.view(c, sub, out_cols)
-    for k in range(c):
+    for k in range(call.pieces):
         received = box.slot(r, k)
         box.wait_ready(main, r, k)
-        if res is not None:
-            received.add_(res[k])
-        cublaslt.addmm_into(received, xs[r, k], weight, out[k])
+        if call.res is not None:
+            received.add_(call.res[k])
+        cublaslt.addmm_into(received, xs[r, k], weight, call.out[k])
     symm.stream_wait(main, comm)
-    return out.view(rows, out_cols)
+    return call.out.view(-1, weight.shape[0])
 
 
 def _reduce_part(box, k: int, x_own, weight, residual, side, main, out: torch.Tensor) -> None:
