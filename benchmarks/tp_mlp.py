@@ -262,11 +262,11 @@ def tp_variants(tokens, hidden, ffn, n, inp, designs):
 # Measuring
 # --------------------------------------------------------------------------------------------------
 
-def time_ms(fn, iters, warmup, min_ms: float = 0.0) -> float:
+def time_ms(fn, iters, warmup, min_ms: float = 0.0, calls: int | None = None) -> float:
     """tp_fusion's own timer (``tuning.steady_ms``): CUDA-event time per iteration, max over ranks, the
     ranks starting the timed iterations together; with ``min_ms`` the warmup and the timed iterations
-    each span at least that long."""
-    return tuning.steady_ms(fn, iters, warmup, min_ms, None, "cuda")
+    each span at least that long (``calls`` of ``fn``, if counted already)."""
+    return tuning.steady_ms(fn, iters, warmup, min_ms, None, "cuda", calls)
 
 
 _TIME_ROUNDS_CALLS = itertools.count()  # numbers time_rounds' calls alike on every rank (they make the same calls)
@@ -278,7 +278,7 @@ def settle(fns: dict, ms: float) -> None:
     overshoots below it for a second or two: clocks of 1245-1350 MHz against a steady 1450-1530 on
     2x H200, timings up to 18% slow, on whichever variants fall there (docs/performance.md, round 12)."""
     for fn in fns.values():
-        for _ in range(tuning.calls_spanning(fn, ms / len(fns), None, "cuda") if ms > 0 else 0):
+        for _ in range(tuning.calls_spanning(fn, ms / len(fns), None, "cuda")):
             fn()
 
 
@@ -291,10 +291,11 @@ def time_rounds(row: dict, fns: dict, args) -> None:
     names, call = list(fns), next(_TIME_ROUNDS_CALLS)
     power = {} if getattr(args, "power", False) and dist.rank() == 0 else None  # rank 0 sees every GPU
     settle(fns, args.settle_ms)
+    calls = {name: tuning.calls_spanning(fn, args.min_ms, None, "cuda") for name, fn in fns.items()}  # once
     for k in range(args.rounds):
         for name in random.Random(f"{call}/{k}").sample(names, len(names)):
-            ms = gpu_monitor.sampled(lambda name=name: time_ms(fns[name], args.iters, args.warmup, args.min_ms),
-                                     power, name)
+            ms = gpu_monitor.sampled(
+                lambda name=name: time_ms(fns[name], args.iters, args.warmup, args.min_ms, calls[name]), power, name)
             row["ms_rounds"].setdefault(name, []).append(ms)
     row["ms"] = {name: statistics.median(row["ms_rounds"][name]) for name in names}
     row["spread"] = {name: max(r) / min(r) for name, r in row["ms_rounds"].items()}
@@ -375,9 +376,9 @@ def goals(rows) -> list[str]:
             if "async_tp" in ms:
                 checks += [("/async_tp", ms["tp_fusion"] / ms["async_tp"], 0.97)]
         checks += [("/sequential", ms["tp_fusion"] / seq, 1.0 if row["tokens"] >= 2048 else 1.10)]
-        rounds = row["ms_rounds"]["tp_fusion"]
-        note = f"; tp_fusion's rounds spread {max(rounds) / min(rounds):.2f}x, the fastest {min(rounds):.3f} ms" \
-            if max(rounds) > min(rounds) * SPREAD_FLAG else ""
+        spread = row["spread"]["tp_fusion"]
+        note = f"; tp_fusion's rounds spread {spread:.2f}x, the fastest {min(row['ms_rounds']['tp_fusion']):.3f} ms" \
+            if spread > SPREAD_FLAG else ""
         for what, ratio, limit in checks:
             out.append(f"{'ok  ' if ratio <= limit else 'MISS'} {shape} tp_fusion{what} {ratio:.3f} "
                        f"(goal <= {limit}{note if ratio > limit else ''})")

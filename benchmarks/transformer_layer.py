@@ -2,7 +2,8 @@
 
 Run on one node with GPUs:  torchrun --nproc_per_node=N benchmarks/transformer_layer.py [--shapes T,H ...]
         [--modes tp sp] [--passes fwd fwd_bwd] [--variants ...] [--compile-shapes T,H ...] [--seq 4096]
-        [--head-dim 128] [--iters 10] [--warmup 3] [--min-ms 100] [--rounds 3] [--power] [--out benchmarks/results]
+        [--head-dim 128] [--iters 10] [--warmup 3] [--min-ms 100] [--settle-ms 3000] [--rounds 3] [--power]
+        [--out benchmarks/results]
 Check the variants on CPU ranks (gloo, tiny shapes, nothing timed or written):
         python benchmarks/transformer_layer.py --check
 
@@ -34,7 +35,8 @@ input, the QKV weight shard and the fc2 weight shard) before it is timed; one th
 that fails (e.g. torch.compile where it cannot run), is reported and not timed.
 
 Timing: tp_fusion's timer (CUDA events around ``--iters`` calls after ``--warmup``, each at least
-``--min-ms`` long), max over ranks, median of ``--rounds`` rounds, each in its own random order.
+``--min-ms`` long), max over ranks, median of ``--rounds`` rounds, each in its own random order,
+after ``--settle-ms`` of every variant untimed (``benchmarks.tp_mlp.time_rounds``).
 Results go to ``{out}/transformer_layer_{gpu}x{N}.json``, named after the machine the run is on,
 after every row (a run cut short keeps what it measured); rows of an earlier run on the same machine
 are kept unless this run measured the same row again.

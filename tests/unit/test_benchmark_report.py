@@ -9,7 +9,9 @@ def _row(tp_fusion_rounds, best=10.0, seq=11.0, async_tp=12.5):
     rounds = {"tp_fusion": tp_fusion_rounds, "best_compute": [best], "nccl_sequential": [seq],
               "async_tp": [async_tp]}
     ms = {name: sorted(r)[len(r) // 2] for name, r in rounds.items()}
-    return {"mode": "sp", "tokens": 2048, "hidden": 8192, "ffn": 28672, "ms": ms, "ms_rounds": rounds}
+    spread = {name: max(r) / min(r) for name, r in rounds.items()}  # as time_rounds records it
+    return {"mode": "sp", "tokens": 2048, "hidden": 8192, "ffn": 28672, "ms": ms, "ms_rounds": rounds,
+            "spread": spread}
 
 
 def test_goals_are_checked_on_the_medians():
@@ -38,7 +40,8 @@ def test_time_rounds_settles_first_and_orders_each_call_apart(monkeypatch):
     fns = {name: (lambda name=name: events.append(("run", name))) for name in "abcdef"}
     # 1 ms per call: a share of 30 ms / 6 variants is 5 calls.
     monkeypatch.setattr(tp_mlp.tuning, "calls_spanning", lambda fn, ms, pg, device: int(ms))
-    monkeypatch.setattr(tp_mlp, "time_ms", lambda fn, iters, warmup, min_ms: events.append(("time", fn)) or 1.0)
+    monkeypatch.setattr(tp_mlp, "time_ms",
+                        lambda fn, iters, warmup, min_ms, calls: events.append(("time", fn)) or 1.0)
     args = argparse.Namespace(rounds=4, settle_ms=30.0, iters=1, warmup=0, min_ms=0.0)
 
     orders = []

@@ -84,11 +84,13 @@ def calls_spanning(fn, min_ms: float, pg, device) -> int:
     return math.ceil(min_ms / max(one, 1e-3))
 
 
-def steady_ms(fn, iters: int, warmup: int, min_ms: float, pg, device) -> float:
+def steady_ms(fn, iters: int, warmup: int, min_ms: float, pg, device, calls: int | None = None) -> float:
     """``time_ms``, max over the ranks of ``pg`` (None: the world), with the warmup and the timed calls
-    each spanning at least ``min_ms`` (``calls_spanning``), the ranks starting the timed calls together
-    (collective over ``pg``)."""
-    calls = calls_spanning(fn, min_ms, pg, device)
+    each spanning at least ``min_ms`` (``calls_spanning``; ``calls``: its count, where the caller times
+    ``fn`` in several rounds and counted once), the ranks starting the timed calls together (collective
+    over ``pg``)."""
+    if calls is None:
+        calls = calls_spanning(fn, min_ms, pg, device)
     for _ in range(max(warmup, calls)):
         fn()
     slowest([0.0], pg, device)  # a barrier: its all_reduce follows the warmup on every rank's GPU
@@ -129,10 +131,12 @@ def _has_gelu_epilogue(f: FusedGemm) -> bool:
 def _fastest(runs: dict, env: dict, pg, device) -> dict:
     """Each ``run(env)``'s ms, max over ``pg`` (None: the world), the min of interleaved rounds (so clock
     drift hits all alike), each timing in its steady state (``steady_ms``; collective over ``pg``)."""
+    fns = {key: (lambda run=run: run(dict(env))) for key, run in runs.items()}
+    calls = {key: calls_spanning(fn, MIN_MS, pg, device) for key, fn in fns.items()}
     rounds = {key: [] for key in runs}
     for _ in range(ROUNDS):
-        for key, run in runs.items():
-            rounds[key].append(steady_ms(lambda run=run: run(dict(env)), TIMED_ITERS, WARMUP, MIN_MS, pg, device))
+        for key, fn in fns.items():
+            rounds[key].append(steady_ms(fn, TIMED_ITERS, WARMUP, MIN_MS, pg, device, calls[key]))
     return {key: min(r) for key, r in rounds.items()}
 
 
