@@ -14,7 +14,7 @@ Per shape, in one process, each variant's CUDA-event time per iteration (``--ite
 ``--warmup``, each at least ``--min-ms`` long), max over ranks, median of ``--rounds`` interleaved
 rounds, each round in its own random order (clocks and power drift, and a GPU at its power limit
 carries one variant's clocks into the next), after ``--settle-ms`` of the variants untimed (the
-power controller's transient after idle time, ``settle``):
+power controller's transient after idle time, ``tuning.settle``):
 compute_unfused (linear, GELU, linear on the gathered rows) and compute_fused_epilogue
 (``torch._addmm_activation`` with bias and GELU, then linear): ``best_compute`` is the smaller, the
 yardstick; comm_only; the baselines; tp_fusion (a FusionDefinition through ``fd.execute``) and
@@ -272,25 +272,19 @@ def time_ms(fn, iters, warmup, min_ms: float = 0.0, calls: int | None = None) ->
 _TIME_ROUNDS_CALLS = itertools.count()  # numbers time_rounds' calls alike on every rank (they make the same calls)
 
 
-def settle(fns: dict, ms: float) -> None:
-    """Run each of ``fns`` in turn, untimed, for about ``ms`` in all (``--settle-ms``). From idle
-    (compiling, checking) to full load, the GPUs' power controller boosts above the 700 W cap and then
-    overshoots below it for a second or two: clocks of 1245-1350 MHz against a steady 1450-1530 on
-    2x H200, timings up to 18% slow, on whichever variants fall there (docs/performance.md, round 12)."""
-    for fn in fns.values():
-        for _ in range(tuning.calls_spanning(fn, ms / len(fns), None, "cuda")):
-            fn()
-
-
 def time_rounds(row: dict, fns: dict, args) -> None:
-    """Time each of ``fns`` in ``args.rounds`` interleaved rounds after ``settle`` (``args.settle_ms``),
-    each round in its own random order (seeded by this call and the round, so alike on every rank and
-    different from shape to shape: clocks and power drift, and no variant keeps a neighbour or a place
-    in the run); fill ``row``'s ``ms_rounds``, ``ms`` (the medians), ``spread`` and, with
-    ``args.power``, ``power`` (the GPUs' clock and power per variant, sampled on rank 0)."""
+    """Time each of ``fns`` in ``args.rounds`` interleaved rounds after running them untimed for
+    ``args.settle_ms`` in all (``tuning.settle``: from idle (compiling, checking) to full load, the
+    GPUs' power controller boosts above the 700 W cap and then pulls the clocks down for a second or
+    two, 1245-1350 MHz against a steady 1450-1530 on 2x H200, and timings there run up to 18% slow;
+    docs/performance.md, round 12), each round in its own random order (seeded by this call and the
+    round, so alike on every rank and different from shape to shape: clocks and power drift, and no
+    variant keeps a neighbour or a place in the run); fill ``row``'s ``ms_rounds``, ``ms`` (the
+    medians), ``spread`` and, with ``args.power``, ``power`` (the GPUs' clock and power per variant,
+    sampled on rank 0)."""
     names, call = list(fns), next(_TIME_ROUNDS_CALLS)
     power = {} if getattr(args, "power", False) and dist.rank() == 0 else None  # rank 0 sees every GPU
-    settle(fns, args.settle_ms)
+    tuning.settle(fns.values(), args.settle_ms, None, "cuda")
     calls = {name: tuning.calls_spanning(fn, args.min_ms, None, "cuda") for name, fn in fns.items()}  # once
     for k in range(args.rounds):
         for name in random.Random(f"{call}/{k}").sample(names, len(names)):

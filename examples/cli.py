@@ -37,7 +37,7 @@ def add_timing_options(p: argparse.ArgumentParser, iters: int, warmup: int, roun
                         "is timed in its own steady state and not in the one its predecessor left")
     p.add_argument("--settle-ms", type=float, default=3000.0,
                    help="before a shape's rounds, run its variants untimed for this long, so that the GPUs' power "
-                        "controller has left the transient that follows idle time (benchmarks.tp_mlp.settle)")
+                        "controller has left the transient that follows idle time (tp_fusion.runtime.tuning.settle)")
     p.add_argument("--rounds", type=int, default=rounds,
                    help="timing rounds, each in its own random order of the variants; the median is reported")
 

@@ -6,6 +6,8 @@ is timed fused within the whole plan too)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tp_fusion.sharding.reshard import Collective
@@ -200,3 +202,34 @@ def test_a_segment_left_sequential_keeps_its_fastest_fused_knobs_for_the_plan_ti
 def test_knobs_out_of_range_are_refused(knobs):
     with pytest.raises(ValueError, match="ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or"):
         Tuning(**knobs)
+
+
+def test_tune_settles_the_gpus_before_its_first_timing_unless_it_just_tuned(gpu_tuning, monkeypatch):
+    """On a GPU job, tune keeps the GPUs busy (``_settle_gpus``) before it times anything: timings taken in
+    the power controller's transient after idle time rank kernels by that transient. A tune that follows
+    another within ``SETTLE_AFTER_IDLE_S`` finds the GPUs busy already and does not settle again."""
+    events = []
+    monkeypatch.setattr(tuning, "_settle_gpus", lambda device: events.append("settle"))
+    monkeypatch.setattr(tuning, "_fastest",
+                        lambda runs, env, pg, device: events.append("time") or dict.fromkeys(runs, 1.0))
+    monkeypatch.setattr(tuning, "_tuned_at", -math.inf)  # nothing tuned yet in this process
+    monkeypatch.setenv("TP_FUSION_CUDA_GRAPHS", "0")
+    program = _mlp_program()
+    tuned, _ = tuning.tune(program, runner.Runner(program), [])
+    assert events == ["settle", "time"]  # the GELU pair's timing, after the settling
+    assert tuned.notes[0].startswith("segment 0 linear+gelu:")
+    tuning.tune(program, runner.Runner(program), [])  # right after: no settling
+    assert events == ["settle", "time", "time"]
+    monkeypatch.setattr(tuning, "_tuned_at", tuning._tuned_at - tuning.SETTLE_AFTER_IDLE_S)
+    tuning.tune(program, runner.Runner(program), [])  # the GPUs have been idle since
+    assert events == ["settle", "time", "time", "settle", "time"]
+
+
+def test_settling_shares_its_time_among_the_runs_and_can_be_turned_off(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tuning, "calls_spanning", lambda fn, ms, pg, device: int(ms))  # 1 ms per call
+    tuning.settle([lambda: calls.append("a"), lambda: calls.append("b")], 6.0, None, "cpu")
+    assert calls == ["a"] * 3 + ["b"] * 3
+    assert tuning.settle_ms() == tuning.SETTLE_MS
+    monkeypatch.setenv(tuning.SETTLE_ENV, "0")
+    assert tuning.settle_ms() == 0.0

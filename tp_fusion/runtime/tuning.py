@@ -17,6 +17,9 @@
   captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no random draw);
   a plan that keeps a fused segment but runs under ``SMALL_PLAN_MS`` (bound by Python's launches) is
   timed against a graph of the same plan with every segment sequential, and the faster is kept.
+Before its first timing, tune keeps the GPUs busy for ``settle_ms()`` (``settle``), so that every timing
+runs in the steady state the plan will run in, not in the power controller's transient after idle time
+(skipped where the previous tune ended under ``SETTLE_AFTER_IDLE_S`` ago: programs compiled in a row).
 The choices and why they were made are recorded in the program (``str(fd.plan)`` shows them); the kernels
 take the mode they are given and never decide. ``TP_FUSION_TUNE=0`` skips the timings: fused
 segments on one host run ``fused``, GELUs stay in their GEMM's epilogue and nothing is captured.
@@ -28,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 from tp_fusion.sharding.reshard import Collective
@@ -41,6 +46,16 @@ from tp_fusion.runtime.runner import Runner, _epilogue, _fused, _gemm_gelu
 TIMED_ITERS, WARMUP, ROUNDS = 8, 2, 3
 MIN_MS = 20.0  # and each timing, and its warmup, spans at least this many ms: GPUs at their power limit run
 #                a short timing at the clocks that the work before it left, not at its own
+SETTLE_MS = 2000.0  # tune keeps the GPUs busy this long before its first timing: from idle (compiling) to
+#                    full load, GPUs at their power cap boost above it, then pull their clocks down for a
+#                    second or two (2x H200: 1245-1350 MHz against a steady 1450-1530), and timings there rank
+#                    kernels by that transient, not by the steady state the plan runs in (H200: a Triton GEMM
+#                    timed 0.84 ms right after its compile and 0.98 ms in the steady state, where cuBLAS's ran
+#                    0.84; docs/performance.md, rounds 12 and 13). $TP_FUSION_TUNE_SETTLE_MS overrides it
+#                    (0: no settling)
+SETTLE_ENV = "TP_FUSION_TUNE_SETTLE_MS"
+SETTLE_AFTER_IDLE_S = 1.0  # no settling where the previous tune ended less than this long ago (on every rank)
+_tuned_at = -math.inf  # time.monotonic() at the end of this process's last tune that timed anything
 KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the fastest on some shapes of the
     #                  SP MLP on 2x H200, measured in the steady state (docs/performance.md, round 10)
     #                  (The allgather's second stream, ag_streams=2, is not timed: tuning's 20 ms timings of a
@@ -96,6 +111,27 @@ def steady_ms(fn, iters: int, warmup: int, min_ms: float, pg, device, calls: int
     slowest([0.0], pg, device)  # a barrier: its all_reduce follows the warmup on every rank's GPU
     (ms,) = slowest([time_ms(fn, max(iters, calls), 0)], pg, device)
     return ms
+
+
+def settle_ms() -> float:
+    """How long tune keeps the GPUs busy before its first timing (``SETTLE_MS``, or ``$TP_FUSION_TUNE_SETTLE_MS``)."""
+    return float(os.environ.get(SETTLE_ENV, SETTLE_MS))
+
+
+def settle(fns: Iterable[Callable[[], object]], ms: float, pg, device) -> None:
+    """Run each of ``fns`` in turn, untimed, for about ``ms`` in all, as many calls on every rank of ``pg``
+    (None: the world; collective over it)."""
+    fns = list(fns)
+    for fn in fns:
+        for _ in range(calls_spanning(fn, ms / len(fns), pg, device)):
+            fn()
+
+
+def _settle_gpus(device: torch.device) -> None:
+    """``settle`` on a 4096-square bf16 GEMM, which runs the GPU at its power cap as the plans' GEMMs do
+    (collective over the world)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    settle([lambda: torch.mm(a, a)], settle_ms(), None, device)
 
 
 def slowest(values: list[float], pg, device) -> list[float]:
@@ -284,6 +320,19 @@ def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
 def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
     """The program with its measured choices recorded, and a runner for it (collective: every rank
     of the world calls it for the same program)."""
+    global _tuned_at
+    if not _measures(program):
+        return _tune(program, runner, inputs)
+    (idle_s,) = slowest([time.monotonic() - _tuned_at], None, program.device)  # alike on every rank
+    if idle_s > SETTLE_AFTER_IDLE_S:
+        _settle_gpus(program.device)
+    tuned = _tune(program, runner, inputs)
+    _tuned_at = time.monotonic()
+    return tuned
+
+
+def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
+    """``tune``'s choices, the GPUs settled."""
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
     modes, kernels, apart, notes, timed_sequential = {}, {}, set(), [], []
