@@ -70,11 +70,11 @@ KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the 
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
 SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: a CUDA graph of
 #                      it with every fused segment sequential (capturable) is timed against it
-GRAPH_MARGIN = 1.05  # a graph is kept up to 5% slower than eager launches as timed here: those timings
-#                      leave out execute's own host time per call (agreement, guards: about 0.1 ms on
-#                      2x H200), which a replay hides under the GPU's work and eager launches add to
-#                      (SP 1024x4096x16384: graph 0.262 ms, eager 0.254, yet execute ran 0.334 eagerly;
-#                      with the margin it keeps the graph and execute runs 0.27 ms: docs/performance.md)
+EXECUTE_HOST_MS = 0.1  # a graph is kept if it replays faster than eager launches as timed here plus this: those
+#                        timings leave out execute's own host time per call (agreement, guards: 0.08-0.11 ms on
+#                        2x H200), which a replay hides under the GPU's work and eager launches of a small plan
+#                        add to (SP 1024x4096x16384: a graph 0.276 ms against eager launches timed 0.249 ms,
+#                        yet execute ran that plan eagerly in 0.358 ms; docs/performance.md, round 13)
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
@@ -261,7 +261,8 @@ def _graphable(program: Program) -> bool:
 def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: float | None = None,
                        what: str = "") -> tuple[graphs.GraphedRun | None, str]:
     """Capture the runner's plan and keep the graph if every rank captured it and replaying is faster
-    than ``eager_ms`` (default: launching the same plan eagerly) on every rank (collective: every rank
+    than ``eager_ms`` (default: launching the same plan eagerly) plus execute's own host time
+    (``EXECUTE_HOST_MS``), max over the ranks (collective: every rank
     of the world calls it, with the same plan). The ranks agree that all captured before anything runs
     again: a rank left eager while its peers replay would pair collectives wrongly. Returns the graph
     (or None) and a note."""
@@ -279,7 +280,7 @@ def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: flo
     if eager_ms is None:
         eager_ms = _plan_ms(runner, inputs)
     graph_ms = steady_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
-    keep = graph_ms < eager_ms * GRAPH_MARGIN
+    keep = graph_ms < eager_ms + EXECUTE_HOST_MS
     if not keep:
         graphed.release()
     return (graphed if keep else None), f"cuda graph{what} {graph_ms:.3f} ms, eager {eager_ms:.3f} ms -> " \
