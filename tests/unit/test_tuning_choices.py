@@ -233,6 +233,9 @@ def test_settling_shares_its_time_among_the_runs_and_can_be_turned_off(monkeypat
     assert tuning.settle_ms() == tuning.SETTLE_MS
     monkeypatch.setenv(tuning.SETTLE_ENV, "0")
     assert tuning.settle_ms() == 0.0
+    monkeypatch.setenv(tuning.SETTLE_ENV, "2s")
+    with pytest.raises(ValueError, match=r"\$TP_FUSION_TUNE_SETTLE_MS is a number of milliseconds .*'2s'"):
+        tuning.settle_ms()
 
 
 @pytest.mark.parametrize("graph_ms, kept", [(0.276, True), (0.36, False)])

@@ -55,7 +55,7 @@ SETTLE_MS = 2000.0  # tune keeps the GPUs busy this long before its first timing
 #                    (0: no settling)
 SETTLE_ENV = "TP_FUSION_TUNE_SETTLE_MS"
 SETTLE_AFTER_IDLE_S = 1.0  # no settling where the previous tune ended less than this long ago (on every rank)
-_tuned_at = -math.inf  # time.monotonic() at the end of this process's last tune that timed anything
+_tuned_at = -math.inf  # time.monotonic() at the end of this process's last tune on a GPU job
 KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the fastest on some shapes of the
     #                  SP MLP on 2x H200, measured in the steady state (docs/performance.md, round 10)
     #                  (The allgather's second stream, ag_streams=2, is not timed: tuning's 20 ms timings of a
@@ -115,7 +115,11 @@ def steady_ms(fn, iters: int, warmup: int, min_ms: float, pg, device, calls: int
 
 def settle_ms() -> float:
     """How long tune keeps the GPUs busy before its first timing (``SETTLE_MS``, or ``$TP_FUSION_TUNE_SETTLE_MS``)."""
-    return float(os.environ.get(SETTLE_ENV, SETTLE_MS))
+    value = os.environ.get(SETTLE_ENV)
+    try:
+        return SETTLE_MS if value is None else float(value)
+    except ValueError:
+        raise ValueError(f"${SETTLE_ENV} is a number of milliseconds (0: no settling), not {value!r}") from None
 
 
 def settle(fns: Iterable[Callable[[], object]], ms: float, pg, device) -> None:
