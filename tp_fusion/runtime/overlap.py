@@ -251,9 +251,10 @@ def _linear_reduce_scatter_rows(x3, weight, bias, residual, pg, mode, tuning) ->
     """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``, plus ``bias``,
     plus ``residual`` (this rank's rows)."""
     if mode == FUSED:
-        if x3.is_cuda:
-            return _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning)
-        return _ring_linear_reduce_scatter(x3, weight, bias, residual, pg)
+        if not x3.is_cuda:
+            return _ring_linear_reduce_scatter(x3, weight, bias, residual, pg)
+        kernel = _symm_ring_linear_reduce_scatter if tuning.rs_reduce == "ring" else _symm_linear_reduce_scatter
+        return kernel(x3, weight, bias, residual, pg, tuning)
     out = x3.new_empty((x3.shape[1], weight.shape[0]))
     # The bias rides in one rank's GEMM epilogue, so the reduction adds it once.
     partial = F.linear(x3.view(-1, x3.shape[2]), weight, bias if dist.group_rank(pg) == 0 else None)
@@ -418,9 +419,7 @@ def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch
     """Rank r GEMMs the partial for r+1, r+2, ... (the bias in the one for r+1) and pushes each into
     that rank's slot (or stores it there from the GEMM); then it GEMMs its own rows (onto the residual,
     on a second stream with ``rs_streams=2``) without waiting, and adds the received partials in one
-    pass. ``rs_reduce="ring"`` runs ``_symm_ring_linear_reduce_scatter`` instead."""
-    if tuning.rs_reduce == "ring":
-        return _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning)
+    pass (``rs_reduce="sum"``; "ring" is ``_symm_ring_linear_reduce_scatter``)."""
     call = _reduce_scatter_call("linear_reduce_scatter", x3, weight, residual, pg, tuning)
     box, main, comm, staging = call.box, call.main, call.comm, call.staging
     n, r = box.n, box.rank

@@ -266,10 +266,9 @@ def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: flo
                        what: str = "") -> tuple[graphs.GraphedRun | None, str]:
     """Capture the runner's plan and keep the graph if every rank captured it and replaying is faster
     than ``eager_ms`` (default: launching the same plan eagerly) plus execute's own host time
-    (``EXECUTE_HOST_MS``), max over the ranks (collective: every rank
-    of the world calls it, with the same plan). The ranks agree that all captured before anything runs
-    again: a rank left eager while its peers replay would pair collectives wrongly. Returns the graph
-    (or None) and a note."""
+    (``EXECUTE_HOST_MS``), max over the ranks (collective: every rank of the world calls it, with the
+    same plan). The ranks agree that all captured before anything runs again: a rank left eager while
+    its peers replay would pair collectives wrongly. Returns the graph (or None) and a note."""
     try:
         graphed = graphs.GraphedRun(lambda xs: runner.run_eager(xs, report_faults=False), inputs)
     except Exception as e:  # not capturable on this rank (no peer is told: the agreement below is)
