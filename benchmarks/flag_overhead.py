@@ -54,9 +54,9 @@ def main(args: argparse.Namespace) -> None:
     peer = (box.rank + 1) % box.n
     main_stream, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
     driver, src = symm.driver(), torch.zeros(1024, dtype=torch.bfloat16, device=device)
-    local_flag = torch.zeros(1, dtype=torch.int32, device=device)
+    local_flag = torch.ones(1, dtype=torch.int32, device=device)  # bit 0 set: the waits pass at once
     probes = {
-        "ctypes cuStreamWaitValue32 (own flag)": lambda: driver.wait(comm, local_flag.data_ptr(), 0),
+        "ctypes cuStreamWaitValue32 (own flag)": lambda: driver.wait(comm, local_flag.data_ptr(), 1),
         "ctypes cuStreamWriteValue32 (peer flag)": lambda: box.mark_ready(comm, peer, 0),
         "ctypes cuMemcpyDtoDAsync (2 KB push)": lambda: driver.copy(comm, box.peer_slot(peer, 0), src),
         "stream_wait (reused event)": lambda: symm.stream_wait(comm, main_stream),
@@ -65,11 +65,11 @@ def main(args: argparse.Namespace) -> None:
     try:
         from cuda.bindings import driver as cu
 
-        geq = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        wait_and = int(cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_AND)
         probes["cuda-python cuStreamWaitValue32"] = lambda: cu.cuStreamWaitValue32(
-            comm.cuda_stream, local_flag.data_ptr(), 0, geq)
+            comm.cuda_stream, local_flag.data_ptr(), 1, wait_and)
         probes["cuda-python cuStreamWriteValue32"] = lambda: cu.cuStreamWriteValue32(
-            comm.cuda_stream, local_flag.data_ptr(), 0, 0)
+            comm.cuda_stream, local_flag.data_ptr(), 1, 0)
     except ImportError:
         pass
     symm._symm_mem()

@@ -78,13 +78,57 @@ def _checks(rank: int, n: int) -> None:
     assert dist.backend() == "nccl"
 
 
-def _worker(rank: int, n: int, port: int, errors) -> None:
+def _graph_checks(rank: int, n: int) -> None:
+    """The fused kernels captured as CUDA graphs (``graphs.GraphedRun``: one graph per mailbox phase, on
+    mailboxes of its own) replay right call after call, on fresh inputs each time, with the same
+    kernels run eagerly in between on the shared mailboxes (equal to the replay bit for bit)."""
+    from tp_fusion.runtime.overlap import Tuning
+
+    gen = torch.Generator(torch.device("cuda", rank)).manual_seed(1)  # the same data on every rank
+    for tuning in (Tuning(), Tuning(ag_streams=2, rs_reduce="ring", rs_subchunks=2),
+                   Tuning(rs_streams=2, rs_remote_store=True, ar_subchunks=1)):
+        _graph_check(tuning, rank, n, gen)
+
+
+def _graph_check(tuning, rank: int, n: int, gen: torch.Generator) -> None:
+    from tp_fusion.runtime import graphs, overlap
+
+    device = gen.device
+    w1, b1 = _ints(gen, 64, 32, device=device), _ints(gen, 64, device=device)
+    w2, b2 = _ints(gen, 32, 64, device=device), _ints(gen, 32, device=device)
+
+    def mlp(xs):
+        h = overlap.allgather_linear(xs[0], w1, b1, gather_dim=0, pg=None, mode="fused", tuning=tuning)
+        out = overlap.linear_reduce_scatter(h, w2, b2, scatter_dim=0, pg=None, mode="fused", tuning=tuning)
+        return [out, overlap.linear_allreduce(h, w2, b2, pg=None, mode="fused", tuning=tuning)]
+
+    def inputs():
+        """This rank's rows of fresh x, and what ``mlp`` returns for them: every rank holds all of h and
+        the same w2, so the reductions sum n equal partials."""
+        x_full = _ints(gen, 32 * n, 32, device=device)
+        total = n * F.linear(F.linear(x_full, w1, b1), w2).float() + b2.float()
+        return x_full.chunk(n)[rank].contiguous(), [total.chunk(n)[rank], total]
+
+    graphed = graphs.GraphedRun(mlp, [inputs()[0]])
+    assert len(graphed._graphs) == 4, f"{len(graphed._graphs)} graphs for a cycle of 4 phases"
+    for call in range(9):
+        x_local, expected = inputs()
+        got = graphed.replay([x_local])  # fresh activations: copied into the graphs' input buffer
+        for g, e in zip(got, expected, strict=True):
+            torch.testing.assert_close(g.float(), e, rtol=2e-2, atol=1.0, msg=f"replay {call} {tuning}")
+        if call % 3 == 1:  # moves the shared mailboxes' phases, not the graphs' own
+            for g, e in zip(got, mlp([x_local]), strict=True):
+                assert torch.equal(g, e), f"eager call after replay {call} {tuning}"
+    graphed.release()
+
+
+def _worker(rank: int, n: int, port: int, errors, checks) -> None:
     from tp_fusion.runtime import dist
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank, n, f"tcp://127.0.0.1:{port}", 120)
     try:
-        _checks(rank, n)
+        checks(rank, n)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
@@ -92,13 +136,14 @@ def _worker(rank: int, n: int, port: int, errors) -> None:
         dist.destroy_process_group()
 
 
-def test_fused_matches_sequential_on_two_gpus():
+@pytest.mark.parametrize("checks", [_checks, _graph_checks], ids=["eager", "cuda_graphs"])
+def test_fused_matches_sequential_on_two_gpus(checks):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, errors)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, errors, checks)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

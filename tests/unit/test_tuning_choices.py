@@ -238,23 +238,53 @@ def test_settling_shares_its_time_among_the_runs_and_can_be_turned_off(monkeypat
         tuning.settle_ms()
 
 
+class _Graphed:
+    """Stands in for ``graphs.GraphedRun``: records its releases."""
+
+    released: list = []
+
+    def __init__(self, fn, inputs):
+        self.replays = 0
+
+    def replay(self, inputs):
+        self.replays += 1
+
+    def release(self):
+        _Graphed.released.append(self)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Captures that always succeed, on one rank; ``steady_ms`` is set per test."""
+    _Graphed.released = []
+    monkeypatch.setattr(tuning.graphs, "GraphedRun", _Graphed)
+    monkeypatch.setattr(tuning, "slowest", lambda values, pg, device: values)
+
+
 @pytest.mark.parametrize("graph_ms, kept", [(0.276, True), (0.36, False)])
-def test_a_graph_is_kept_where_it_beats_eager_launches_plus_executes_host_time(monkeypatch, graph_ms, kept):
+def test_a_graph_is_kept_where_it_beats_eager_launches_plus_executes_host_time(fake_graphs, monkeypatch,
+                                                                                graph_ms, kept):
     """Eager launches timed back to back leave out execute's own host time per call, which a replay hides:
     SP 1024x4096x16384 on 2x H200 timed a graph at 0.276 ms and eager launches at 0.249 ms, yet execute
     ran the plan eagerly in 0.358 ms. The graph is kept while it beats eager + ``EXECUTE_HOST_MS``."""
-    released = []
-
-    class Graphed:
-        def __init__(self, fn, inputs):
-            pass
-
-        def release(self):
-            released.append(True)
-
-    monkeypatch.setattr(tuning.graphs, "GraphedRun", Graphed)
-    monkeypatch.setattr(tuning, "slowest", lambda values, pg, device: values)
     monkeypatch.setattr(tuning, "steady_ms", lambda fn, iters, warmup, min_ms, pg, device: graph_ms)
-    graphed, note = tuning._capture_if_faster(None, [torch.ones(1)], eager_ms=0.249)
-    assert (graphed is not None, bool(released)) == (kept, not kept)
+    what, graphed, note = tuning._capture_if_faster({"": None}, [torch.ones(1)], eager_ms=0.249)
+    assert (what, graphed is not None, bool(_Graphed.released)) == (("" if kept else None), kept, not kept)
     assert note == f"cuda graph {graph_ms:.3f} ms, eager 0.249 ms -> {'graph' if kept else 'eager'}"
+
+
+def test_the_fastest_graph_is_kept_and_the_others_released(fake_graphs, monkeypatch):
+    """A small plan with fused segments is captured as it is and with every segment sequential; the
+    faster replay wins (here the fused one), the other graph is released at once."""
+    times = iter([0.21, 0.25])  # fused plan, then the sequential one
+
+    def steady_ms(fn, iters, warmup, min_ms, pg, device):
+        fn()  # a replay of the graph being timed
+        return next(times)
+    monkeypatch.setattr(tuning, "steady_ms", steady_ms)
+    what, graphed, note = tuning._capture_if_faster({"": None, " (every segment sequential)": None},
+                                                    [torch.ones(1)], eager_ms=0.30)
+    assert what == "" and graphed.replays == 1 and len(_Graphed.released) == 1
+    assert _Graphed.released[0] is not graphed
+    assert note == ("cuda graph 0.210 ms, cuda graph (every segment sequential) 0.250 ms, eager 0.300 ms "
+                    "-> graph")

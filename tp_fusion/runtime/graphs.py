@@ -2,10 +2,9 @@
 
 At small sizes the GPU runs an MLP faster than Python issues its kernels and collectives (2x H200,
 tokens 256, hidden 1024: 0.11 ms of GPU work, 0.19 ms of host time per call), so the plan is
-captured once (NCCL collectives and aten kernels) and replayed: the host then copies the inputs
-that changed memory into the graph's buffers (``GraphedRun``), replays, and clones the outputs.
-Fused segments on the symmetric-memory path are never captured (their flags count calls on the
-host), so a plan that uses one stays eager.
+captured once (NCCL collectives, aten kernels, and the fused segments' copies and flags on the
+symmetric-memory path) and replayed: the host then copies the inputs that changed memory into the
+graph's buffers (``GraphedRun``), replays, and clones the outputs.
 Whether to replay is measured by ``tp_fusion.runtime.tuning`` on every rank and agreed (max over
 ranks), so all ranks choose alike.
 
@@ -24,27 +23,35 @@ from collections.abc import Callable
 
 import torch
 
-from tp_fusion.runtime import dist
+from tp_fusion.runtime import dist, symm
 
 _live: weakref.WeakSet = weakref.WeakSet()
 
 
 class GraphedRun:
-    """A plan run captured as a CUDA graph; ``replay(inputs)`` returns fresh outputs.
+    """A plan run captured as CUDA graphs; ``replay(inputs)`` returns fresh outputs.
 
     The graph reads an input in place, from the tensor it was captured with (held here, so its memory
     stays put), as long as every call passes that same tensor: weights are then never copied, and an
     in-place update of them (an optimizer step) is seen by the next replay. An input that arrives in
     other memory (activations, new each call) gets a buffer of its own that each call copies into:
-    the graph is captured again with that buffer, on this rank alone (capturing runs no collective).
+    the graphs are captured again with that buffer, on this rank alone (capturing runs no collective).
+
+    A plan with fused segments runs them with mailboxes of its own (``symm.OwnMailboxes``), whose
+    state on the GPU repeats every few calls (``symm.Mailbox.PHASES``): one graph is captured per
+    call of that cycle, and replays take them in turn, the host's view of the phases kept in step, so
+    that an eager run (a recapture that failed) carries on where the replays left off.
     """
 
     def __init__(self, run: Callable[[list], list], inputs: list[torch.Tensor]):
         """Run the plan once eagerly (lazy initializations, such as a first NCCL collective creating its
-        communicator, cannot happen inside a capture), then capture it."""
+        communicator or a fused segment its mailboxes, cannot happen inside a capture), then capture it."""
         self._run, self._copied = run, [False] * len(inputs)
-        self.graph = None
-        run(inputs)
+        self._mailboxes = symm.OwnMailboxes()
+        self._graphs: list[tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[int, ...]]] = []
+        self._next = 0
+        with self._mailboxes:
+            run(inputs)
         torch.cuda.synchronize()
         self._capture(inputs)
         if not _live:
@@ -52,31 +59,42 @@ class GraphedRun:
         _live.add(self)
 
     def _capture(self, inputs: list[torch.Tensor]) -> None:
-        """Capture the run on ``inputs`` (copies where ``_copied``). A capture that fails leaves the
-        caching allocator with a capture underway (torch 2.11), which aborts the process at exit; it is
-        ended before the error goes on."""
+        """Capture the run on ``inputs`` (copies where ``_copied``), once per call until the mailboxes'
+        phases come round to where they started. A capture that fails leaves the caching allocator
+        with a capture underway (torch 2.11), which aborts the process at exit; it is ended before the
+        error goes on, and the phases are put back (nothing captured ran)."""
         self.inputs = [x.clone() if copied else x for x, copied in zip(inputs, self._copied)]
-        graph = torch.cuda.CUDAGraph()
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.current_stream()
+        start = self._mailboxes.phases()
+        stream = torch.cuda.current_stream()
         try:
-            # thread_local: another thread's CUDA calls (NCCL's watchdog querying the events of work that
-            # DTensor or the user left in flight) must not invalidate this thread's capture
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs = self._run(self.inputs)
+            for _ in range(symm.Mailbox.PHASES):
+                phases, graph, pool = self._mailboxes.phases(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+                try:
+                    # thread_local: another thread's CUDA calls (NCCL's watchdog querying the events of work
+                    # that DTensor or the user left in flight) must not invalidate this thread's capture
+                    with self._mailboxes, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        outputs = self._run(self.inputs)
+                except BaseException:
+                    _end_capture_allocations(pool)
+                    torch.cuda.set_stream(stream)  # the capture's stream context is left open when it fails
+                    raise
+                self._graphs.append((graph, outputs, phases))
+                if self._mailboxes.phases() == start:
+                    break
         except BaseException:
-            _end_capture_allocations(pool)
-            torch.cuda.set_stream(stream)  # the capture's stream context is left open when it fails
+            self.release()
+            self._mailboxes.set_phases(start)
             raise
-        self.graph = graph
+        self._next = 0
 
     @property
     def alive(self) -> bool:
-        return self.graph is not None
+        return bool(self._graphs)
 
     def release(self) -> None:
-        if self.graph is not None:
-            self.graph.reset()
-            self.graph = None
+        for graph, _, _ in self._graphs:
+            graph.reset()
+        self._graphs = []
 
     def replay(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         moved = [i for i, (held, x) in enumerate(zip(self.inputs, inputs))
@@ -88,12 +106,16 @@ class GraphedRun:
             try:
                 self._capture(inputs)
             except Exception:  # this rank runs eagerly from now on: the same collectives, in the same order
-                return self._run(inputs)
+                with self._mailboxes:
+                    return self._run(inputs)
         for held, x, copied in zip(self.inputs, inputs, self._copied):
             if copied:
                 held.copy_(x)
-        self.graph.replay()
-        return [out.clone() for out in self.outputs]
+        graph, outputs, _ = self._graphs[self._next]
+        graph.replay()
+        self._next = (self._next + 1) % len(self._graphs)
+        self._mailboxes.set_phases(self._graphs[self._next][2])
+        return [out.clone() for out in outputs]
 
 
 def _end_capture_allocations(pool) -> None:

@@ -408,11 +408,13 @@ def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _Reduce
     sub = rows // c
     box = symm.mailbox(kind, c, (sub, out_cols), x3.dtype, pg, x3.device)
     box.start_call()
+    main, comm = torch.cuda.current_stream(x3.device), symm.comm_stream(x3.device)
+    symm.stream_wait(comm, main)  # forks comm from main even where no push follows (a capture joins it)
     return _ReduceScatterCall(
         box, c, x3.view(box.n, c, sub, -1),
         None if tuning.rs_remote_store else x3.new_empty((box.n - 1, c, sub, out_cols)),
         x3.new_empty((c, sub, out_cols)), None if residual is None else residual.view(c, sub, out_cols),
-        torch.cuda.current_stream(x3.device), symm.comm_stream(x3.device))
+        main, comm)
 
 
 def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
@@ -518,6 +520,7 @@ def _symm_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tens
     r, driver = partials.rank, symm.driver()
     main, comm, recv = torch.cuda.current_stream(device), symm.comm_stream(device), symm.comm_stream(device, 1)
     side = symm.side_stream(device) if tuning.rs_streams == 2 else main
+    symm.stream_wait(recv, main)  # ``out`` is allocated; and under a capture, recv joins it
     xs = x2.view(n, c, sub, -1)
     res = None if residual is None else residual.view(n, c, sub, out_cols)[r]
     out = x2.new_empty((n, c, sub, out_cols))

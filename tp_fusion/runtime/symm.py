@@ -67,7 +67,7 @@ class Driver:
     preceded by a memory fence, so whatever its stream wrote before it (a GEMM's output, a copy) is
     visible to whoever sees the flag."""
 
-    _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+    _WAIT_AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: passes once (*addr & value) != 0
 
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
@@ -87,9 +87,9 @@ class Driver:
         if err:
             raise RuntimeError(f"{what} failed with CUresult {err}")
 
-    def wait(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
-        """Work enqueued after this on ``stream`` waits until the int32 at ``addr`` >= ``value``."""
-        self._check(self._wait(stream.cuda_stream, addr, value & 0xFFFFFFFF, self._WAIT_GEQ), "cuStreamWaitValue32")
+    def wait(self, stream: torch.cuda.Stream, addr: int, bits: int) -> None:
+        """Work enqueued after this on ``stream`` waits until the int32 at ``addr`` has one of ``bits`` set."""
+        self._check(self._wait(stream.cuda_stream, addr, bits & 0xFFFFFFFF, self._WAIT_AND), "cuStreamWaitValue32")
 
     def write(self, stream: torch.cuda.Stream, addr: int, value: int) -> None:
         """Once the work before it on ``stream`` is done, set the int32 at ``addr`` (maybe a peer's)."""
@@ -147,25 +147,30 @@ class Mailbox:
     """Double-buffered receive slots in symmetric memory for one (kind, slot shape, dtype, group).
 
     ``slot(src, part)`` holds what group rank ``src`` pushed here in this call (a slot may be pushed
-    in ``parts`` pieces); calls alternate between two buffers. ``flags[src, part]`` is the epoch of
-    src's last push into it, written by src through its mapping. (A kernel may name its slots
-    otherwise: the reduce_scatter's ring keys them by chunk, all pushed by the left neighbour, through
-    the ``slot=`` argument of ``push``, ``mark_ready`` and ``peer_slot``.) Every call bumps ``epoch`` alike on
-    every rank (they make the same calls in the same order), so flags only grow and never need
-    resetting.
+    in ``parts`` pieces). (A kernel may name its slots otherwise: the reduce_scatter's ring keys them
+    by chunk, all pushed by the left neighbour, through the ``slot=`` argument of ``push``,
+    ``mark_ready`` and ``peer_slot``.) Every call moves ``phase`` on alike on every rank (they make the
+    same calls in the same order); it cycles through ``PHASES``: a call uses buffer and flag set
+    ``phase % 2``, and a push sets bit ``phase // 2`` of its flag, written by the pusher through its
+    mapping. The next push into the same flag, two calls later, sets the other bit, so a wait for a
+    bit never passes on the call before's, and no flag is ever reset. The whole state on the GPU thus
+    repeats every ``PHASES`` calls: a CUDA graph captured at each phase replays the calls for good
+    (``graphs.GraphedRun``).
 
     No "slot free" flags are needed: in each call a rank's pushes to a peer come after (are
     stream-ordered after) its waits of the previous call, and each peer's reads of call e-1 come before
     some push of its in call e on which the pusher's waits of call e depend, directly (every rank
     pushes to every peer) or along the ring. So when rank p pushes into q's buffer of call e+1 (the
-    one q read in call e-1), q has finished call e-1.
+    one q read in call e-1), or sets q's flag of call e+1, q has finished call e-1.
     """
+
+    PHASES = 4
 
     def __init__(self, parts: int, part_shape, dtype, pg, device):
         n = dist.group_size(pg)
-        self.rank, self.n, self.parts, self.epoch = dist.group_rank(pg), n, parts, 0
+        self.rank, self.n, self.parts, self.phase = dist.group_rank(pg), n, parts, 0
         self.slots = empty((2, n, parts, *part_shape), dtype, device)
-        flags = empty((n, parts), torch.int32, device)
+        flags = empty((2, n, parts), torch.int32, device)
         flags.zero_()
         slots_handle = rendezvous(self.slots, pg)
         flags_handle = rendezvous(flags, pg)
@@ -178,25 +183,29 @@ class Mailbox:
         torch.cuda.synchronize(device)
         dist.barrier(pg)  # every rank's flags are zero before anyone writes them
 
-    def start_call(self) -> int:
-        self.epoch += 1
-        return self.epoch
+    def start_call(self) -> None:
+        self.phase = (self.phase + 1) % self.PHASES
 
     def slot(self, src: int, part: int) -> torch.Tensor:
         """This call's piece ``part`` pushed here by ``src`` (``src`` = this rank: a scratch slot)."""
-        return self.slots[self.epoch % 2, src, part]
+        return self.slots[self.phase % 2, src, part]
 
     def slots_of_part(self, part: int) -> torch.Tensor:
         """This call's piece ``part`` from every rank, stacked: [n, *part_shape]."""
-        return self.slots[self.epoch % 2, :, part]
+        return self.slots[self.phase % 2, :, part]
 
     def peer_slot(self, dst: int, part: int, slot: int | None = None) -> torch.Tensor:
         """The piece ``part`` of ``dst``'s slot ``slot`` (default: the one for this rank), in this call's
         buffer (for a remote store)."""
-        return self._peer_slots[self.epoch % 2][dst][self.rank if slot is None else slot, part]
+        return self._peer_slots[self.phase % 2][dst][self.rank if slot is None else slot, part]
 
     def _flag_offset(self, src: int, part: int) -> int:
-        return 4 * (src * self.parts + part)
+        """Where ``src``'s flag for ``part`` is in this call's flag set (bytes into the flags)."""
+        return 4 * (((self.phase % 2) * self.n + src) * self.parts + part)
+
+    def _bit(self) -> int:
+        """The bit that this call's pushes set in their flags."""
+        return 1 << (self.phase // 2)
 
     def push(self, stream: torch.cuda.Stream, dst: int, part: int, src: torch.Tensor,
              slot: int | None = None) -> None:
@@ -208,34 +217,62 @@ class Mailbox:
     def mark_ready(self, stream: torch.cuda.Stream, dst: int, part: int, slot: int | None = None) -> None:
         """Once the work before it on ``stream`` is done, raise ``dst``'s ready flag for our piece."""
         slot = self.rank if slot is None else slot
-        driver().write(stream, self._peer_flag_base[dst] + self._flag_offset(slot, part), self.epoch)
+        driver().write(stream, self._peer_flag_base[dst] + self._flag_offset(slot, part), self._bit())
 
     def release(self, stream: torch.cuda.Stream) -> None:
-        """Raise every flag of this rank's mailbox for good: its waits pass (after a peer died)."""
-        for src in range(self.n):
-            for part in range(self.parts):
-                driver().write(stream, self._flag_base + self._flag_offset(src, part), 0x7FFFFFFF)
+        """Set every bit of every flag of this rank's mailbox: all its waits pass (after a peer died)."""
+        for offset in range(0, self._flags.nbytes, 4):
+            driver().write(stream, self._flag_base + offset, 0xFFFFFFFF)
 
     def wait_ready(self, stream: torch.cuda.Stream, src: int, part: int) -> None:
         """Work enqueued after this on ``stream`` waits until ``src`` has pushed ``slot(src, part)``."""
-        driver().wait(stream, self._flag_base + self._flag_offset(src, part), self.epoch)
+        driver().wait(stream, self._flag_base + self._flag_offset(src, part), self._bit())
 
 
 _mailboxes: dict[tuple, Mailbox] = {}
+_owner: list[OwnMailboxes] = []  # the innermost ``with OwnMailboxes()``, if any
+
+
+class OwnMailboxes:
+    """Mailboxes of their own for one user, a plan captured as CUDA graphs: within ``with scope:`` the
+    kernels' ``mailbox`` calls get this scope's (created on first use, collectively, like the shared
+    ones), so that no other program's calls move their phases between this user's calls, and the
+    phases after each call are known on the host (``phases``, ``set_phases``)."""
+
+    def __init__(self):
+        self.boxes: dict[tuple, Mailbox] = {}
+
+    def __enter__(self) -> OwnMailboxes:
+        _owner.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _owner.pop()
+
+    def phases(self) -> tuple[int, ...]:
+        return tuple(box.phase for box in self.boxes.values())
+
+    def set_phases(self, phases: tuple[int, ...]) -> None:
+        """Put the host's view back at ``phases`` (from ``phases()``; mailboxes created since keep theirs)."""
+        for box, phase in zip(self.boxes.values(), phases):
+            box.phase = phase
 
 
 def mailbox(kind: str, parts: int, part_shape, dtype: torch.dtype, pg, device: torch.device) -> Mailbox:
     """The mailbox for ``kind`` with ``parts`` pieces of ``part_shape`` per peer (created on first use,
-    which is collective over ``pg``)."""
-    key = (kind, parts, tuple(part_shape), dtype, dist.group_name(pg), device)
+    which is collective over ``pg``): the innermost ``OwnMailboxes`` scope's where one is active."""
+    owner = _owner[-1] if _owner else None
+    key = (kind, parts, tuple(part_shape), dtype, dist.group_name(pg), device, id(owner))
     if key not in _mailboxes:
         _mailboxes[key] = Mailbox(parts, part_shape, dtype, pg, device)
+        if owner is not None:
+            owner.boxes[key] = _mailboxes[key]
     return _mailboxes[key]
 
 
 def release_waits() -> None:
     """Unblock every flag wait of this rank for good, and forget the mailboxes (after a peer died:
-    the waits would never end, and the mailboxes' epochs no longer match the peers'). The flags
+    the waits would never end, and the mailboxes' phases no longer match the peers'). The flags
     are raised on a fresh stream, which does not queue behind the blocked ones."""
     if not _mailboxes:
         return

@@ -13,10 +13,10 @@
 - for each linear+bias followed by a tanh-GELU (a fused segment's epilogue, or a pair in a compute
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
-- whether the whole program replays as a CUDA graph: timed against eager launches where it can be
-  captured (CUDA, NCCL, no symmetric-memory segment, meshes spanning the world, no random draw);
-  a plan that keeps a fused segment but runs under ``SMALL_PLAN_MS`` (bound by Python's launches) is
-  timed against a graph of the same plan with every segment sequential, and the faster is kept.
+- whether the whole program replays as CUDA graphs: timed against eager launches where it can be
+  captured (CUDA, NCCL, meshes spanning the world, no random draw); a plan that keeps a fused
+  segment is captured only where it runs under ``SMALL_PLAN_MS`` (bound by Python's launches), and
+  then a graph of the same plan with every segment sequential is timed too: the fastest is kept.
 Before its first timing, tune keeps the GPUs busy for ``settle_ms()`` (``settle``), so that every timing
 runs in the steady state the plan will run in, not in the power controller's transient after idle time
 (skipped where the previous tune ended under ``SETTLE_AFTER_IDLE_S`` ago: programs compiled in a row).
@@ -68,8 +68,9 @@ KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the 
     Collective.ALLREDUCE: (overlap.Tuning(),),
 }
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
-SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: a CUDA graph of
-#                      it with every fused segment sequential (capturable) is timed against it
+SMALL_PLAN_MS = 1.0  # a plan with fused segments is captured only where it runs faster than this on the GPU
+#                      (bound by Python's launches); larger ones stay eager, as a graph per mailbox phase
+#                      would hold the plan's buffers several times over
 EXECUTE_HOST_MS = 0.1  # a graph is kept if it replays faster than eager launches as timed here plus this: those
 #                        timings leave out execute's own host time per call (agreement, guards: 0.08-0.11 ms on
 #                        2x H200), which a replay hides under the GPU's work and eager launches of a small plan
@@ -251,43 +252,56 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
 
 
 def _graphable(program: Program) -> bool:
-    """The same answer on every rank: CUDA with NCCL, no segment on the symmetric-memory path,
-    every mesh spanning the whole world, and no random draw (``OpDef.draws``: an unseeded draw's seed
-    is picked on the host per call, which a replay would repeat, and a seeded one uses its own
-    generator, which a capture refuses)."""
+    """The same answer on every rank: CUDA with NCCL, every mesh spanning the whole world, and no
+    random draw (``OpDef.draws``: an unseeded draw's seed is picked on the host per call, which a replay
+    would repeat, and a seeded one uses its own generator, which a capture refuses)."""
     world = set(range(dist.world_size()))
     return (_measures(program) and graphs.enabled()
-            and all(seg.fused is None or seg.fused.mode != FUSED for seg in program.segments)
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors)
             and not any(opdef(op.kind).draws_random(dict(op.attrs)) for op in program.fusion.ops))
 
 
-def _capture_if_faster(runner: Runner, inputs: list[torch.Tensor], eager_ms: float | None = None,
-                       what: str = "") -> tuple[graphs.GraphedRun | None, str]:
-    """Capture the runner's plan and keep the graph if every rank captured it and replaying is faster
-    than ``eager_ms`` (default: launching the same plan eagerly) plus execute's own host time
-    (``EXECUTE_HOST_MS``), max over the ranks (collective: every rank of the world calls it, with the
-    same plan). The ranks agree that all captured before anything runs again: a rank left eager while
-    its peers replay would pair collectives wrongly. Returns the graph (or None) and a note."""
+def _capture(runner: Runner, inputs: list[torch.Tensor]) -> graphs.GraphedRun | None:
+    """The runner's plan captured as CUDA graphs, or None on every rank where some rank could not capture
+    it (collective: every rank of the world calls it, with the same plan). The ranks agree that all
+    captured before anything runs again: a rank left eager while its peers replay would pair collectives
+    wrongly."""
     try:
         graphed = graphs.GraphedRun(lambda xs: runner.run_eager(xs, report_faults=False), inputs)
     except Exception as e:  # not capturable on this rank (no peer is told: the agreement below is)
         graphed = None
         warnings.warn(f"tp_fusion: this rank could not capture the plan as a CUDA graph, so every rank runs it "
-                      f"eagerly: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=2)
+                      f"eagerly: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", stacklevel=3)
     (not_captured,) = slowest([float(graphed is None)], None, inputs[0].device)
-    if not_captured:
-        if graphed is not None:
-            graphed.release()
-        return None, "cuda graph: a rank could not capture the plan -> eager"
-    if eager_ms is None:
-        eager_ms = _plan_ms(runner, inputs)
-    graph_ms = steady_ms(lambda: graphed.replay(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
-    keep = graph_ms < eager_ms + EXECUTE_HOST_MS
-    if not keep:
+    if not_captured and graphed is not None:
         graphed.release()
-    return (graphed if keep else None), f"cuda graph{what} {graph_ms:.3f} ms, eager {eager_ms:.3f} ms -> " \
-                                        f"{'graph' if keep else 'eager'}"
+        graphed = None
+    return graphed
+
+
+def _capture_if_faster(runners: dict[str, Runner], inputs: list[torch.Tensor], eager_ms: float
+                       ) -> tuple[str | None, graphs.GraphedRun | None, str]:
+    """Capture the plan of each of ``runners`` (a label for the note -> its runner; the first runs the plan
+    as tuned) and keep the graph that replays fastest if it beats ``eager_ms`` (the first plan launched
+    eagerly) plus execute's own host time (``EXECUTE_HOST_MS``), max over the ranks (collective).
+    Returns the label of the graph kept (None: eager), the graph, and a note."""
+    timed, notes = {}, []
+    for what, runner in runners.items():
+        graphed = _capture(runner, inputs)
+        if graphed is None:
+            notes.append(f"cuda graph{what}: a rank could not capture the plan")
+            continue
+        ms = steady_ms(lambda g=graphed: g.replay(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
+        timed[what] = (ms, graphed)
+        notes.append(f"cuda graph{what} {ms:.3f} ms")
+    best = min(timed, key=lambda what: timed[what][0], default=None)
+    if best is not None and timed[best][0] >= eager_ms + EXECUTE_HOST_MS:
+        best = None
+    for what, (_, graphed) in timed.items():
+        if what != best:
+            graphed.release()
+    note = f"{', '.join(notes)}, eager {eager_ms:.3f} ms -> {'eager' if best is None else 'graph' + best}"
+    return best, (None if best is None else timed[best][1]), note
 
 
 def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[int],
@@ -354,23 +368,18 @@ def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple
     runner = Runner(tuned)
     if _measures(program):
         tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs)
-    if _graphable(tuned):
-        with torch.no_grad():
-            graphed, note = _capture_if_faster(runner, inputs)
-        tuned = tuned.with_choices({}, cuda_graph=graphed is not None, notes=(*tuned.notes, note))
-        runner.program, runner.graph = tuned, graphed
+    if not _graphable(tuned):
         return tuned, runner
-    sequential = tuned.with_choices({i: SEQUENTIAL for i in fused}, cuda_graph=False, notes=tuned.notes)
-    if fused and _graphable(sequential):  # fused segments keep the plan from a graph: is it launch-bound?
-        with torch.no_grad():
-            eager_ms = _plan_ms(runner, inputs)
-            if eager_ms < SMALL_PLAN_MS:
-                seq_runner = Runner(sequential)
-                graphed, note = _capture_if_faster(seq_runner, inputs, eager_ms, " (every segment sequential)")
-                if graphed is not None:
-                    tuned = sequential.with_choices({}, cuda_graph=True, notes=(*tuned.notes, note))
-                    seq_runner.program, seq_runner.graph = tuned, graphed
-                    return tuned, seq_runner
-                tuned = tuned.with_choices({}, cuda_graph=False, notes=(*tuned.notes, note))
-                runner.program = tuned
-    return tuned, runner
+    runners = {"": runner}
+    with torch.no_grad():
+        eager_ms = _plan_ms(runner, inputs)
+        if any(seg.fused is not None and seg.fused.mode == FUSED for seg in tuned.segments):
+            if eager_ms >= SMALL_PLAN_MS:  # not bound by launches; each phase's graph would hold its buffers
+                return tuned, runner
+            sequential = tuned.with_choices({i: SEQUENTIAL for i in fused}, cuda_graph=False, notes=tuned.notes)
+            runners[" (every segment sequential)"] = Runner(sequential)
+        what, graphed, note = _capture_if_faster(runners, inputs, eager_ms)
+    chosen = runners.get(what, runner)
+    chosen.program = chosen.program.with_choices({}, cuda_graph=graphed is not None, notes=(*tuned.notes, note))
+    chosen.graph = graphed
+    return chosen.program, chosen
