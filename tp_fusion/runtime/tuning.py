@@ -15,8 +15,9 @@
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
 - whether the whole program replays as CUDA graphs: timed against eager launches where it can be
   captured (CUDA, NCCL, meshes spanning the world, no random draw); a plan that keeps a fused
-  segment is captured only where it runs under ``SMALL_PLAN_MS`` (bound by Python's launches), and
-  then a graph of the same plan with every segment sequential is timed too: the fastest is kept.
+  segment is captured only where it runs under ``SMALL_PLAN_MS`` (bound by Python's launches). There
+  the segments' eager timings mostly measured the host, so graphs of the plan with every segment
+  sequential and with every timed segment fused are timed too, and the fastest is kept.
 Before its first timing, tune keeps the GPUs busy for ``settle_ms()`` (``settle``), so that every timing
 runs in the steady state the plan will run in, not in the power controller's transient after idle time
 (skipped where the previous tune ended under ``SETTLE_AFTER_IDLE_S`` ago: programs compiled in a row).
@@ -68,9 +69,9 @@ KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the 
     Collective.ALLREDUCE: (overlap.Tuning(),),
 }
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
-SMALL_PLAN_MS = 1.0  # a plan with fused segments is captured only where it runs faster than this on the GPU
-#                      (bound by Python's launches); larger ones stay eager, as a graph per mailbox phase
-#                      would hold the plan's buffers several times over
+SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: graphs of it with its
+#                      fused segments all sequential and all fused are timed too; a larger plan with a fused
+#                      segment stays eager, as a graph per mailbox phase would hold its buffers several times
 EXECUTE_HOST_MS = 0.1  # a graph is kept if it replays faster than eager launches as timed here plus this: those
 #                        timings leave out execute's own host time per call (agreement, guards: 0.08-0.11 ms on
 #                        2x H200), which a replay hides under the GPU's work and eager launches of a small plan
@@ -261,6 +262,11 @@ def _graphable(program: Program) -> bool:
             and not any(opdef(op.kind).draws_random(dict(op.attrs)) for op in program.fusion.ops))
 
 
+def _modes(program: Program) -> list[str | None]:
+    """Each fused segment's mode, in order."""
+    return [seg.fused.mode for seg in program.segments if seg.fused is not None]
+
+
 def _capture(runner: Runner, inputs: list[torch.Tensor]) -> graphs.GraphedRun | None:
     """The runner's plan captured as CUDA graphs, or None on every rank where some rank could not capture
     it (collective: every rank of the world calls it, with the same plan). The ranks agree that all
@@ -373,11 +379,16 @@ def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple
     runners = {"": runner}
     with torch.no_grad():
         eager_ms = _plan_ms(runner, inputs)
-        if any(seg.fused is not None and seg.fused.mode == FUSED for seg in tuned.segments):
-            if eager_ms >= SMALL_PLAN_MS:  # not bound by launches; each phase's graph would hold its buffers
-                return tuned, runner
-            sequential = tuned.with_choices({i: SEQUENTIAL for i in fused}, cuda_graph=False, notes=tuned.notes)
-            runners[" (every segment sequential)"] = Runner(sequential)
+        if eager_ms < SMALL_PLAN_MS:
+            # Bound by launches, where the segments' eager timings mostly measured the host: the
+            # fused-or-sequential choice is made again between graphs.
+            for what, modes in ((" (every segment sequential)", {i: SEQUENTIAL for i in fused}),
+                                (" (every timed segment fused)", {i: FUSED for i in timed_sequential})):
+                alternative = tuned.with_choices(modes, cuda_graph=False, notes=tuned.notes)
+                if _modes(alternative) != _modes(tuned):
+                    runners[what] = Runner(alternative)
+        elif FUSED in _modes(tuned):  # not bound by launches; a graph per mailbox phase would hold its buffers
+            return tuned, runner
         what, graphed, note = _capture_if_faster(runners, inputs, eager_ms)
     chosen = runners.get(what, runner)
     chosen.program = chosen.program.with_choices({}, cuda_graph=graphed is not None, notes=(*tuned.notes, note))
