@@ -56,3 +56,12 @@ def test_own_mailboxes_are_apart_from_the_shared_ones(monkeypatch):
     mine.phase = 1
     own.set_phases(phases)
     assert mine.phase == 3 and shared.phase == 0
+    # A later scope, maybe at a freed one's address, never finds that one's mailboxes (a rank that
+    # reused one would skip a creation its peers make collectively: round 14 hung so on 2x H200).
+    seen = [shared, mine]
+    del own
+    for _ in range(4):
+        with symm.OwnMailboxes():
+            box = symm.mailbox(*args)
+        assert all(box is not old for old in seen)
+        seen.append(box)

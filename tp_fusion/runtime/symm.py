@@ -20,6 +20,7 @@ import ctypes
 import functools
 import os
 import socket
+import weakref
 
 import torch
 
@@ -229,18 +230,20 @@ class Mailbox:
         driver().wait(stream, self._flag_base + self._flag_offset(src, part), self._bit())
 
 
-_mailboxes: dict[tuple, Mailbox] = {}
+_mailboxes: dict[tuple, Mailbox] = {}  # the shared ones
+_owners: weakref.WeakSet[OwnMailboxes] = weakref.WeakSet()
 _owner: list[OwnMailboxes] = []  # the innermost ``with OwnMailboxes()``, if any
 
 
 class OwnMailboxes:
     """Mailboxes of their own for one user, a plan captured as CUDA graphs: within ``with scope:`` the
     kernels' ``mailbox`` calls get this scope's (created on first use, collectively, like the shared
-    ones), so that no other program's calls move their phases between this user's calls, and the
-    phases after each call are known on the host (``phases``, ``set_phases``)."""
+    ones, and freed with the scope), so that no other program's calls move their phases between this
+    user's calls, and the phases after each call are known on the host (``phases``, ``set_phases``)."""
 
     def __init__(self):
         self.boxes: dict[tuple, Mailbox] = {}
+        _owners.add(self)
 
     def __enter__(self) -> OwnMailboxes:
         _owner.append(self)
@@ -261,23 +264,24 @@ class OwnMailboxes:
 def mailbox(kind: str, parts: int, part_shape, dtype: torch.dtype, pg, device: torch.device) -> Mailbox:
     """The mailbox for ``kind`` with ``parts`` pieces of ``part_shape`` per peer (created on first use,
     which is collective over ``pg``): the innermost ``OwnMailboxes`` scope's where one is active."""
-    owner = _owner[-1] if _owner else None
-    key = (kind, parts, tuple(part_shape), dtype, dist.group_name(pg), device, id(owner))
-    if key not in _mailboxes:
-        _mailboxes[key] = Mailbox(parts, part_shape, dtype, pg, device)
-        if owner is not None:
-            owner.boxes[key] = _mailboxes[key]
-    return _mailboxes[key]
+    boxes = _owner[-1].boxes if _owner else _mailboxes
+    key = (kind, parts, tuple(part_shape), dtype, dist.group_name(pg), device)
+    if key not in boxes:
+        boxes[key] = Mailbox(parts, part_shape, dtype, pg, device)
+    return boxes[key]
 
 
 def release_waits() -> None:
     """Unblock every flag wait of this rank for good, and forget the mailboxes (after a peer died:
     the waits would never end, and the mailboxes' phases no longer match the peers'). The flags
     are raised on a fresh stream, which does not queue behind the blocked ones."""
-    if not _mailboxes:
+    boxes = [*_mailboxes.values(), *(box for owner in _owners for box in owner.boxes.values())]
+    if not boxes:
         return
     stream = torch.cuda.Stream()
-    for box in _mailboxes.values():
+    for box in boxes:
         box.release(stream)
     stream.synchronize()
     _mailboxes.clear()
+    for owner in _owners:
+        owner.boxes.clear()
