@@ -6,8 +6,9 @@ computes, in one of two modes that the caller chooses:
 - ``"fused"``: split into one GEMM per group rank's chunk so that moving one chunk overlaps computing
   another. On CUDA through symmetric memory (``symm.py``): a rank copies its chunk straight into each
   peer's receive slot (a copy-engine write over NVLink, no SMs taken from the GEMMs) and flags it
-  ready with a stream memory operation; the peer's stream waits on the flag, consumes the slot and
-  flags it free. On the CPU (gloo) the same chunk order runs as a ring of send/recv (exact, for CI).
+  ready with a stream memory operation; the peer's stream waits on the flag and consumes the slot
+  (``symm.Mailbox`` says why no "free" flag is needed, and how the flags let a plan replay as CUDA
+  graphs). On the CPU (gloo) the same chunk order runs as a ring of send/recv (exact, for CI).
 - ``"sequential"``: one collective and one GEMM.
 
 Every rank issues the same kernels in the same order and starts with its local chunk; nothing
