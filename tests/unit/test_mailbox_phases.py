@@ -65,3 +65,27 @@ def test_own_mailboxes_are_apart_from_the_shared_ones(monkeypatch):
             box = symm.mailbox(*args)
         assert all(box is not old for old in seen)
         seen.append(box)
+
+
+def test_a_plan_whose_graphs_are_gone_runs_eagerly_on_their_mailboxes(monkeypatch):
+    """Once a plan's graphs are released (before the process group goes) or a recapture failed on this
+    rank, its eager runs use the graphs' own mailboxes: the peers' replays use those, and their phases
+    are kept in step with the replays. On the shared mailboxes the ranks would wait on different flags."""
+    from tp_fusion import DataType, FusionDefinition
+    from tp_fusion.runtime.runner import Runner
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8], dtype=DataType.Float)
+        fd.add_output(fd.ops.mul(x, x))
+    runner = Runner(fd.compile([[4, 8]]))
+    scopes = []
+    monkeypatch.setattr(runner, "run_eager", lambda inputs: scopes.append(symm._owner[-1] if symm._owner else None))
+
+    class Released:
+        alive = False
+        mailboxes = symm.OwnMailboxes()
+
+    runner.run([torch.ones(4, 8)])
+    runner.graph = Released()
+    runner.run([torch.ones(4, 8)])
+    assert scopes == [None, Released.mailboxes] and not symm._owner

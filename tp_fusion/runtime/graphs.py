@@ -40,17 +40,18 @@ class GraphedRun:
     A plan with fused segments runs them with mailboxes of its own (``symm.OwnMailboxes``), whose
     state on the GPU repeats every few calls (``symm.Mailbox.PHASES``): one graph is captured per
     call of that cycle, and replays take them in turn, the host's view of the phases kept in step, so
-    that an eager run (a recapture that failed) carries on where the replays left off.
+    that an eager run (within ``with graphed.mailboxes:``, once the graphs are released or a
+    recapture failed) carries on where the replays left off, paired with the peers' replays.
     """
 
     def __init__(self, run: Callable[[list], list], inputs: list[torch.Tensor]):
         """Run the plan once eagerly (lazy initializations, such as a first NCCL collective creating its
         communicator or a fused segment its mailboxes, cannot happen inside a capture), then capture it."""
         self._run, self._copied = run, [False] * len(inputs)
-        self._mailboxes = symm.OwnMailboxes()
+        self.mailboxes = symm.OwnMailboxes()
         self._graphs: list[tuple[torch.cuda.CUDAGraph, list[torch.Tensor], tuple[int, ...]]] = []
         self._next = 0
-        with self._mailboxes:
+        with self.mailboxes:
             run(inputs)
         torch.cuda.synchronize()
         self._capture(inputs)
@@ -64,26 +65,26 @@ class GraphedRun:
         with a capture underway (torch 2.11), which aborts the process at exit; it is ended before the
         error goes on, and the phases are put back (nothing captured ran)."""
         self.inputs = [x.clone() if copied else x for x, copied in zip(inputs, self._copied)]
-        start = self._mailboxes.phases()
+        start = self.mailboxes.phases()
         stream = torch.cuda.current_stream()
         try:
             for _ in range(symm.Mailbox.PHASES):
-                phases, graph, pool = self._mailboxes.phases(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+                phases, graph, pool = self.mailboxes.phases(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
                 try:
                     # thread_local: another thread's CUDA calls (NCCL's watchdog querying the events of work
                     # that DTensor or the user left in flight) must not invalidate this thread's capture
-                    with self._mailboxes, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    with self.mailboxes, torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                         outputs = self._run(self.inputs)
                 except BaseException:
                     _end_capture_allocations(pool)
                     torch.cuda.set_stream(stream)  # the capture's stream context is left open when it fails
                     raise
                 self._graphs.append((graph, outputs, phases))
-                if self._mailboxes.phases() == start:
+                if self.mailboxes.phases() == start:
                     break
         except BaseException:
             self.release()
-            self._mailboxes.set_phases(start)
+            self.mailboxes.set_phases(start)
             raise
         self._next = 0
 
@@ -106,7 +107,7 @@ class GraphedRun:
             try:
                 self._capture(inputs)
             except Exception:  # this rank runs eagerly from now on: the same collectives, in the same order
-                with self._mailboxes:
+                with self.mailboxes:
                     return self._run(inputs)
         for held, x, copied in zip(self.inputs, inputs, self._copied):
             if copied:
@@ -114,7 +115,7 @@ class GraphedRun:
         graph, outputs, _ = self._graphs[self._next]
         graph.replay()
         self._next = (self._next + 1) % len(self._graphs)
-        self._mailboxes.set_phases(self._graphs[self._next][2])
+        self.mailboxes.set_phases(self._graphs[self._next][2])
         return [out.clone() for out in outputs]
 
 

@@ -115,9 +115,14 @@ class Runner:
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's outputs (replayed from a CUDA graph where the program says so)."""
         with torch.no_grad():
-            if self.graph is not None and self.graph.alive:
+            if self.graph is None:
+                return self.run_eager(inputs)
+            if self.graph.alive:
                 return self.graph.replay(inputs)
-            return self.run_eager(inputs)
+            # Released (before the process group goes) or not capturable again on this rank: eagerly, on
+            # the graphs' own mailboxes, which the peers' replays use and keep the phases of.
+            with self.graph.mailboxes:
+                return self.run_eager(inputs)
 
     def run_eager(self, inputs: list[torch.Tensor], report_faults: bool = True) -> list[torch.Tensor]:
         """This rank's outputs, launched op by op. ``report_faults=False`` (tuning's graph capture)
