@@ -89,6 +89,40 @@ def _graph_checks(rank: int, n: int) -> None:
     for tuning in (Tuning(), Tuning(ag_streams=2, rs_reduce="ring", rs_subchunks=2),
                    Tuning(rs_streams=2, rs_remote_store=True, ar_subchunks=1)):
         _graph_check(tuning, rank, n, gen)
+    _graph_memory_check(rank)
+
+
+def _graph_memory_check(rank: int) -> None:
+    """The graphs of one plan share their memory pool: capturing all of them reserves about what one
+    eager run allocates at its peak (the gathered input, the 32 MB intermediate, the partials), not
+    once per graph (four graphs here)."""
+    from tp_fusion.runtime import graphs, overlap
+
+    device = torch.device("cuda", rank)
+    x_local = torch.randn(2048, 1024, dtype=torch.bfloat16, device=device)
+    w1 = torch.randn(4096, 1024, dtype=torch.bfloat16, device=device)
+    w2 = torch.randn(1024, 4096, dtype=torch.bfloat16, device=device)
+
+    def mlp(xs):
+        h = overlap.allgather_linear(xs[0], w1, None, gather_dim=0, pg=None, mode="fused")
+        return [overlap.linear_reduce_scatter(h, w2, None, scatter_dim=0, pg=None, mode="fused")]
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    mlp([x_local])
+    eager_peak = torch.cuda.max_memory_allocated() - before
+    graphed = graphs.GraphedRun(mlp, [x_local])
+    assert len(graphed._graphs) == 4
+    graphed.release()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    graphed._capture([x_local])  # as a replay on moved inputs does
+    captured = torch.cuda.memory_reserved() - reserved
+    assert len(graphed._graphs) == 4 and captured < 1.5 * eager_peak, (
+        f"4 graphs reserve {captured / 2**20:.0f} MiB, one eager run peaks at {eager_peak / 2**20:.0f} MiB")
+    graphed.release()
 
 
 def _graph_check(tuning, rank: int, n: int, gen: torch.Generator) -> None:

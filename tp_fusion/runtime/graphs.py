@@ -61,15 +61,18 @@ class GraphedRun:
 
     def _capture(self, inputs: list[torch.Tensor]) -> None:
         """Capture the run on ``inputs`` (copies where ``_copied``), once per call until the mailboxes'
-        phases come round to where they started. A capture that fails leaves the caching allocator
-        with a capture underway (torch 2.11), which aborts the process at exit; it is ended before the
-        error goes on, and the phases are put back (nothing captured ran)."""
+        phases come round to where they started. The graphs share one memory pool: they replay one
+        after another on one stream, and each replay's outputs are cloned before the next, so a graph
+        may reuse what an earlier one freed, and the plan's intermediates are held once, not once per
+        graph. A capture that fails leaves the caching allocator with a capture underway (torch 2.11),
+        which aborts the process at exit; it is ended before the error goes on, and the phases are put
+        back (nothing captured ran)."""
         self.inputs = [x.clone() if copied else x for x, copied in zip(inputs, self._copied)]
         start = self.mailboxes.phases()
-        stream = torch.cuda.current_stream()
+        stream, pool = torch.cuda.current_stream(), torch.cuda.graph_pool_handle()
         try:
             for _ in range(symm.Mailbox.PHASES):
-                phases, graph, pool = self.mailboxes.phases(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+                phases, graph = self.mailboxes.phases(), torch.cuda.CUDAGraph()
                 try:
                     # thread_local: another thread's CUDA calls (NCCL's watchdog querying the events of work
                     # that DTensor or the user left in flight) must not invalidate this thread's capture
