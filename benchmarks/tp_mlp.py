@@ -93,8 +93,6 @@ SP_DESIGNS = {
     "ag_two_streams": overlap.Tuning(ag_streams=2),
     "rs_two_streams": overlap.Tuning(rs_streams=2),
     "ag_async_input_mm": overlap.Tuning(ag_gemm="async_input"),
-    "ag_columns_8": overlap.Tuning(ag_lead_cols=1 / 8),
-    "ag_columns_4": overlap.Tuning(ag_lead_cols=1 / 4),
     "rs_remote_store": overlap.Tuning(rs_remote_store=True),
     "rs_ring_1_piece": overlap.Tuning(rs_reduce="ring"),
     "rs_ring_2_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=2),

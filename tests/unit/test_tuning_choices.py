@@ -198,8 +198,7 @@ def test_a_segment_left_sequential_keeps_its_fastest_fused_knobs_for_the_plan_ti
 
 
 @pytest.mark.parametrize("knobs", [{"ag_gemm": "gathered"}, {"ag_streams": 3}, {"rs_reduce": "inplace"},
-                                   {"rs_subchunks": 0}, {"ar_subchunks": 0}, {"ag_lead_cols": 1.0},
-                                   {"ag_lead_cols": -0.1}])
+                                   {"rs_subchunks": 0}, {"ar_subchunks": 0}])
 def test_knobs_out_of_range_are_refused(knobs):
     with pytest.raises(ValueError, match="ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or"):
         Tuning(**knobs)
@@ -289,12 +288,3 @@ def test_the_fastest_graph_is_kept_and_the_others_released(fake_graphs, monkeypa
     assert _Graphed.released[0] is not graphed
     assert note == ("cuda graph 0.210 ms, cuda graph (every segment sequential) 0.250 ms, eager 0.300 ms "
                     "-> graph")
-
-
-def test_the_column_split_leads_with_whole_blocks_and_leaves_the_rest():
-    """``ag_lead_cols`` rounds its share of the output columns to blocks of ``LEAD_ALIGN`` (aligned
-    epilogue pointers) and falls back to the row split (0) where no block, or nothing after it, is left."""
-    assert overlap._lead_columns(14336, 1 / 8) == 1792 and overlap._lead_columns(14336, 1 / 4) == 3584
-    assert overlap._lead_columns(384, 0.25) == 128 and overlap._lead_columns(256, 0.5) == 128
-    assert overlap._lead_columns(4096, 0.0) == 0  # the default: rows
-    assert overlap._lead_columns(96, 0.5) == 0 and overlap._lead_columns(128, 0.9) == 0

@@ -1,17 +1,14 @@
-"""cuBLASLt through ctypes, for the two GEMMs torch has no call for:
+"""cuBLASLt through ctypes, for the one GEMM torch has no call for: ``out = c + x @ w.T`` with ``c``
+and ``out`` distinct tensors.
 
-- ``addmm_into``: ``out = c + x @ w.T`` with ``c`` and ``out`` distinct tensors. torch's
-  ``addmm(c, x, w.t(), out=out)`` copies ``c`` into ``out`` first (a pass over the output) and then runs
-  the GEMM with beta=1 in place. cuBLASLt reads C and writes D as separate matrices, so the fused
-  reduce_scatter's ring (``overlap._symm_ring_linear_reduce_scatter``) adds the partial a peer sent
-  inside the GEMM, as its C operand, with no pass of its own.
-- ``linear_into``: ``out = act(x @ w.T + bias)`` with bias and tanh-GELU in the epilogue, written into
-  a block of columns of a wider output. torch runs its GELU_BIAS epilogue only into a contiguous output;
-  the allgather's column split (``overlap._symm_allgather_linear_columns``) writes column blocks.
-
-The algorithm is the heuristic's first pick, as torch's own calls use. Nothing here runs on the CPU;
-libcublasLt (the copy torch mapped) is loaded on first use, and where it cannot be, or an operand does
-not suit it, both fall back to torch (the same result, one more pass).
+torch's ``addmm(c, x, w.t(), out=out)`` copies ``c`` into ``out`` first (a pass over the output) and
+then runs the GEMM with beta=1 in place. cuBLASLt reads C and writes D as separate matrices, so the
+fused reduce_scatter's ring (``overlap._symm_ring_linear_reduce_scatter``) adds the partial a peer
+sent inside the GEMM, as its C operand, with no pass of its own. The algorithm is the heuristic's
+first pick for the operands' shapes, strides and pointer alignments, as torch's own calls use. Nothing
+here runs on the CPU; libcublasLt (the copy torch mapped) is loaded on first use, and where it cannot
+be, or an operand does not suit it, ``addmm_into`` falls back to torch's ``addmm`` (same result, one
+more pass).
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ import torch
 _COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
 _R_32F = 0  # cudaDataType_t CUDA_R_32F (the scale type of CUBLAS_COMPUTE_32F)
 _DATA_TYPES = {torch.bfloat16: 14, torch.float16: 2, torch.float32: 0}  # CUDA_R_16BF, CUDA_R_16F, CUDA_R_32F
-_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8  # cublasLtMatmulDescAttributes_t
-_EPILOGUE_DEFAULT, _EPILOGUE_BIAS, _EPILOGUE_GELU_BIAS = 1, 4, 36  # cublasLtEpilogue_t (GELU: the tanh form)
+_DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # ... _MIN_ALIGNMENT_{A,B,C,D}_BYTES: the heuristic assumes 256 otherwise
@@ -101,17 +97,18 @@ def _workspace(stream: torch.cuda.Stream) -> torch.Tensor:
 
 
 class _Gemm:
-    """The descriptors and chosen algorithm of ``d[m, n] = epilogue(beta * c[m, n] + x[m, k] @ w[n, k].T)``
-    (row-major, with these leading dims; ``epilogue`` a cublasLtEpilogue_t, whose bias is set per call),
-    created once per shape for the process."""
+    """The descriptors and chosen algorithm of ``d[m, n] = c[m, n] + x[m, k] @ w[n, k].T`` (row-major,
+    with these leading dims and pointer alignments), created once per shape for the process."""
 
     def __init__(self, device: int, dtype: torch.dtype, m, n, k, ld_x, ld_w, ld_c, ld_d,
-                 epilogue: int, beta: float, alignments: tuple[int, int, int, int]):
+                 alignments: tuple[int, int, int, int]):
         lib, v = _library(), ctypes.c_void_p
         self.desc = v()
         _check(lib.desc_create(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
-        for attr, value in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N), (_DESC_EPILOGUE, epilogue)):
-            self._set(attr, ctypes.c_int32(value))
+        for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+            value = ctypes.c_int32(op)
+            _check(lib.desc_set(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                   "cublasLtMatmulDescSetAttribute")
         # Column-major view: d.T[n, m] = w[n, k] (stored as k x n, transposed) @ x.T[k, m] + c.T[n, m].
         self.a, self.b, self.c, self.d = v(), v(), v(), v()
         for layout, rows, cols, ld in ((self.a, k, n, ld_w), (self.b, k, m, ld_x), (self.c, n, m, ld_c),
@@ -133,16 +130,9 @@ class _Gemm:
         if found.value < 1:
             raise RuntimeError("cublasLtMatmulAlgoGetHeuristic found no algorithm")
         self.algo, self.device = result.algo, device
-        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(beta)
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(1.0)
 
-    def _set(self, attr: int, value) -> None:
-        _check(_library().desc_set(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
-               "cublasLtMatmulDescSetAttribute")
-
-    def run(self, c: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
-            bias: torch.Tensor | None = None) -> None:
-        if bias is not None:
-            self._set(_DESC_BIAS_POINTER, ctypes.c_void_p(bias.data_ptr()))
+    def run(self, c: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
         stream = torch.cuda.current_stream(self.device)
         _check(_library().matmul(_handle(self.device), self.desc, ctypes.byref(self.alpha), weight.data_ptr(),
                                  self.a, x2.data_ptr(), self.b, ctypes.byref(self.beta), c.data_ptr(), self.c,
@@ -151,17 +141,6 @@ class _Gemm:
 
 
 _gemms: dict[tuple, _Gemm] = {}
-
-
-def _gemm(x2, weight, c, out, epilogue: int, beta: float) -> _Gemm:
-    """The ``_Gemm`` for these operands' shapes, strides and pointer alignments (created on first use)."""
-    alignments = tuple(min(256, t.data_ptr() & -t.data_ptr()) for t in (weight, x2, c, out))
-    key = (out.device.index, out.dtype, *out.shape, x2.shape[1], x2.stride(0), weight.stride(0), c.stride(0),
-           out.stride(0), epilogue, beta, alignments)
-    gemm = _gemms.get(key)
-    if gemm is None:
-        gemm = _gemms[key] = _Gemm(*key)
-    return gemm
 
 
 def _suits(*tensors: torch.Tensor) -> bool:
@@ -178,21 +157,11 @@ def addmm_into(c: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, out: tor
     may be the same tensor but must not overlap otherwise."""
     if not (_suits(c, x2, weight, out) and _library() is not None):
         return torch.addmm(c, x2, weight.t(), out=out)
-    _gemm(x2, weight, c, out, _EPILOGUE_DEFAULT, 1.0).run(c, x2, weight, out)
-    return out
-
-
-def linear_into(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                gelu: bool = False) -> torch.Tensor:
-    """``out = x2 @ weight.T + bias``, then a tanh-GELU if ``gelu`` (which needs a bias), on the current
-    stream, bias and GELU in the GEMM's epilogue. ``out`` may be a block of columns of a wider row-major
-    tensor (a row stride beyond its width), where torch's epilogue kernels need a contiguous output."""
-    if gelu and bias is None:
-        raise ValueError("linear_into: the GELU epilogue comes with a bias")
-    operands = (x2, weight, out) if bias is None else (x2, weight, out, bias.view(1, -1))
-    if not (_suits(*operands) and _library() is not None):
-        out.copy_(torch.addmm(bias, x2, weight.t()) if bias is not None else x2 @ weight.t())
-        return torch.ops.aten.gelu_(out, approximate="tanh") if gelu else out
-    epilogue = _EPILOGUE_DEFAULT if bias is None else _EPILOGUE_GELU_BIAS if gelu else _EPILOGUE_BIAS
-    _gemm(x2, weight, out, out, epilogue, 0.0).run(out, x2, weight, out, bias)  # beta 0: C (= D) is not read
+    alignments = tuple(min(256, t.data_ptr() & -t.data_ptr()) for t in (weight, x2, c, out))
+    key = (out.device.index, out.dtype, *out.shape, x2.shape[1], x2.stride(0), weight.stride(0), c.stride(0),
+           out.stride(0), alignments)
+    gemm = _gemms.get(key)
+    if gemm is None:
+        gemm = _gemms[key] = _Gemm(*key)
+    gemm.run(c, x2, weight, out)
     return out

@@ -50,10 +50,6 @@ class Tuning:
     ag_gemm: str = "chunks"  # "chunks": one cuBLAS GEMM per rank's chunk (bias+GELU in its epilogue);
     #                          "async_input": one CUTLASS GEMM over all chunks that waits per tile on
     #                          chunk signals (torch's _async_input_mm: bf16, rows % 128; epilogue apart)
-    ag_lead_cols: float = 0.0  # AG+GEMM ("chunks"): 0 splits the GEMM by rank's rows; f in (0, 1) splits
-    #                            it by output columns instead: this rank's rows on the first f of them
-    #                            while the chunks arrive, then every row on the rest in one GEMM, then the
-    #                            peers' rows on the first f (most of the weight read once, one large GEMM)
     rs_reduce: str = "sum"  # GEMM+RS: "sum": every rank pushes its partial straight to the chunk's
     #                         owner, whose own-rows GEMM waits for nothing, then one pass adds the
     #                         received partials; "ring": each chunk's partial travels the ring, every
@@ -72,11 +68,10 @@ class Tuning:
 
     def __post_init__(self):
         if self.ag_streams not in (1, 2) or self.rs_streams not in (1, 2) \
-                or self.ag_gemm not in ("chunks", "async_input") or not 0 <= self.ag_lead_cols < 1 \
+                or self.ag_gemm not in ("chunks", "async_input") \
                 or self.rs_reduce not in ("sum", "ring") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
             raise ValueError(f"invalid {self}: ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or "
-                             "'async_input', ag_lead_cols in [0, 1), rs_reduce 'sum' or 'ring', sub-chunk "
-                             "counts >= 1")
+                             "'async_input', rs_reduce 'sum' or 'ring', sub-chunk counts >= 1")
 
 
 DEFAULT_TUNING = Tuning()
@@ -328,9 +323,6 @@ def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tens
     second stream with ``ag_streams=2``, so that one GEMM's tail wave overlaps the next)."""
     if tuning.ag_gemm == "async_input":
         return _async_input_allgather_linear(x2, weight, bias, epilogue, pg)
-    lead = _lead_columns(weight.shape[0], tuning.ag_lead_cols)
-    if lead:
-        return _symm_allgather_linear_columns(x2, weight, bias, epilogue, pg, tuning, lead)
     device = x2.device
     box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
     box.start_call()
@@ -355,65 +347,6 @@ def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tens
     if side is not main:
         symm.stream_wait(main, side)
     return out.view(-1, weight.shape[0])
-
-
-LEAD_ALIGN = 128  # the column split's lead block is a multiple of this many columns (256 bytes in bf16)
-
-
-def _lead_columns(cols: int, fraction: float) -> int:
-    """How many output columns the column split leads with (0: split by rows instead): ``fraction`` of
-    ``cols`` rounded to ``LEAD_ALIGN``, leaving at least as many to the rest."""
-    lead = round(cols * fraction / LEAD_ALIGN) * LEAD_ALIGN
-    return lead if 0 < lead <= cols - LEAD_ALIGN else 0
-
-
-def _symm_allgather_linear_columns(x2, weight, bias, epilogue, pg, tuning, lead: int) -> torch.Tensor:
-    """The allgather's GEMM split by output columns (``Tuning.ag_lead_cols``): this rank's rows on the
-    first ``lead`` columns while the comm stream pushes them to every peer and a side stream copies them
-    into this rank's own slot, so that the slots hold every rank's rows in order; then all rows on the
-    other columns as one GEMM, then the peers' rows on the first ``lead``. Two row-chunk GEMMs have
-    two tail waves and read the weight twice; this has one large GEMM (2x H200, compute only: 2.5% faster
-    at 2048 tokens, docs/performance.md round 12). Each GEMM writes a block of columns of the output,
-    bias and GELU in its epilogue (``cublaslt.linear_into``)."""
-    device = x2.device
-    box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
-    box.start_call()
-    n, r, rows = box.n, box.rank, x2.shape[0]
-    main, comm, side = torch.cuda.current_stream(device), symm.comm_stream(device), symm.side_stream(device)
-    out = x2.new_empty((n * rows, weight.shape[0]))
-    gathered = box.slots_of_part(0).view(n * rows, -1)
-    symm.stream_wait(comm, main)  # x2 is written, and this rank's reads of the last call are issued
-    symm.stream_wait(side, main)
-
-    def gemm(x, first, last, rows_from, rows_to):
-        b = None if bias is None else bias[first:last]
-        _linear_columns(x, weight[first:last], b, epilogue, out[rows_from:rows_to, first:last], tuning.gelu_in_gemm)
-
-    gemm(x2, 0, lead, r * rows, (r + 1) * rows)
-    for step in range(1, n):
-        box.push(comm, (r - step) % n, 0, x2)
-    with torch.cuda.stream(side):
-        box.slot(r, 0).copy_(x2)
-    symm.stream_wait(main, side)
-    for step in range(1, n):
-        box.wait_ready(main, (r + step) % n, 0)
-    gemm(gathered, lead, weight.shape[0], 0, n * rows)
-    for first, last in ((0, r * rows), ((r + 1) * rows, n * rows)):  # the peers' rows before and after r's
-        if last > first:
-            gemm(gathered[first:last], 0, lead, first, last)
-    symm.stream_wait(main, comm)
-    return out
-
-
-def _linear_columns(x2, weight, bias, epilogue, out, gelu_in_gemm: bool) -> None:
-    """``_linear`` into ``out``, a block of columns of a wider output: bias (and a tanh-GELU, with
-    ``gelu_in_gemm``) in the GEMM's epilogue through ``cublaslt.linear_into``; other epilogues in place."""
-    gelu = epilogue is gelu_tanh and bias is not None
-    cublaslt.linear_into(x2, weight, bias, out, gelu=gelu and gelu_in_gemm)
-    if epilogue is gelu_tanh and not (gelu and gelu_in_gemm):
-        torch.ops.aten.gelu_(out, approximate="tanh")
-    elif epilogue is not None and epilogue is not gelu_tanh:
-        out.copy_(epilogue(out))
 
 
 def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
