@@ -94,8 +94,9 @@ def _graph_checks(rank: int, n: int) -> None:
 
 def _graph_memory_check(rank: int) -> None:
     """The graphs of one plan share their memory pool: capturing all of them reserves about what one
-    eager run allocates at its peak (the gathered input, the 32 MB intermediate, the partials), not
-    once per graph (four graphs here)."""
+    eager run allocates at its peak (the 32 MB intermediate, the partials), not once per graph (four
+    graphs here). The bound leaves room for the allocator's segments (20 MB for blocks under 10 MB)
+    and each graph's own output; four pools reserved over 5x."""
     from tp_fusion.runtime import graphs, overlap
 
     device = torch.device("cuda", rank)
@@ -120,7 +121,7 @@ def _graph_memory_check(rank: int) -> None:
     reserved = torch.cuda.memory_reserved()
     graphed._capture([x_local])  # as a replay on moved inputs does
     captured = torch.cuda.memory_reserved() - reserved
-    assert len(graphed._graphs) == 4 and captured < 1.5 * eager_peak, (
+    assert len(graphed._graphs) == 4 and captured < 2.5 * eager_peak, (
         f"4 graphs reserve {captured / 2**20:.0f} MiB, one eager run peaks at {eager_peak / 2**20:.0f} MiB")
     graphed.release()
 
