@@ -95,8 +95,8 @@ def _graph_checks(rank: int, n: int) -> None:
 def _graph_memory_check(rank: int) -> None:
     """The graphs of one plan share their memory pool: capturing all of them reserves about what one
     eager run allocates at its peak (the 32 MB intermediate, the partials), not once per graph (four
-    graphs here). The bound leaves room for the allocator's segments (20 MB for blocks under 10 MB)
-    and each graph's own output; four pools reserved over 5x."""
+    graphs here). On 2x H200 the four graphs reserved 54 MiB against an eager peak of 72 MiB (0.75x);
+    with a pool per graph (before round 15) they reserved 210 MiB (2.92x)."""
     from tp_fusion.runtime import graphs, overlap
 
     device = torch.device("cuda", rank)
@@ -121,7 +121,7 @@ def _graph_memory_check(rank: int) -> None:
     reserved = torch.cuda.memory_reserved()
     graphed._capture([x_local])  # as a replay on moved inputs does
     captured = torch.cuda.memory_reserved() - reserved
-    assert len(graphed._graphs) == 4 and captured < 2.5 * eager_peak, (
+    assert len(graphed._graphs) == 4 and captured < 1.5 * eager_peak, (
         f"4 graphs reserve {captured / 2**20:.0f} MiB, one eager run peaks at {eager_peak / 2**20:.0f} MiB")
     graphed.release()
 
