@@ -288,3 +288,31 @@ def test_the_fastest_graph_is_kept_and_the_others_released(fake_graphs, monkeypa
     assert _Graphed.released[0] is not graphed
     assert note == ("cuda graph 0.210 ms, cuda graph (every segment sequential) 0.250 ms, eager 0.300 ms "
                     "-> graph")
+
+
+class _Plan:
+    """Stands in for the Runner in the graph candidates: it holds the plan it would run."""
+
+    def __init__(self, program):
+        self.program = program
+
+
+@pytest.mark.parametrize("peer_differs", [False, True])
+def test_every_rank_captures_the_same_candidate_plans(monkeypatch, peer_differs):
+    """The graph candidates are agreed over the world: here this rank ran both segments sequential and
+    timed none of them so (its alternatives equal its plan), while a peer of another group may have
+    chosen otherwise. Where any rank's alternative differs, every rank captures it too; where any rank
+    keeps a fused segment in a plan over ``SMALL_PLAN_MS``, every rank stays eager."""
+    program = _sp_mlp_program()
+    fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
+    tuned = program.with_choices({i: SEQUENTIAL for i in fused}, cuda_graph=False, notes=())
+    monkeypatch.setattr(tuning, "Runner", _Plan)
+    peers = (lambda values, pg, device: [1.0] * len(values)) if peer_differs else (lambda values, pg, device: values)
+    monkeypatch.setattr(tuning, "slowest", peers)
+    mine = _Plan(tuned)
+    small = tuning._graph_candidates(tuned, mine, fused, [], eager_ms=0.5)
+    assert small[""] is mine
+    assert set(small) == ({"", " (every segment sequential)", " (every timed segment fused)"} if peer_differs
+                          else {""})
+    large = tuning._graph_candidates(tuned, mine, fused, [], eager_ms=2.0)
+    assert large is None if peer_differs else large == {"": mine}

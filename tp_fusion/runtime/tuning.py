@@ -312,6 +312,26 @@ def _capture_if_faster(runners: dict[str, Runner], inputs: list[torch.Tensor], e
     return best, (None if best is None else timed[best][1]), note
 
 
+def _graph_candidates(tuned: Program, runner: Runner, fused: list[int], timed_sequential: list[int],
+                      eager_ms: float) -> dict[str, Runner] | None:
+    """The plans to capture (a label for the note -> its runner; "": the plan as tuned), or None where the
+    plan stays eager: one that keeps a fused segment and is not bound by launches (``SMALL_PLAN_MS``:
+    graphs measured no faster there). A plan under it, where the segments' eager timings mostly measured
+    the host, is captured with every segment sequential and with every timed segment fused too, so the
+    fused-or-sequential choice is made again between graphs. Alike on every rank (collective over the
+    world): a segment's choice, and which segments timed sequential, can differ between the groups of a
+    2-D mesh, and every rank must capture and time the same plans; what holds on any rank counts."""
+    alternatives = {what: tuned.with_choices(modes, cuda_graph=False, notes=tuned.notes)
+                    for what, modes in ((" (every segment sequential)", {i: SEQUENTIAL for i in fused}),
+                                        (" (every timed segment fused)", {i: FUSED for i in timed_sequential}))}
+    keeps_fused, *differs = slowest([float(FUSED in _modes(tuned)),
+                                     *(float(_modes(plan) != _modes(tuned)) for plan in alternatives.values())],
+                                    None, tuned.device)
+    if eager_ms >= SMALL_PLAN_MS:  # eager_ms is the max over the world: alike on every rank
+        return None if keeps_fused else {"": runner}
+    return {"": runner, **{what: Runner(plan) for (what, plan), d in zip(alternatives.items(), differs) if d}}
+
+
 def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[int],
                              inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
     """Fused segments that timed faster ``sequential`` on their own (``candidates``, this rank's) are run
@@ -378,18 +398,10 @@ def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple
         tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs)
     if not _graphable(tuned):
         return tuned, runner
-    runners = {"": runner}
     with torch.no_grad():
         eager_ms = _plan_ms(runner, inputs)
-        if eager_ms < SMALL_PLAN_MS:
-            # Bound by launches, where the segments' eager timings mostly measured the host: the
-            # fused-or-sequential choice is made again between graphs.
-            for what, modes in ((" (every segment sequential)", {i: SEQUENTIAL for i in fused}),
-                                (" (every timed segment fused)", {i: FUSED for i in timed_sequential})):
-                alternative = tuned.with_choices(modes, cuda_graph=False, notes=tuned.notes)
-                if _modes(alternative) != _modes(tuned):
-                    runners[what] = Runner(alternative)
-        elif FUSED in _modes(tuned):  # not bound by launches: graphs measured no faster (SMALL_PLAN_MS)
+        runners = _graph_candidates(tuned, runner, fused, timed_sequential, eager_ms)
+        if runners is None:
             return tuned, runner
         what, graphed, note = _capture_if_faster(runners, inputs, eager_ms)
     chosen = runners.get(what, runner)
