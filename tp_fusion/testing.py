@@ -25,7 +25,8 @@ Run it either way; both run the same file:
 - ``python -m pytest tests/nvfuser``: each test runs on spawned CPU ranks joined by gloo, once per
   world size of ``--multidevice-ranks`` (default ``1,2,4``), shown as ``test_pointwise[ranks2]``.
   Per world size, one set of ranks runs every selected test (``pytest`` inside each rank) and the
-  ranks' outcomes are reported here: a test fails if it fails on any rank.
+  ranks' outcomes are reported here: a test fails if it fails on any rank. The ranks judge ``xfail``
+  marks (a strict one that passes there fails the test), and their verdict is what this process reports.
 - ``torchrun --nproc_per_node=N -m pytest tests/nvfuser``: each test runs once on torchrun's ranks,
   CUDA and NCCL when there are GPUs, else CPU and gloo.
 
@@ -225,6 +226,9 @@ def _rank_nodeid(item) -> str:
     return head if ids == suffix else f"{head}[{ids.removesuffix('-' + suffix)}]"
 
 
+_VERDICT = pytest.StashKey[str]()  # a rank test's outcome on the ranks, where it failed or passed
+
+
 class _Spawner:
     """In the pytest process: runs the rank tests of one world size on spawned ranks, once, and
     reports each test's outcome from them."""
@@ -253,6 +257,7 @@ class _Spawner:
             self.outcomes[world] = self._run(world, batch)
         results, error = self.outcomes[world]
         ranks = results.get(_rank_nodeid(pyfuncitem))
+        pyfuncitem.stash[_VERDICT] = "failed"  # unless one of the outcomes below says otherwise
         if ranks is None or len(ranks) < world:
             pytest.fail(f"this test did not finish on all {world} ranks: {error or 'no report'}", pytrace=False)
         failed = {r: text for r, (outcome, text) in sorted(ranks.items()) if outcome == "failed"}
@@ -260,9 +265,29 @@ class _Spawner:
             pytest.fail("\n".join(f"===== rank {r} =====\n{text}" for r, text in failed.items()), pytrace=False)
         if error and pyfuncitem is self.last[world]:
             pytest.fail(f"the ranks did not exit cleanly after their last test: {error}", pytrace=False)
+        xfailed = [text for outcome, text in ranks.values() if outcome == "xfailed"]
+        del pyfuncitem.stash[_VERDICT]
+        if xfailed:  # an expected failure on a rank (a strict xfail that passed there failed above)
+            pytest.xfail(xfailed[0])
         if all(outcome == "skipped" for outcome, _ in ranks.values()):
             pytest.skip(ranks[0][1] if 0 in ranks else next(iter(ranks.values()))[1])
+        pyfuncitem.stash[_VERDICT] = "passed"
         return True
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item, call):
+        """The ranks have applied the test's xfail marks already, so their verdict stands, whatever
+        this process's own reading of the marks would make of it: a strict xfail that passed on the
+        ranks failed there and fails here, and a test that passed there passes here."""
+        report = yield
+        verdict = item.stash.get(_VERDICT, None)
+        if call.when == "call" and verdict is not None and (report.outcome != verdict or hasattr(report, "wasxfail")):
+            report.outcome = verdict
+            if hasattr(report, "wasxfail"):
+                del report.wasxfail
+            if verdict == "passed":
+                report.longrepr = None
+        return report
 
     def _run(self, world: int, items) -> tuple[dict, str | None]:
         """Run ``items`` (in their order) on ``world`` spawned ranks: ({nodeid: {rank: (outcome,
@@ -295,7 +320,8 @@ class _Spawner:
 
 
 class _Reporter:
-    """In a spawned rank: record each test's outcome (failed in any phase, else skipped or passed)."""
+    """In a spawned rank: record each test's outcome (failed in any phase, else xfailed, skipped or
+    passed) and its reason."""
 
     def __init__(self):
         self.outcomes: dict[str, list[str]] = {}
@@ -306,6 +332,8 @@ class _Reporter:
             return
         if report.failed:
             self.outcomes[report.nodeid] = ["failed", f"({report.when}) {report.longreprtext}"]
+        elif report.skipped and hasattr(report, "wasxfail"):
+            self.outcomes[report.nodeid] = ["xfailed", report.wasxfail]
         elif report.skipped and previous is None:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self.outcomes[report.nodeid] = ["skipped", reason]

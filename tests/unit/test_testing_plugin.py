@@ -1,0 +1,50 @@
+"""The pytest plugin's report of tests that ran on spawned ranks (``tp_fusion.testing``): each rank's
+outcome comes back as the test's own, with its reason."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+RANK_TESTS = '''
+import pytest
+
+def test_passes(multidevice_test):
+    assert multidevice_test.size == 2
+
+def test_skips(multidevice_test):
+    pytest.skip("not at this size")
+
+@pytest.mark.xfail(reason="a known gap", strict=True)
+def test_known_gap(multidevice_test):
+    assert multidevice_test.rank < 0
+
+@pytest.mark.xfail(reason="fixed by now", strict=True)
+def test_gap_closed(multidevice_test):
+    assert multidevice_test.rank >= 0
+
+def test_fails_on_rank_1(multidevice_test):
+    assert multidevice_test.rank == 0
+'''
+
+
+def test_rank_outcomes_reach_the_pytest_process(tmp_path):
+    """Each outcome as the ranks judged it, xfail marks included: a strict xfail that passes on the
+    ranks fails (it used to be reported as an expected failure, so a closed gap went unnoticed)."""
+    path = tmp_path / "test_on_ranks.py"
+    path.write_text(RANK_TESTS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(path), "-rA", "--multidevice-ranks=2", "-p", "no:cacheprovider",
+         "-o", "addopts=", f"--rootdir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = proc.stdout
+    assert proc.returncode == 1, out + proc.stderr
+    outcomes = {name: outcome for outcome, name in
+                re.findall(r"^(PASSED|XFAIL|FAILED) test_on_ranks\.py::(test_\w+)\[ranks2\]", out, re.M)}
+    assert outcomes == {"test_passes": "PASSED", "test_known_gap": "XFAIL", "test_gap_closed": "FAILED",
+                        "test_fails_on_rank_1": "FAILED"}, out
+    assert re.search(r"^SKIPPED .*not at this size", out, re.M), out
+    assert re.search(r"^XFAIL .*test_known_gap.* - a known gap", out, re.M), out
+    assert "XPASS(strict)" in out and "===== rank 1 =====" in out, out
+    assert "2 failed, 1 passed, 1 skipped, 1 xfailed" in out, out
