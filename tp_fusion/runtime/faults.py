@@ -113,13 +113,14 @@ class ProgressGuard:
     def __init__(self):
         self._world = None
         self._pending: list[tuple[int, torch.cuda.Event]] = []
+        self._done: list[torch.cuda.Event] = []  # passed events, recorded again (host time: no new event per call)
         self._calls, self._bound_s = 0, 0.0
 
     def before_call(self, world, rank: int, release_waits) -> None:
         """Wait for the call ``LAG`` calls back; ``world`` is ``dist.world_token()`` (a new one starts
         over); ``release_waits()`` unblocks the GPU on timeout."""
         if self._world != world:
-            self._world, self._pending, self._calls = world, [], 0
+            self._world, self._pending, self._done, self._calls = world, [], [], 0
             self._bound_s = _gpu_wait_bound_s()
         self._calls += 1
         while len(self._pending) >= self.LAG:
@@ -132,9 +133,10 @@ class ProgressGuard:
                 why = ("a peer reported a failure" if waited == "peer failed" else
                        f"no progress for {bound:.0f} s: a peer timed out (it never sent what this rank waits for)")
                 raise ExecutionError(report_failure(rank, f"call {call} of a plan on the GPU", why, local=False))
+            self._done.append(event)
 
     def after_call(self) -> None:
-        event = torch.cuda.Event()
+        event = self._done.pop() if self._done else torch.cuda.Event()
         event.record()
         self._pending.append((self._calls, event))
 

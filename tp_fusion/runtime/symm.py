@@ -133,12 +133,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @functools.cache
+@functools.cache
 def _event(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> torch.cuda.Event:
+    """The event of one (waiter, signaler) pair. Reusing it is safe: a stream's wait binds to the
+    event's latest record at the time it is enqueued, not to later ones."""
     return torch.cuda.Event()
 
 
 def stream_wait(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> None:
-    """``waiter.wait_stream(signaler)`` with one reused event per pair (no event created per call)."""
+    """``waiter.wait_stream(signaler)`` with one reused event per pair (no event created and destroyed
+    per call, as ``wait_stream`` does)."""
     event = _event(waiter, signaler)
     event.record(signaler)
     waiter.wait_event(event)
