@@ -138,12 +138,14 @@ def reduction(linear: bool) -> Rule:
 
 
 def _linear_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    """x[..., k] @ w[n, k]^T (+ b[n]): batch labels 0.., n = -1, k = -2 (summed). With a bias the
-    output cannot be Partial (the bias would be added once per device)."""
-    (x, _w, *bias), _ = _shapes(op, fusion)
+    """x[..., k] @ w[n, k]^T (+ b[n]): batch labels 0.., n = -1, k = -2 (summed). A weight with leading
+    dims w[*l, n, k] (b[*l, n]) gives out[*l, ..., n]: the leading labels -3, -4, ... pass through. With a
+    bias the output cannot be Partial (the bias would be added once per device)."""
+    (x, w, *bias), _ = _shapes(op, fusion)
     batch = tuple(range(len(x) - 1))
     N, K = -1, -2
-    return LabelSpec(((*batch, K), (N, K), *((N,) for _ in bias)), ((*batch, N),),
+    lead = tuple(-3 - i for i in range(len(w) - 2))
+    return LabelSpec(((*batch, K), (*lead, N, K), *((*lead, N) for _ in bias)), ((*lead, *batch, N),),
                      summed=frozenset({K}),
                      partial_sets=() if bias else (frozenset({0}), frozenset({1})))
 

@@ -37,7 +37,7 @@ class Trait(enum.Flag):
     NONE = 0
     POINTWISE = enum.auto()  # elementwise over broadcast operands
     VIEW = enum.auto()  # the result may be a view of an operand (never reduced in place)
-    GEMM = enum.auto()  # a matrix product: linear (x, w[out, in], bias?) or matmul (a, b)
+    GEMM = enum.auto()  # a matrix product: linear (x, w[..., out, in], bias?) or matmul (a, b)
     REDUCTION = enum.auto()
     NORMALIZATION = enum.auto()
     FACTORY = enum.auto()  # creates a tensor from attributes alone
@@ -538,36 +538,71 @@ def _match(a: int, b: int, what: str) -> None:
         _bad(what)
 
 
+def _linear(x, w, b=None):
+    """``F.linear`` for a 2-D weight. A weight ``[*lead, out, in]`` (nvFuser's logical split) gives
+    ``[*lead, ..., out]``: one batched GEMM over the leading index, in that layout, the bias
+    ``[*lead, out]`` added by it."""
+    if w.ndim == 2:
+        return F.linear(x, w, b)
+    lead, (out, k) = w.shape[:-2], w.shape[-2:]
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    wt = w.reshape(-1, out, k).transpose(1, 2)  # [L, in, out]
+    if b is None:
+        y = torch.matmul(x2, wt)
+    else:
+        y = torch.baddbmm(b.reshape(-1, 1, out), x2.expand(wt.shape[0], *x2.shape), wt)
+    return y.reshape(*lead, *x.shape[:-1], out)
+
+
+def _linear_weight_msg(x: str, w: str, w_ndim: int) -> str:
+    if w_ndim > 2:
+        return f"the in extent of {x} (last dim) must match the last dim of the weight {w} [*lead, out, in]"
+    msg = f"the in extent of {x} (last dim) must match dim 1 of the weight {w}, which must be 2-D [out, in]"
+    return msg if w_ndim == 2 else msg + " (or [*lead, out, in] with leading dims: nvFuser's logical split)"
+
+
+def _linear_bias_msg(b: str, w: str, w_shape: tuple[int, ...]) -> str:
+    if len(w_shape) > 2:
+        return f"bias {b} must be [*lead, out] = {list(w_shape[:-1])}, the dims of the weight {w} but the last"
+    return f"bias {b} must be 1-D [out] with out = {w_shape[0]} (dim 0 of the weight {w})"
+
+
 def _linear_infer(args, attrs):
     x, w, *bias = args
-    what = (f"the in extent of {x} (last dim) must match dim 1 of the weight {w}, which must be 2-D [out, in]")
-    if w.ndim != 2 or x.ndim < 1:
+    what = _linear_weight_msg(str(x), str(w), w.ndim)
+    if w.ndim < 2 or x.ndim < 1:
         _bad(what)
-    _match(x.shape[-1], w.shape[1], what)
+    _match(x.shape[-1], w.shape[-1], what)
+    out = list(w.shape[:-1])  # [*lead, out]
     if bias:
         (b,) = bias
-        if b.ndim != 1:
-            _bad(f"bias {b} must be 1-D [out] with out = dim 0 of the weight {w}")
-        _match(b.shape[0], w.shape[0], f"bias {b} must be 1-D [out] with out = dim 0 of the weight {w}")
-    out = w.shape[0] if w.shape[0] >= 0 or not bias else bias[0].shape[0]
-    return [TensorType((*x.shape[:-1], out), _same_dtype(args))]
+        if b.ndim != w.ndim - 1:
+            _bad(_linear_bias_msg(str(b), str(w), w.shape))
+        for d, e in enumerate(b.shape):
+            _match(e, out[d], _linear_bias_msg(str(b), str(w), w.shape))
+            out[d] = out[d] if out[d] >= 0 else e
+    return [TensorType((*out[:-1], *x.shape[:-1], out[-1]), _same_dtype(args))]
 
 
 def _linear_front(rec, x, w, b=None):
-    """``F.linear(x, w, b)``: ``x[..., in] @ w[out, in]^T + b[out]``."""
+    """``F.linear(x, w, b)``: ``x[..., in] @ w[out, in]^T + b[out]``.
+
+    A weight with leading dims, ``w[*lead, out, in]`` with ``b[*lead, out]`` (nvFuser's logical-split
+    linear), gives ``[*lead, ..., out]``: ``F.linear(x, w.reshape(-1, in), b.reshape(-1))`` with the
+    leading dims moved first. Sharding a leading dim of the weight shards that dim of the output, with
+    no communication."""
     x, w = rec.tv(x, "x"), rec.tv(w, "w")
-    if w.ndim != 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[1] >= 0 and x.shape[-1] != w.shape[1]):
-        _fail("linear", f"the in extent of T{x.name} {x._ir.type_str()} (last dim) must match dim 1 of the weight "
-                        f"T{w.name} {w._ir.type_str()}, which must be 2-D [out, in]")
+    if w.ndim < 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[-1] >= 0 and x.shape[-1] != w.shape[-1]):
+        _fail("linear", _linear_weight_msg(f"T{x.name} {x._ir.type_str()}", f"T{w.name} {w._ir.type_str()}", w.ndim))
     if b is not None:
         b = rec.tv(b, "b")
-        if b.ndim != 1 or (b.shape[0] >= 0 and w.shape[0] >= 0 and b.shape[0] != w.shape[0]):
-            _fail("linear", f"bias T{b.name} {b._ir.type_str()} must be 1-D [out] with out = {w.shape[0]} (dim 0 "
-                            f"of the weight T{w.name} {w._ir.type_str()})")
+        if b.ndim != w.ndim - 1 or any(e >= 0 and f >= 0 and e != f for e, f in zip(b.shape, w.shape)):
+            _fail("linear", _linear_bias_msg(f"T{b.name} {b._ir.type_str()}", f"T{w.name} {w._ir.type_str()}",
+                                             w.shape))
     return rec(x, w, *([b] if b is not None else []))
 
 
-register("linear", impl=F.linear, infer=_linear_infer, traits=Trait.GEMM, rule=rules.linear,
+register("linear", impl=_linear, infer=_linear_infer, traits=Trait.GEMM, rule=rules.linear,
          flops=_flops_gemm, follow=(1, 2, 0), front=_linear_front, weight_out_in=True)
 
 

@@ -95,6 +95,31 @@ def linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
     return Case(fd, tvs, full, lambda *a: [F.linear(*a)], expected)
 
 
+def logical_split_linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
+    """nvFuser's logical-split linear: w[4, 16, 12] (b[4, 16]) on x[2, 8, 12] -> [4, 2, 8, 16]. lead: w and
+    b sharded on the leading dim; out: on out features; row: x and w on in features (bias added once)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2, 8, 12], dtype=dtype), fd.define_tensor([4, 16, 12], dtype=dtype)
+        b = fd.define_tensor([4, 16], dtype=dtype) if bias else None
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        for tv in (x, w) + ((b,) if bias else ()):
+            shard(tv, mesh)
+        dim = {"lead": 0, "out": 1, "row": 2}[kind]
+        shard(w, mesh, {dim: X})
+        if kind == "row":
+            shard(x, mesh, {2: X})
+        elif bias:
+            shard(b, mesh, {dim: X})
+    tvs = [x, w] + ([b] if bias else [])
+    full = [_rand(80 + i, tv.shape, dtype) for i, tv in enumerate(tvs)]
+
+    def reference(x, w, b=None):  # nvFuser's: one linear on the flattened weight, the leading dim first
+        y = F.linear(x, w.reshape(-1, 12), None if b is None else b.reshape(-1))
+        return [y.reshape(2, 8, 4, 16).permute(2, 0, 1, 3)]
+    return Case(fd, tvs, full, reference, ["allreduce"] if kind == "row" else [])
+
+
 def mlp_case(mesh, mode: str, dtype=F64, shape=(8, 8)) -> Case:
     """nanoGPT MLP. tp: replicated in/out; sp: tokens sharded in/out; dp_tp (2-D mesh): batch on
     mesh_y, hidden features on mesh_x."""
@@ -172,6 +197,11 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "linear_reduce_scatter_bias": lambda m: linear_case(m, "rs", True),
     "sp_linear_allgather": lambda m: linear_case(m, "sp", False),
     "sp_linear_allgather_bias": lambda m: linear_case(m, "sp", True, F32),
+    "logical_split_linear_lead": lambda m: logical_split_linear_case(m, "lead", False),
+    "logical_split_linear_lead_bias": lambda m: logical_split_linear_case(m, "lead", True, F32),
+    "logical_split_linear_out_bias": lambda m: logical_split_linear_case(m, "out", True),
+    "logical_split_linear_row": lambda m: logical_split_linear_case(m, "row", False),
+    "logical_split_linear_row_bias": lambda m: logical_split_linear_case(m, "row", True),
     "tp_mlp": lambda m: mlp_case(m, "tp"),
     "tp_mlp_f32": lambda m: mlp_case(m, "tp", F32),
     "sp_mlp": lambda m: mlp_case(m, "sp"),

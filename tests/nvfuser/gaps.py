@@ -17,8 +17,6 @@ from __future__ import annotations
 import pytest
 
 # --- ops outside tp_fusion's op set ---
-LINEAR_3D_WEIGHT = ("op outside the contract: linear with a weight of more than 2 dims (nvFuser's logical-split "
-                    "linear: [d, e, e] weight -> [d, b, s, e] output)")
 GROUPED_MM = "op outside the contract: fd.ops.grouped_mm(x, w, offsets)"
 
 

@@ -12,7 +12,6 @@ import torch
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
 from .gaps import (  # tp_fusion: xfail marks for known gaps
     GROUPED_MM,
-    LINEAR_3D_WEIGHT,
     missing,
 )
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct (PythonProfiler dropped)
@@ -21,7 +20,6 @@ from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direc
 # Avoid doing this when possible. This test started to exist before nvFuser
 # supports DID loop split. As a result of that, the weight in this test has to be
 # 3D, different from a normal linear.
-@missing(LINEAR_3D_WEIGHT)
 @pytest.mark.mpi
 def test_linear_logical_split(multidevice_test):
     d = multidevice_test.size

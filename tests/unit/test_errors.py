@@ -58,6 +58,22 @@ def test_linear_bad_weight_and_bias():
             lambda: fd.ops.linear(x, w, b))
 
 
+def test_linear_bad_weight_with_leading_dims():
+    """nvFuser's logical-split linear: w[*lead, out, in] needs x's in extent last and a bias [*lead, out]."""
+    fd, (x, w, b_flat, b_short, b) = _fd_with((2, 5, 8), (3, 6, 8), (18,), (6,), (3, 7))
+    _raises(DefinitionError, r"linear: the in extent of T0 f32\[2, 5, 8\] \(last dim\) must match the last dim of "
+                             r"the weight T5 f32\[3, 6, 4\] \[\*lead, out, in\]",
+            lambda: fd.ops.linear(x, fd.define_tensor([3, 6, 4])))
+    for bias in (b_flat, b_short, b):
+        _raises(DefinitionError, rf"linear: bias T{bias.name} f32\[.*\] must be \[\*lead, out\] = \[3, 6\], the dims "
+                                 r"of the weight T1 f32\[3, 6, 8\] but the last",
+                lambda bias=bias: fd.ops.linear(x, w, bias))
+    assert len(fd.fusion.ops) == 0
+    # a weight of one dim names both forms
+    _raises(DefinitionError, r"which must be 2-D \[out, in\] \(or \[\*lead, out, in\] with leading dims",
+            lambda: fd.ops.linear(x, fd.define_tensor([8])))
+
+
 def test_bad_broadcast():
     fd, (a, b) = _fd_with((4, 8), (3, 8))
     _raises(DefinitionError, r"add: cannot apply to T0 f32\[4, 8\], T1 f32\[3, 8\]", lambda: fd.ops.add(a, b))

@@ -295,6 +295,28 @@ def test_matmul(sa, sb, dtype, dt):
     _check(out, torch.matmul(a, b))
 
 
+def _logical_split_linear(x, w, b=None):
+    """nvFuser's reference for a weight [*lead, out, in]: one linear on the flattened weight, then the
+    leading dims moved first."""
+    lead, (out, k) = w.shape[:-2], w.shape[-2:]
+    y = F.linear(x, w.reshape(-1, k), None if b is None else b.reshape(-1))
+    y = y.reshape(*x.shape[:-1], *lead, out)
+    return y.permute(*range(x.ndim - 1, x.ndim - 1 + len(lead)), *range(x.ndim - 1), y.ndim - 1)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_shape,lead", [((2, 3, 8), (4,)), ((5, 8), (2, 3)), ((8,), (3,))])
+def test_linear_weight_with_leading_dims(x_shape, lead, bias, dtype, dt):
+    """nvFuser's logical-split linear: w[*lead, out, in], b[*lead, out] -> [*lead, ..., out]."""
+    x, w, b = _rand(40, *x_shape, dtype=dtype), _rand(41, *lead, 5, 8, dtype=dtype), _rand(42, *lead, 5, dtype=dtype)
+    inputs = [x, w, b] if bias else [x, w]
+    fd, (out,) = _run(lambda fd, *t: fd.ops.linear(*t), inputs)
+    assert out.shape == (*lead, *x_shape[:-1], 5)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype is torch.bfloat16 else {}
+    _check(out, _logical_split_linear(*inputs).contiguous(), **tol)
+
+
 # --- shape ops -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)

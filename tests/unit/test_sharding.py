@@ -203,6 +203,91 @@ def test_sequence_parallel_linear_allgathers_the_tokens():
     assert seg_summary(f) == [("fused", "allgather+linear", ["allgather", "linear"])]
 
 
+# --- linear with a weight of leading dims (nvFuser's logical split) --------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_logical_split_linear_shards_the_leading_dim_without_communication(bias):
+    """w[d, out, in] and b[d, out] sharded on d: the output [d, b, s, out] is sharded on its dim 0."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2, 3, 8]), fd.define_tensor([4, 6, 8])
+        b = fd.define_tensor([4, 6]) if bias else None
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH2)
+        for tv in (w, b) if bias else (w,):
+            shard(tv, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear"]
+    assert out_placements(f) == (Shard(0),)
+    assert [str(ax) for ax in z._loop()] == ["4", "2", "3", "6", "r{8}"]  # r{in} last, as a 2-D weight's
+
+
+def test_logical_split_linear_shards_out_features_and_leading_dims_on_two_mesh_axes():
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([3, 8]), fd.define_tensor([4, 6, 8]), fd.define_tensor([4, 6])
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH22)
+        shard(w, MESH22, {0: Y, 1: X})
+        shard(b, MESH22, {0: Y, 1: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear"]
+    assert out_placements(f) == (Shard(0), Shard(2))
+
+
+def test_logical_split_linear_row_parallel_is_not_fused():
+    """A sharded contraction leaves the output partial and an allreduce sums it; the fused GEMM kernels
+    take a 2-D weight, so the GEMM and the allreduce stay apart."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2, 3, 8]), fd.define_tensor([4, 6, 8])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {2: X})
+        shard(w, MESH2, {2: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear", "allreduce"]
+    assert placements(f, only(f, "linear").outputs[0]) == (Partial(),)
+    assert seg_summary(f) == [("compute", "", ["linear"]), ("communication", "", ["allreduce"]),]
+
+
+@pytest.mark.parametrize("mesh,w_dims,b_dims,out", [
+    (MESH2, {2: X}, {}, (R,)),
+    (MESH22, {0: Y, 2: X}, {0: Y}, (Shard(0), R)),
+], ids=["1d", "2x2_leading_dim_on_mesh_y"])
+def test_logical_split_linear_row_parallel_adds_the_bias_once_broadcast(mesh, w_dims, b_dims, out):
+    """With a bias and a sharded contraction the bias [d, out] is added after the sum, broadcast to the
+    output's dims [d, 1, 1, out] (and sharded as the output's leading dim is)."""
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([2, 3, 8]), fd.define_tensor([4, 6, 8]), fd.define_tensor([4, 6])
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, mesh, {2: X})
+        shard(w, mesh, w_dims)
+        shard(b, mesh, b_dims)
+    f = lower(fd)
+    assert kinds(f) == ["linear", "allreduce", "broadcast_in_dim", "add"]
+    lin, ar, wide, add = f.ops
+    assert len(lin.inputs) == 2 and wide.inputs == (b.name,)
+    assert f.tensor(wide.outputs[0]).shape == (4, 1, 1, 6) and wide.attr("broadcast_dims") == (0, 3)
+    assert add.inputs == (ar.outputs[0], wide.outputs[0]) and add.outputs == (z.name,)
+    assert out_placements(f) == out and placements(f, wide.outputs[0]) == out
+    assert seg_summary(f)[0] == ("compute", "", ["linear"])
+
+
+def test_logical_split_linear_with_gathered_tokens_is_not_fused():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([2, 6, 4])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(w, MESH2, {1: X})
+        shard(z, MESH2, {2: X})
+    f = lower(fd)
+    assert kinds(f) == ["allgather", "linear"]
+    assert seg_summary(f) == [("communication", "", ["allgather"]), ("compute", "", ["linear"])]
+
+
 # --- MLPs ------------------------------------------------------------------------------------
 
 
