@@ -150,6 +150,14 @@ def _linear_spec(op: Op, fusion: Fusion) -> LabelSpec:
                      partial_sets=() if bias else (frozenset({0}), frozenset({1})))
 
 
+def _grouped_mm_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """mat1[m, k] by mat2[g, k, n] with offsets[g] -> out[m, n]: n passes through, k is summed; m and g
+    stay whole (the offsets are global row positions, so they and the rows stay replicated)."""
+    M, N, K, G = -1, -2, -3, -4
+    return LabelSpec(((M, K), (G, K, N), (G,)), ((M, N),), summed=frozenset({K}), whole=frozenset({M, G}),
+                     partial_sets=(frozenset({0}), frozenset({1})))
+
+
 def _matmul_spec(op: Op, fusion: Fusion) -> LabelSpec:
     """torch.matmul: a[..., m, k] @ b[..., k, n] with broadcast batch dims; 1-D operands lose m or n."""
     (a, b), (out,) = _shapes(op, fusion)
@@ -313,6 +321,7 @@ def from_spec(build: Callable[[Op, Fusion], LabelSpec]) -> Rule:
 
 
 linear = from_spec(_linear_spec)
+grouped_mm = from_spec(_grouped_mm_spec)
 matmul = from_spec(_matmul_spec)
 permute = from_spec(_permute_spec)
 squeeze = from_spec(_squeeze_spec)
