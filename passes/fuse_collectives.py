@@ -27,7 +27,9 @@ def _collective(op: Op) -> Collective | None:
 
 
 def _plain_gemm(fusion: Fusion, gemm: Op) -> bool:
-    """A GEMM whose right operand is one 2-D matrix (linear's weight, or a 2-D matmul operand)."""
+    """A GEMM whose right operand is one 2-D matrix (linear's weight, or a 2-D matmul operand): not a
+    weight with leading dims (nvFuser's logical split) nor grouped_mm's stack of matrices, which the fused
+    kernels do not run."""
     return bool(traits(gemm.kind) & Trait.GEMM) and fusion.tensor(gemm.inputs[1]).ndim == 2
 
 

@@ -17,7 +17,9 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     sum is summed by a ``set``, as nvFuser's device-parallel reduction axis finishes its reduction).
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
-    (Partial), the resharding of that result, and an add of the bias: the bias is added once.
+    (Partial), the resharding of that result, and an add of the bias: the bias is added once. (A
+    weight with leading dims, ``[*lead, out, in]``, has a bias ``[*lead, out]`` that is first broadcast
+    to the output's dims, ``[*lead, 1, ..., out]``.)
     """
     if not fusion.has_meshes:
         return fusion
@@ -47,11 +49,22 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         if is_biased_gemm(op) and st.outputs[0].has_partial:
             out, target = op.outputs[0], tensors[op.outputs[0]].sharding
             partial = new_tensor(out, st.outputs[0])
-            ops.append(Op("linear", args[:2], (partial,), strategy=Strategy(st.mesh, st.inputs[:2], st.outputs)))
-            bias_target = Sharding(target.mesh, tuple(_bias_placement(p, tensors[out].ndim - 1)
-                                                      for p in target.placements))
-            add_args = (reshard(partial, target), reshard(op.inputs[2], bias_target))
-            ops.append(Op("add", add_args, (out,), strategy=Strategy(st.mesh, (target, bias_target), (target,))))
+            ops.append(Op(op.kind, args[:2], (partial,), strategy=Strategy(st.mesh, st.inputs[:2], st.outputs)))
+            summed = reshard(partial, target)  # before the bias's resharding, as fuse_collectives expects
+            bias = tensors[op.inputs[2]]
+            lead, ndim = bias.ndim - 1, tensors[out].ndim  # the weight's leading dims; the output's dims
+            bias_target = Sharding(target.mesh, tuple(_bias_placement(p, lead, ndim) for p in target.placements))
+            bias_arg = reshard(bias.name, bias_target)
+            if lead and ndim > lead + 1:  # [*lead, out] -> [*lead, 1, ..., out]: aligned with the output's dims
+                shape = (*bias.shape[:-1], *(1,) * (ndim - lead - 1), bias.shape[-1])
+                wide = Sharding(target.mesh, tuple(_widened_placement(p, lead, ndim) for p in bias_target.placements))
+                tensors.append(Tensor(len(tensors), shape, bias.dtype, wide))
+                ops.append(Op("broadcast_in_dim", (bias_arg,), (len(tensors) - 1,),
+                              (("shape", shape), ("broadcast_dims", (*range(lead), ndim - 1))),
+                              strategy=Strategy(st.mesh, (bias_target,), (wide,))))
+                bias_arg = len(tensors) - 1
+            add_in = (target, tensors[bias_arg].sharding)
+            ops.append(Op("add", (summed, bias_arg), (out,), strategy=Strategy(st.mesh, add_in, (target,))))
             continue
         outs, after = [], []
         for o, natural in zip(op.outputs, st.outputs):
@@ -67,9 +80,17 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)
 
 
-def _bias_placement(p: Placement, last: int) -> Placement:
-    """How the bias [out] must be placed to be added to a linear output placed ``p`` (``last``: its out
-    dim): sharded as the out dim is, partial (on one device) where the output is a pending sum."""
-    if isinstance(p, Shard) and p.dim == last:
-        return Shard(0, p.outer)
+def _bias_placement(p: Placement, lead: int, ndim: int) -> Placement:
+    """How the bias [*lead, out] (``lead`` leading dims of the weight, none for a 2-D one) must be placed
+    to be added to a linear output [*lead, ..., out] of ``ndim`` dims placed ``p``: sharded as the
+    output's leading or out dim is, partial (on one device) where the output is a pending sum."""
+    if isinstance(p, Shard) and p.dim == ndim - 1:
+        return Shard(lead, p.outer)
+    if isinstance(p, Shard) and p.dim < lead:
+        return p
     return p if isinstance(p, Partial) else REPLICATE
+
+
+def _widened_placement(p: Placement, lead: int, ndim: int) -> Placement:
+    """The placement ``p`` of the bias [*lead, out] on the bias broadcast to [*lead, 1, ..., out]."""
+    return Shard(ndim - 1, p.outer) if isinstance(p, Shard) and p.dim == lead else p

@@ -138,14 +138,24 @@ def reduction(linear: bool) -> Rule:
 
 
 def _linear_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    """x[..., k] @ w[n, k]^T (+ b[n]): batch labels 0.., n = -1, k = -2 (summed). With a bias the
-    output cannot be Partial (the bias would be added once per device)."""
-    (x, _w, *bias), _ = _shapes(op, fusion)
+    """x[..., k] @ w[n, k]^T (+ b[n]): batch labels 0.., n = -1, k = -2 (summed). A weight with leading
+    dims w[*l, n, k] (b[*l, n]) gives out[*l, ..., n]: the leading labels -3, -4, ... pass through. With a
+    bias the output cannot be Partial (the bias would be added once per device)."""
+    (x, w, *bias), _ = _shapes(op, fusion)
     batch = tuple(range(len(x) - 1))
     N, K = -1, -2
-    return LabelSpec(((*batch, K), (N, K), *((N,) for _ in bias)), ((*batch, N),),
+    lead = tuple(-3 - i for i in range(len(w) - 2))
+    return LabelSpec(((*batch, K), (*lead, N, K), *((*lead, N) for _ in bias)), ((*lead, *batch, N),),
                      summed=frozenset({K}),
                      partial_sets=() if bias else (frozenset({0}), frozenset({1})))
+
+
+def _grouped_mm_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """mat1[m, k] by mat2[g, k, n] with offsets[g] -> out[m, n]: n passes through, k is summed; m and g
+    stay whole (the offsets are global row positions, so they and the rows stay replicated)."""
+    M, N, K, G = -1, -2, -3, -4
+    return LabelSpec(((M, K), (G, K, N), (G,)), ((M, N),), summed=frozenset({K}), whole=frozenset({M, G}),
+                     partial_sets=(frozenset({0}), frozenset({1})))
 
 
 def _matmul_spec(op: Op, fusion: Fusion) -> LabelSpec:
@@ -311,6 +321,7 @@ def from_spec(build: Callable[[Op, Fusion], LabelSpec]) -> Rule:
 
 
 linear = from_spec(_linear_spec)
+grouped_mm = from_spec(_grouped_mm_spec)
 matmul = from_spec(_matmul_spec)
 permute = from_spec(_permute_spec)
 squeeze = from_spec(_squeeze_spec)

@@ -34,7 +34,7 @@ def default_loop(shape: tuple[int, ...], producer: Op | None, shape_of: Callable
     op = opdef(producer.kind)
     if op.has(Trait.GEMM):
         a, b = (shape_of(x) for x in producer.tensor_inputs[:2])
-        k_of_b = b[1] if op.weight_out_in else (b[0] if len(b) == 1 else b[-2])
+        k_of_b = b[-1] if op.weight_out_in else (b[0] if len(b) == 1 else b[-2])
         return (*logical, LoopAxis(0, a[-1] if a[-1] >= 0 else k_of_b, reduction=True))
     if op.has(Trait.REDUCTION) and not producer.attr("keepdim", False):
         x = shape_of(producer.tensor_inputs[0])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tp_fusion.errors import DefinitionError
+from tp_fusion.errors import DefinitionError, LoweringError
 from tp_fusion.ir import Const, SymbolicSize
 from tp_fusion.sharding import rules
 from tp_fusion.types import DataType
@@ -37,7 +37,8 @@ class Trait(enum.Flag):
     NONE = 0
     POINTWISE = enum.auto()  # elementwise over broadcast operands
     VIEW = enum.auto()  # the result may be a view of an operand (never reduced in place)
-    GEMM = enum.auto()  # a matrix product: linear (x, w[out, in], bias?) or matmul (a, b)
+    GEMM = enum.auto()  # a matrix product over a contracted extent K: inputs[0] is the left operand (K last),
+    #                     inputs[1] the right one (linear's w[..., out, in], matmul's b, grouped_mm's mat2)
     REDUCTION = enum.auto()
     NORMALIZATION = enum.auto()
     FACTORY = enum.auto()  # creates a tensor from attributes alone
@@ -80,6 +81,7 @@ class OpDef:
     num_outputs: int = 1
     front: Callable | None = None  # the fd.ops function (first argument: a Recorder); None: internal op
     weight_out_in: bool = False  # GEMM: the right operand is [out, in] (linear), not [in, out] (matmul)
+    bias: int | None = None  # GEMM: the operand position of a bias added to the product (linear's 2), if given
     # the outputs' memory layouts (stride orders, None: row-major) from the operands' (None: row-major
     # or a scalar) and the attributes; None: every output is row-major (nvFuser's allocation domains)
     out_layout: Callable[[list[tuple[int, ...] | None], dict], list[tuple[int, ...] | None]] | None = None
@@ -103,8 +105,9 @@ def traits(kind: str) -> Trait:
 
 
 def is_biased_gemm(op) -> bool:
-    """A GEMM with a bias operand (linear's third)."""
-    return OPS[op.kind].has(Trait.GEMM) and len(op.inputs) == 3
+    """A GEMM given a bias operand (linear's third; grouped_mm's third operand is its offsets, no bias)."""
+    od = OPS[op.kind]
+    return od.has(Trait.GEMM) and od.bias is not None and len(op.inputs) > od.bias
 
 
 @dataclass(frozen=True)
@@ -538,37 +541,72 @@ def _match(a: int, b: int, what: str) -> None:
         _bad(what)
 
 
+def _linear(x, w, b=None):
+    """``F.linear`` for a 2-D weight. A weight ``[*lead, out, in]`` (nvFuser's logical split) gives
+    ``[*lead, ..., out]``: one batched GEMM over the leading index, in that layout, the bias
+    ``[*lead, out]`` added by it."""
+    if w.ndim == 2:
+        return F.linear(x, w, b)
+    lead, (out, k) = w.shape[:-2], w.shape[-2:]
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    wt = w.reshape(-1, out, k).transpose(1, 2)  # [L, in, out]
+    if b is None:
+        y = torch.matmul(x2, wt)
+    else:
+        y = torch.baddbmm(b.reshape(-1, 1, out), x2.expand(wt.shape[0], *x2.shape), wt)
+    return y.reshape(*lead, *x.shape[:-1], out)
+
+
+def _linear_weight_msg(x: str, w: str, w_ndim: int) -> str:
+    if w_ndim > 2:
+        return f"the in extent of {x} (last dim) must match the last dim of the weight {w} [*lead, out, in]"
+    msg = f"the in extent of {x} (last dim) must match dim 1 of the weight {w}, which must be 2-D [out, in]"
+    return msg if w_ndim == 2 else msg + " (or [*lead, out, in] with leading dims: nvFuser's logical split)"
+
+
+def _linear_bias_msg(b: str, w: str, w_shape: tuple[int, ...]) -> str:
+    if len(w_shape) > 2:
+        return f"bias {b} must be [*lead, out] = {list(w_shape[:-1])}, the dims of the weight {w} but the last"
+    return f"bias {b} must be 1-D [out] with out = {w_shape[0]} (dim 0 of the weight {w})"
+
+
 def _linear_infer(args, attrs):
     x, w, *bias = args
-    what = (f"the in extent of {x} (last dim) must match dim 1 of the weight {w}, which must be 2-D [out, in]")
-    if w.ndim != 2 or x.ndim < 1:
+    what = _linear_weight_msg(str(x), str(w), w.ndim)
+    if w.ndim < 2 or x.ndim < 1:
         _bad(what)
-    _match(x.shape[-1], w.shape[1], what)
+    _match(x.shape[-1], w.shape[-1], what)
+    out = list(w.shape[:-1])  # [*lead, out]
     if bias:
         (b,) = bias
-        if b.ndim != 1:
-            _bad(f"bias {b} must be 1-D [out] with out = dim 0 of the weight {w}")
-        _match(b.shape[0], w.shape[0], f"bias {b} must be 1-D [out] with out = dim 0 of the weight {w}")
-    out = w.shape[0] if w.shape[0] >= 0 or not bias else bias[0].shape[0]
-    return [TensorType((*x.shape[:-1], out), _same_dtype(args))]
+        if b.ndim != w.ndim - 1:
+            _bad(_linear_bias_msg(str(b), str(w), w.shape))
+        for d, e in enumerate(b.shape):
+            _match(e, out[d], _linear_bias_msg(str(b), str(w), w.shape))
+            out[d] = out[d] if out[d] >= 0 else e
+    return [TensorType((*out[:-1], *x.shape[:-1], out[-1]), _same_dtype(args))]
 
 
 def _linear_front(rec, x, w, b=None):
-    """``F.linear(x, w, b)``: ``x[..., in] @ w[out, in]^T + b[out]``."""
+    """``F.linear(x, w, b)``: ``x[..., in] @ w[out, in]^T + b[out]``.
+
+    A weight with leading dims, ``w[*lead, out, in]`` with ``b[*lead, out]`` (nvFuser's logical-split
+    linear), gives ``[*lead, ..., out]``: ``F.linear(x, w.reshape(-1, in), b.reshape(-1))`` with the
+    leading dims moved first. Sharding a leading dim of the weight shards that dim of the output, with
+    no communication."""
     x, w = rec.tv(x, "x"), rec.tv(w, "w")
-    if w.ndim != 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[1] >= 0 and x.shape[-1] != w.shape[1]):
-        _fail("linear", f"the in extent of T{x.name} {x._ir.type_str()} (last dim) must match dim 1 of the weight "
-                        f"T{w.name} {w._ir.type_str()}, which must be 2-D [out, in]")
+    if w.ndim < 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[-1] >= 0 and x.shape[-1] != w.shape[-1]):
+        _fail("linear", _linear_weight_msg(f"T{x.name} {x._ir.type_str()}", f"T{w.name} {w._ir.type_str()}", w.ndim))
     if b is not None:
         b = rec.tv(b, "b")
-        if b.ndim != 1 or (b.shape[0] >= 0 and w.shape[0] >= 0 and b.shape[0] != w.shape[0]):
-            _fail("linear", f"bias T{b.name} {b._ir.type_str()} must be 1-D [out] with out = {w.shape[0]} (dim 0 "
-                            f"of the weight T{w.name} {w._ir.type_str()})")
+        if b.ndim != w.ndim - 1 or any(e >= 0 and f >= 0 and e != f for e, f in zip(b.shape, w.shape)):
+            _fail("linear", _linear_bias_msg(f"T{b.name} {b._ir.type_str()}", f"T{w.name} {w._ir.type_str()}",
+                                             w.shape))
     return rec(x, w, *([b] if b is not None else []))
 
 
-register("linear", impl=F.linear, infer=_linear_infer, traits=Trait.GEMM, rule=rules.linear,
-         flops=_flops_gemm, follow=(1, 2, 0), front=_linear_front, weight_out_in=True)
+register("linear", impl=_linear, infer=_linear_infer, traits=Trait.GEMM, rule=rules.linear,
+         flops=_flops_gemm, follow=(1, 2, 0), front=_linear_front, weight_out_in=True, bias=2)
 
 
 def _matmul_infer(args, attrs):
@@ -589,6 +627,80 @@ def _matmul_front(rec, a, b):
 
 register("matmul", impl=torch.matmul, infer=_matmul_infer, traits=Trait.GEMM, rule=rules.matmul,
          flops=_flops_gemm, follow=(1, 0), front=_matmul_front)
+
+
+# grouped_mm (a mixture of experts' GEMM): torch._grouped_mm where it takes the operands, else one matmul
+# per group. On CUDA, torch's grouped kernel (sm90 and later, bf16 operands and output) reads the offsets
+# on the GPU; for other dtypes and GPUs torch loops over the groups itself (``_grouped_mm_fallback``), as
+# the fallback here does. A loop reads the offsets on the host, which a CUDA graph capture refuses (the
+# plan then runs eagerly).
+_GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _grouped_mm_operand_fits(t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``t``: 16-byte aligned, one of its last two dims contiguous and
+    the other's stride a multiple of 16 bytes (aten's ``check_valid_strides_and_return_transposed``)."""
+    align = 16 // t.element_size()
+    (s0, s1), (n0, n1) = t.stride()[-2:], t.shape[-2:]
+    if t.data_ptr() % 16:
+        return False
+    if s0 == 1 and s1 >= max(1, n0):
+        return s1 % align == 0
+    return s1 == 1 and s0 >= max(1, n1) and s0 % align == 0
+
+
+def _grouped_mm(mat1, mat2, offsets):
+    """Row group ``i`` of ``mat1`` (rows ``offsets[i-1]:offsets[i]``) times ``mat2[i]``."""
+    if (hasattr(torch, "_grouped_mm") and mat1.dtype == mat2.dtype and mat1.dtype in _GROUPED_MM_DTYPES
+            and _grouped_mm_operand_fits(mat1) and _grouped_mm_operand_fits(mat2)):
+        return torch._grouped_mm(mat1, mat2, offs=offsets.to(torch.int32))
+    out = mat1.new_zeros(mat1.shape[0], mat2.shape[-1])
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        torch.mm(mat1[start:end], mat2[g], out=out[start:end])
+        start = end
+    return out
+
+
+def _grouped_mm_infer(args, attrs):
+    mat1, mat2, offsets = args
+    if mat1.ndim != 2 or mat2.ndim != 3:
+        _bad("mat1 must be [m, k] and mat2 [g, k, n]")
+    _match(mat1.shape[1], mat2.shape[1], f"the contracted extent differs: dim 1 of mat1 {mat1} against dim 1 of "
+                                         f"mat2 {mat2} (k)")
+    if offsets.ndim != 1 or offsets.dtype not in (DataType.Int32, DataType.Int):
+        _bad(f"offsets {offsets} must be a 1-D int32 (or int64) tensor [g] (each group's end row)")
+    _match(offsets.shape[0], mat2.shape[0], f"offsets {offsets} must have one entry per group: g = {mat2.shape[0]} "
+                                            f"(dim 0 of mat2 {mat2})")
+    dtype = _same_dtype([mat1, mat2])
+    if not dtype.is_floating:
+        _bad(f"mat1 and mat2 are {dtype.short}; grouped_mm needs a floating dtype")
+    return [TensorType((mat1.shape[0], mat2.shape[2]), dtype)]
+
+
+def _grouped_mm_front(rec, mat1, mat2, offsets):
+    """nvFuser's ``grouped_mm`` (a mixture of experts): the rows of ``mat1 [m, k]`` fall in ``g`` groups,
+    group ``i`` being rows ``offsets[i-1]:offsets[i]`` (``offsets [g]``, int32: each group's end row, as
+    ``torch._grouped_mm``'s ``offs``), and each group is multiplied by its matrix ``mat2[i] [k, n]`` ->
+    ``[m, n]``. Offsets must not decrease nor pass ``m``; rows from ``offsets[-1]`` on are unspecified.
+
+    ``n`` may be sharded (``mat2``'s: column parallel, no communication), and ``k`` on both operands (row
+    parallel: a partial result, summed where needed); ``m`` and ``g`` stay whole, since the offsets are
+    global row positions (they stay replicated). The output's loop domain ends with ``r{k}``. Runs
+    ``torch._grouped_mm`` where it takes the operands (bf16, fp16 or fp32, 16-byte aligned strides), else
+    a matmul per group. nvFuser's other forms (``[m, k]`` by ``[k, n]``, ``[g, m, k]`` by ``[k, n]``) are
+    not supported.
+    """
+    mat1, mat2, offsets = rec.tv(mat1, "mat1"), rec.tv(mat2, "mat2"), rec.tv(offsets, "offsets")
+    if (mat1.ndim, mat2.ndim) in ((2, 2), (3, 2)):
+        raise LoweringError(f"grouped_mm: mat1 T{mat1.name} {mat1._ir.type_str()} with mat2 T{mat2.name} "
+                            f"{mat2._ir.type_str()} is a form of nvFuser's grouped_mm that tp_fusion does not "
+                            "support; it takes mat1 [m, k] with mat2 [g, k, n]")
+    return rec(mat1, mat2, offsets)
+
+
+register("grouped_mm", impl=_grouped_mm, infer=_grouped_mm_infer, traits=Trait.GEMM, rule=rules.grouped_mm,
+         flops=_flops_gemm, follow=(1, 0), front=_grouped_mm_front)
 
 # --- shape ops ------------------------------------------------------------------------------------
 

@@ -281,10 +281,10 @@ def _compute(fusion: Fusion, op: Op, rank: int, device: torch.device) -> Compute
 
 
 def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
-    """Indices ``j`` of compute ``steps`` where ``steps[j]`` is a linear with a bias whose result only
-    ``steps[j + 1]``, a tanh-GELU, reads: the pair runs as one call (``overlap.linear``), the GEMM with
-    the bias and, unless tuning measured it slower (``Program.gelu_apart``), the GELU in its epilogue
-    (cuBLASLt GELU_BIAS on CUDA), saving a pass over the result."""
+    """Indices ``j`` of compute ``steps`` where ``steps[j]`` is a linear with a bias and a 2-D weight whose
+    result only ``steps[j + 1]``, a tanh-GELU, reads: the pair runs as one call (``overlap.linear``), the
+    GEMM with the bias and, unless tuning measured it slower (``Program.gelu_apart``), the GELU in its
+    epilogue (cuBLASLt GELU_BIAS on CUDA), saving a pass over the result."""
     found = set()
     for j in range(len(steps) - 1):
         gemm, act = steps[j], steps[j + 1]
@@ -292,7 +292,7 @@ def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
             continue
         result = gemm.op.outputs[0]
         if (opdef(gemm.op.kind) is opdef("linear") and len(gemm.op.inputs) == 3
-                and all(isinstance(a, int) for a in gemm.op.inputs)
+                and all(isinstance(a, int) for a in gemm.op.inputs) and fusion.tensor(gemm.op.inputs[1]).ndim == 2
                 and is_tanh_gelu(act.op.kind, dict(act.attrs))
                 and act.op.inputs == (result,) and len(fusion.consumers(result)) == 1
                 and result not in fusion.outputs):

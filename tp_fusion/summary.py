@@ -22,8 +22,8 @@ slice (local)      -                                     0
 =================  ====================================  ==================================
 
 The numbers are for a rank that takes part (the maximum over ranks for send_recv and broadcast,
-where the root only sends and the last rank only receives). FLOPs: ``2*M*N*K`` for linear and
-matmul (``M*N`` = the local output's elements, ``K`` the local contracted extent; a bias add is
+where the root only sends and the last rank only receives). FLOPs: ``2*M*N*K`` for linear, matmul
+and grouped_mm (``M*N`` = the local output's elements, ``K`` the local contracted extent; a bias add is
 not counted), the output's elements for pointwise ops (gelu, add, ... count 1 per element),
 the input's elements for reductions, softmax and layer_norm, and 0 for shape ops and copies.
 """

@@ -95,6 +95,55 @@ def linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
     return Case(fd, tvs, full, lambda *a: [F.linear(*a)], expected)
 
 
+def logical_split_linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
+    """nvFuser's logical-split linear: w[4, 16, 12] (b[4, 16]) on x[2, 8, 12] -> [4, 2, 8, 16]. lead: w and
+    b sharded on the leading dim; out: on out features; row: x and w on in features (bias added once)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2, 8, 12], dtype=dtype), fd.define_tensor([4, 16, 12], dtype=dtype)
+        b = fd.define_tensor([4, 16], dtype=dtype) if bias else None
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        for tv in (x, w) + ((b,) if bias else ()):
+            shard(tv, mesh)
+        dim = {"lead": 0, "out": 1, "row": 2}[kind]
+        shard(w, mesh, {dim: X})
+        if kind == "row":
+            shard(x, mesh, {2: X})
+        elif bias:
+            shard(b, mesh, {dim: X})
+    tvs = [x, w] + ([b] if bias else [])
+    full = [_rand(80 + i, tv.shape, dtype) for i, tv in enumerate(tvs)]
+
+    def reference(x, w, b=None):  # nvFuser's: one linear on the flattened weight, the leading dim first
+        y = F.linear(x, w.reshape(-1, 12), None if b is None else b.reshape(-1))
+        return [y.reshape(2, 8, 4, 16).permute(2, 0, 1, 3)]
+    return Case(fd, tvs, full, reference, ["allreduce"] if kind == "row" else [])
+
+
+def grouped_mm_case(mesh, kind: str, dtype=F32) -> Case:
+    """grouped_mm of x[24, 8] (4 groups of rows, one empty) by w[4, 8, 12]. column: w sharded on n; row:
+    x and w on k (an allreduce sums the partial products)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([-1, 8], dtype=dtype), fd.define_tensor([4, 8, 12], dtype=dtype)
+        offsets = fd.define_tensor([4], dtype=DataType.Int32)
+        z = fd.ops.grouped_mm(x, w, offsets)
+        fd.add_output(z)
+        for tv in (x, w, offsets):
+            shard(tv, mesh)
+        if kind == "column":
+            shard(w, mesh, {2: X})
+        else:
+            shard(x, mesh, {1: X})
+            shard(w, mesh, {1: X})
+    ends = [5, 5, 14, 24]
+    full = [_rand(90, (24, 8), dtype), _rand(91, (4, 8, 12), dtype), torch.tensor(ends, dtype=torch.int32)]
+
+    def reference(x, w, offsets):
+        sizes = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+        return [torch.cat([a @ b for a, b in zip(x.split(sizes), w.unbind())])]
+    return Case(fd, [x, w, offsets], full, reference, ["allreduce"] if kind == "row" else [])
+
+
 def mlp_case(mesh, mode: str, dtype=F64, shape=(8, 8)) -> Case:
     """nanoGPT MLP. tp: replicated in/out; sp: tokens sharded in/out; dp_tp (2-D mesh): batch on
     mesh_y, hidden features on mesh_x."""
@@ -172,6 +221,14 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "linear_reduce_scatter_bias": lambda m: linear_case(m, "rs", True),
     "sp_linear_allgather": lambda m: linear_case(m, "sp", False),
     "sp_linear_allgather_bias": lambda m: linear_case(m, "sp", True, F32),
+    "logical_split_linear_lead": lambda m: logical_split_linear_case(m, "lead", False),
+    "logical_split_linear_lead_bias": lambda m: logical_split_linear_case(m, "lead", True, F32),
+    "logical_split_linear_out_bias": lambda m: logical_split_linear_case(m, "out", True),
+    "logical_split_linear_row": lambda m: logical_split_linear_case(m, "row", False),
+    "logical_split_linear_row_bias": lambda m: logical_split_linear_case(m, "row", True),
+    "grouped_mm_column": lambda m: grouped_mm_case(m, "column"),
+    "grouped_mm_row": lambda m: grouped_mm_case(m, "row"),
+    "grouped_mm_row_f64": lambda m: grouped_mm_case(m, "row", F64),  # a matmul per group (no torch._grouped_mm)
     "tp_mlp": lambda m: mlp_case(m, "tp"),
     "tp_mlp_f32": lambda m: mlp_case(m, "tp", F32),
     "sp_mlp": lambda m: mlp_case(m, "sp"),

@@ -10,18 +10,12 @@ import pytest
 import torch
 
 import tp_fusion as nvfuser  # tp_fusion: was nvfuser_direct
-from .gaps import (  # tp_fusion: xfail marks for known gaps
-    GROUPED_MM,
-    LINEAR_3D_WEIGHT,
-    missing,
-)
 from tp_fusion import DataType, FusionDefinition  # tp_fusion: was nvfuser_direct (PythonProfiler dropped)
 
 
 # Avoid doing this when possible. This test started to exist before nvFuser
 # supports DID loop split. As a result of that, the weight in this test has to be
 # 3D, different from a normal linear.
-@missing(LINEAR_3D_WEIGHT)
 @pytest.mark.mpi
 def test_linear_logical_split(multidevice_test):
     d = multidevice_test.size
@@ -292,7 +286,6 @@ def test_row_parallel_matmul(multidevice_test):
     torch.testing.assert_close(out.cpu(), out_ref, rtol=1e-3, atol=1e-2)
 
 
-@missing(GROUPED_MM)
 @pytest.mark.mpi
 def test_column_parallel_grouped_mm(multidevice_test):
     d = multidevice_test.size
@@ -334,7 +327,6 @@ def test_column_parallel_grouped_mm(multidevice_test):
     torch.testing.assert_close(out, multidevice_test.shard_tensor_1d(out_ref, 1, mesh))
 
 
-@missing(GROUPED_MM)
 @pytest.mark.mpi
 def test_row_parallel_grouped_mm(multidevice_test):
     d = multidevice_test.size

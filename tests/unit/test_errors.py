@@ -58,6 +58,64 @@ def test_linear_bad_weight_and_bias():
             lambda: fd.ops.linear(x, w, b))
 
 
+def test_linear_bad_weight_with_leading_dims():
+    """nvFuser's logical-split linear: w[*lead, out, in] needs x's in extent last and a bias [*lead, out]."""
+    fd, (x, w, b_flat, b_short, b) = _fd_with((2, 5, 8), (3, 6, 8), (18,), (6,), (3, 7))
+    _raises(DefinitionError, r"linear: the in extent of T0 f32\[2, 5, 8\] \(last dim\) must match the last dim of "
+                             r"the weight T5 f32\[3, 6, 4\] \[\*lead, out, in\]",
+            lambda: fd.ops.linear(x, fd.define_tensor([3, 6, 4])))
+    for bias in (b_flat, b_short, b):
+        _raises(DefinitionError, rf"linear: bias T{bias.name} f32\[.*\] must be \[\*lead, out\] = \[3, 6\], the dims "
+                                 r"of the weight T1 f32\[3, 6, 8\] but the last",
+                lambda bias=bias: fd.ops.linear(x, w, bias))
+    assert len(fd.fusion.ops) == 0
+    # a weight of one dim names both forms
+    _raises(DefinitionError, r"which must be 2-D \[out, in\] \(or \[\*lead, out, in\] with leading dims",
+            lambda: fd.ops.linear(x, fd.define_tensor([8])))
+
+
+def _grouped_mm_operands(fd, m=8, k=4, g=3, n=6, dtype=DataType.Float, offsets=(3,), offsets_dtype=DataType.Int32):
+    return (fd.define_tensor([m, k], dtype=dtype), fd.define_tensor([g, 4, n], dtype=dtype),
+            fd.define_tensor(list(offsets), dtype=offsets_dtype))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"k": 5}, r"T0 f32\[8, 5\], T1 f32\[3, 4, 6\], T2 i32\[3\]: the contracted extent differs: dim 1 of mat1 "
+               r"f32\[8, 5\] against dim 1 of mat2 f32\[3, 4, 6\] \(k\)"),
+    ({"offsets": (4,)}, r"T2 i32\[4\]: offsets i32\[4\] must have one entry per group: g = 3 \(dim 0 of mat2 "
+                        r"f32\[3, 4, 6\]\)"),
+    ({"offsets": (3, 1)}, r"offsets i32\[3, 1\] must be a 1-D int32 \(or int64\) tensor \[g\]"),
+    ({"offsets_dtype": DataType.Float}, r"offsets f32\[3\] must be a 1-D int32 \(or int64\) tensor \[g\]"),
+    ({"dtype": DataType.Int}, r"mat1 and mat2 are i64; grouped_mm needs a floating dtype"),
+], ids=["k", "offsets_length", "offsets_2d", "offsets_float", "int_operands"])
+def test_bad_grouped_mm(change, match):
+    fd = FusionDefinition()
+    mat1, mat2, offsets = _grouped_mm_operands(fd, **change)
+    _raises(DefinitionError, "grouped_mm: cannot apply to .*" + match, lambda: fd.ops.grouped_mm(mat1, mat2, offsets))
+    assert len(fd.fusion.ops) == 0
+
+
+def test_grouped_mm_bad_ranks_and_dtypes():
+    fd = FusionDefinition()
+    mat1, mat2, offsets = _grouped_mm_operands(fd)
+    _raises(DefinitionError, r"grouped_mm: cannot apply to T3 f32\[2, 8, 4\], T1 f32\[3, 4, 6\], T2 i32\[3\]: mat1 "
+                             r"must be \[m, k\] and mat2 \[g, k, n\]",
+            lambda: fd.ops.grouped_mm(fd.define_tensor([2, 8, 4]), mat2, offsets))
+    mat2_bf16 = fd.define_tensor([3, 4, 6], dtype=DataType.BFloat16)
+    _raises(DefinitionError, r"grouped_mm: cannot apply .*: operands f32\[8, 4\], bf16\[3, 4, 6\] have different "
+                             r"dtypes", lambda: fd.ops.grouped_mm(mat1, mat2_bf16, offsets))
+    _raises(DefinitionError, r"grouped_mm: expected a TensorView for offsets, got \[3, 5, 8\]",
+            lambda: fd.ops.grouped_mm(mat1, mat2, [3, 5, 8]))
+    # nvFuser's other forms: valid there, not lowered here
+    for a, b in (([8, 4], [4, 6]), ([3, 8, 4], [4, 6])):
+        _raises(LoweringError, r"grouped_mm: mat1 T\d+ f32\[.*\] with mat2 T\d+ f32\[4, 6\] is a form of nvFuser's "
+                               r"grouped_mm that tp_fusion does not support; it takes mat1 \[m, k\] with mat2 "
+                               r"\[g, k, n\]",
+                lambda a=a, b=b: fd.ops.grouped_mm(fd.define_tensor(a), fd.define_tensor(b), offsets),
+                base=NotImplementedError)
+    assert len(fd.fusion.ops) == 0
+
+
 def test_bad_broadcast():
     fd, (a, b) = _fd_with((4, 8), (3, 8))
     _raises(DefinitionError, r"add: cannot apply to T0 f32\[4, 8\], T1 f32\[3, 8\]", lambda: fd.ops.add(a, b))

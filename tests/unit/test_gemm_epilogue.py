@@ -70,3 +70,18 @@ def test_gelu_apart_where_tuning_measured_it_faster(monkeypatch):
     torch.testing.assert_close(got, F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2))
     assert calls == [(overlap.gelu_tanh, False)]
     assert "(linear+gelu: the GELU apart from the GEMM, measured faster)" in str(apart)
+
+
+def test_no_epilogue_for_a_weight_with_leading_dims(monkeypatch):
+    """nvFuser's logical-split linear (w[d, out, in], b[d, out]) then a tanh-GELU: the GEMM+GELU call takes
+    a 2-D weight, so the pair runs as two steps (and gives [d, ..., out])."""
+    calls = _count_fused_gemms(monkeypatch)
+    with FusionDefinition() as fd:
+        x, w, b = (fd.define_tensor(s, dtype=DataType.Double) for s in ([2, 3, 8], [4, 16, 8], [4, 16]))
+        fd.add_output(fd.ops.gelu(fd.ops.linear(x, w, b), approximate="tanh"))
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ([2, 3, 8], [4, 16, 8], [4, 16]))
+    (got,) = fd.execute([x, w, b])
+    want = F.linear(x, w.reshape(64, 8), b.reshape(64)).reshape(2, 3, 4, 16).permute(2, 0, 1, 3)
+    torch.testing.assert_close(got, F.gelu(want, approximate="tanh"))
+    assert calls == [] and "epilogue" not in str(fd.plan)

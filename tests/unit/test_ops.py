@@ -295,6 +295,74 @@ def test_matmul(sa, sb, dtype, dt):
     _check(out, torch.matmul(a, b))
 
 
+def _logical_split_linear(x, w, b=None):
+    """nvFuser's reference for a weight [*lead, out, in]: one linear on the flattened weight, then the
+    leading dims moved first."""
+    lead, (out, k) = w.shape[:-2], w.shape[-2:]
+    y = F.linear(x, w.reshape(-1, k), None if b is None else b.reshape(-1))
+    y = y.reshape(*x.shape[:-1], *lead, out)
+    return y.permute(*range(x.ndim - 1, x.ndim - 1 + len(lead)), *range(x.ndim - 1), y.ndim - 1)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("x_shape,lead", [((2, 3, 8), (4,)), ((5, 8), (2, 3)), ((8,), (3,))])
+def test_linear_weight_with_leading_dims(x_shape, lead, bias, dtype, dt):
+    """nvFuser's logical-split linear: w[*lead, out, in], b[*lead, out] -> [*lead, ..., out]."""
+    x, w, b = _rand(40, *x_shape, dtype=dtype), _rand(41, *lead, 5, 8, dtype=dtype), _rand(42, *lead, 5, dtype=dtype)
+    inputs = [x, w, b] if bias else [x, w]
+    fd, (out,) = _run(lambda fd, *t: fd.ops.linear(*t), inputs)
+    assert out.shape == (*lead, *x_shape[:-1], 5)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype is torch.bfloat16 else {}
+    _check(out, _logical_split_linear(*inputs).contiguous(), **tol)
+
+
+def _grouped_mm_reference(mat1, mat2, offsets):
+    ends = offsets.tolist()
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+    return torch.cat([a @ w for a, w in zip(mat1.split(sizes), mat2.unbind())])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=["f32", "bf16", "f16", "f64"])
+@pytest.mark.parametrize("offsets_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_grouped_mm(dtype, offsets_dtype):
+    """Row group i of mat1 (rows offsets[i-1]:offsets[i], an empty group among them) times mat2[i]."""
+    mat1, mat2 = _rand(43, 24, 16, dtype=dtype), _rand(44, 4, 16, 8, dtype=dtype)
+    offsets = torch.tensor([5, 5, 13, 24], dtype=offsets_dtype)
+    fd, (out,) = _run(lambda fd, a, w, o: fd.ops.grouped_mm(a, w, o), [mat1, mat2, offsets])
+    assert fd.fusion.tensor(fd.fusion.outputs[0]).shape == (24, 8)
+    _check(out, _grouped_mm_reference(mat1, mat2, offsets))
+
+
+@pytest.mark.parametrize("dtype,k,aten", [(torch.bfloat16, 16, True), (torch.float32, 16, True),
+                                          (torch.float64, 16, False), (torch.float32, 6, False)],
+                         ids=["bf16", "f32", "f64", "f32_k6"])
+def test_grouped_mm_runs_aten_where_it_takes_the_operands(monkeypatch, dtype, k, aten):
+    """torch._grouped_mm for bf16, fp16 and fp32 with 16-byte aligned strides; a matmul per group for
+    other dtypes and strides (k = 6 floats is a 24-byte row), with the same values."""
+    calls = []
+    real = torch._grouped_mm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    mat1, mat2 = _rand(45, 12, k, dtype=dtype), _rand(46, 3, k, 8, dtype=dtype)
+    offsets = torch.tensor([3, 7, 12], dtype=torch.int32)
+    _, (out,) = _run(lambda fd, a, w, o: fd.ops.grouped_mm(a, w, o), [mat1, mat2, offsets])
+    _check(out, _grouped_mm_reference(mat1, mat2, offsets))
+    assert calls == ([dtype] if aten else [])
+
+
+def test_grouped_mm_of_a_transposed_weight():
+    """The ports' mat2: a permuted [g, n, k] weight, [g, k, n] with k contiguous."""
+    mat1, w = _rand(47, 10, 16), _rand(48, 2, 8, 16)
+    offsets = torch.tensor([4, 10], dtype=torch.int32)
+    _, (out,) = _run(lambda fd, a, b, o: fd.ops.grouped_mm(a, fd.ops.permute(b, [0, 2, 1]), o), [mat1, w, offsets])
+    _check(out, _grouped_mm_reference(mat1, w.transpose(1, 2), offsets))
+
+
 # --- shape ops -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)

@@ -21,7 +21,7 @@ from tp_fusion import (
     TPFusionError,
     passes,
 )
-from tp_fusion.ops import Trait, traits
+from tp_fusion.ops import OPS, Trait, traits
 from tp_fusion.program import build_program
 
 X, Y = ParallelType.mesh_x, ParallelType.mesh_y
@@ -201,6 +201,167 @@ def test_sequence_parallel_linear_allgathers_the_tokens():
     assert ag.inputs == (x.name,) and ag.attr("dim") == 0 and ag.attr("mesh_axis") == 0
     assert placements(f, ag.outputs[0]) == (R,)
     assert seg_summary(f) == [("fused", "allgather+linear", ["allgather", "linear"])]
+
+
+# --- linear with a weight of leading dims (nvFuser's logical split) --------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_logical_split_linear_shards_the_leading_dim_without_communication(bias):
+    """w[d, out, in] and b[d, out] sharded on d: the output [d, b, s, out] is sharded on its dim 0."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2, 3, 8]), fd.define_tensor([4, 6, 8])
+        b = fd.define_tensor([4, 6]) if bias else None
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH2)
+        for tv in (w, b) if bias else (w,):
+            shard(tv, MESH2, {0: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear"]
+    assert out_placements(f) == (Shard(0),)
+    assert [str(ax) for ax in z._loop()] == ["4", "2", "3", "6", "r{8}"]  # r{in} last, as a 2-D weight's
+
+
+def test_logical_split_linear_shards_out_features_and_leading_dims_on_two_mesh_axes():
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([3, 8]), fd.define_tensor([4, 6, 8]), fd.define_tensor([4, 6])
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, MESH22)
+        shard(w, MESH22, {0: Y, 1: X})
+        shard(b, MESH22, {0: Y, 1: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear"]
+    assert out_placements(f) == (Shard(0), Shard(2))
+
+
+def test_logical_split_linear_row_parallel_is_not_fused():
+    """A sharded contraction leaves the output partial and an allreduce sums it; the fused GEMM kernels
+    take a 2-D weight, so the GEMM and the allreduce stay apart."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([2, 3, 8]), fd.define_tensor([4, 6, 8])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {2: X})
+        shard(w, MESH2, {2: X})
+    f = lower(fd)
+    assert kinds(f) == ["linear", "allreduce"]
+    assert placements(f, only(f, "linear").outputs[0]) == (Partial(),)
+    assert seg_summary(f) == [("compute", "", ["linear"]), ("communication", "", ["allreduce"]),]
+
+
+@pytest.mark.parametrize("mesh,w_dims,b_dims,out", [
+    (MESH2, {2: X}, {}, (R,)),
+    (MESH22, {0: Y, 2: X}, {0: Y}, (Shard(0), R)),
+], ids=["1d", "2x2_leading_dim_on_mesh_y"])
+def test_logical_split_linear_row_parallel_adds_the_bias_once_broadcast(mesh, w_dims, b_dims, out):
+    """With a bias and a sharded contraction the bias [d, out] is added after the sum, broadcast to the
+    output's dims [d, 1, 1, out] (and sharded as the output's leading dim is)."""
+    with FusionDefinition() as fd:
+        x, w, b = fd.define_tensor([2, 3, 8]), fd.define_tensor([4, 6, 8]), fd.define_tensor([4, 6])
+        z = fd.ops.linear(x, w, b)
+        fd.add_output(z)
+        shard(x, mesh, {2: X})
+        shard(w, mesh, w_dims)
+        shard(b, mesh, b_dims)
+    f = lower(fd)
+    assert kinds(f) == ["linear", "allreduce", "broadcast_in_dim", "add"]
+    lin, ar, wide, add = f.ops
+    assert len(lin.inputs) == 2 and wide.inputs == (b.name,)
+    assert f.tensor(wide.outputs[0]).shape == (4, 1, 1, 6) and wide.attr("broadcast_dims") == (0, 3)
+    assert add.inputs == (ar.outputs[0], wide.outputs[0]) and add.outputs == (z.name,)
+    assert out_placements(f) == out and placements(f, wide.outputs[0]) == out
+    assert seg_summary(f)[0] == ("compute", "", ["linear"])
+
+
+def test_logical_split_linear_with_gathered_tokens_is_not_fused():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([2, 6, 4])
+        z = fd.ops.linear(x, w)
+        fd.add_output(z)
+        shard(x, MESH2, {0: X})
+        shard(w, MESH2, {1: X})
+        shard(z, MESH2, {2: X})
+    f = lower(fd)
+    assert kinds(f) == ["allgather", "linear"]
+    assert seg_summary(f) == [("communication", "", ["allgather"]), ("compute", "", ["linear"])]
+
+
+# --- grouped_mm ----------------------------------------------------------------------------------
+
+
+def _grouped_mm(mesh, mat1_dims, mat2_dims, offsets_dims=None, out_dims=None):
+    """mat1 [32, 8] by mat2 [4, 8, 6] in 4 groups (offsets [4]) -> [32, 6]."""
+    with FusionDefinition() as fd:
+        mat1, mat2 = fd.define_tensor([32, 8]), fd.define_tensor([4, 8, 6])
+        offsets = fd.define_tensor([4], dtype=DataType.Int32)
+        z = fd.ops.grouped_mm(mat1, mat2, offsets)
+        fd.add_output(z)
+        shard(mat1, mesh, mat1_dims)
+        shard(mat2, mesh, mat2_dims)
+        shard(offsets, mesh, offsets_dims)
+        if out_dims is not None:
+            shard(z, mesh, out_dims)
+    return fd, lower(fd)
+
+
+def test_grouped_mm_loop_domain_ends_with_the_contraction():
+    with FusionDefinition() as fd:
+        z = fd.ops.grouped_mm(fd.define_tensor([-1, 8]), fd.define_tensor([4, 8, 6]),
+                              fd.define_tensor([4], dtype=DataType.Int32))
+    assert [str(ax) for ax in z._loop()] == ["?", "6", "r{8}"]  # nvFuser's [m, n, rk]
+
+
+def test_column_parallel_grouped_mm_needs_no_communication():
+    fd, f = _grouped_mm(MESH2, {}, {2: X})
+    assert kinds(f) == ["grouped_mm"]
+    assert out_placements(f) == (Shard(1),)
+    assert fd.compile([[32, 8], [4, 8, 6], [4]]).collectives() == []
+
+
+def test_row_parallel_grouped_mm_sums_with_one_allreduce_not_fused():
+    """k sharded on both operands: a partial output, summed by an allreduce; grouped_mm is no GEMM the
+    fused kernels run (its right operand is a stack of matrices), so the two stay apart."""
+    fd, f = _grouped_mm(MESH2, {1: X}, {1: X})
+    assert kinds(f) == ["grouped_mm", "allreduce"]
+    assert placements(f, only(f, "grouped_mm").outputs[0]) == (Partial(),)
+    assert out_placements(f) == (R,)
+    assert seg_summary(f) == [("compute", "", ["grouped_mm"]), ("communication", "", ["allreduce"])]
+    assert fd.compile([[32, 8], [4, 8, 6], [4]]).collectives() == ["allreduce"]
+
+
+def test_row_parallel_grouped_mm_scatters_out_features():
+    fd, f = _grouped_mm(MESH2, {1: X}, {1: X}, out_dims={1: X})
+    assert kinds(f) == ["grouped_mm", "reduce_scatter"]
+    assert seg_summary(f)[0] == ("compute", "", ["grouped_mm"])
+
+
+@pytest.mark.parametrize("mat1_dims,mat2_dims,offsets_dims,gathered", [
+    ({0: X}, {}, {}, "mat1"),  # rows: the offsets are global row positions
+    ({}, {0: X}, {}, "mat2"),  # groups
+    ({}, {}, {0: X}, "offsets"),
+], ids=["rows", "groups", "offsets"])
+def test_grouped_mm_gathers_sharded_rows_and_groups(mat1_dims, mat2_dims, offsets_dims, gathered):
+    fd, f = _grouped_mm(MESH2, mat1_dims, mat2_dims, offsets_dims)
+    assert kinds(f) == ["allgather", "grouped_mm"]
+    ag, gmm = f.ops
+    assert ag.inputs == ({"mat1": 0, "mat2": 1, "offsets": 2}[gathered],)
+    assert gmm.inputs[{"mat1": 0, "mat2": 1, "offsets": 2}[gathered]] == ag.outputs[0]
+
+
+def test_grouped_mm_rule_keeps_rows_groups_and_offsets_whole():
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.grouped_mm(fd.define_tensor([32, 8]), fd.define_tensor([4, 8, 6]),
+                                        fd.define_tensor([4], dtype=DataType.Int32)))
+    (op,) = fd.fusion.ops
+    cands = {(c.inputs, c.outputs) for c in OPS["grouped_mm"].rule(op, fd.fusion, 2)}
+    assert cands == {
+        ((R, R, R), (R,)),
+        ((R, Shard(2), R), (Shard(1),)),  # n: column parallel
+        ((Shard(1), Shard(1), R), (Partial(),)),  # k: row parallel
+        ((Partial(), R, R), (Partial(),)), ((R, Partial(), R), (Partial(),)),  # linear in each operand
+    }
 
 
 # --- MLPs ------------------------------------------------------------------------------------
