@@ -15,7 +15,7 @@ from __future__ import annotations
 from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.ir import Fusion, Op, Segment
-from tp_fusion.ops import OPS, Trait, traits
+from tp_fusion.ops import OPS, Trait, is_plain_gemm, traits
 
 
 def _single_use(fusion: Fusion, name: int) -> bool:
@@ -26,15 +26,8 @@ def _collective(op: Op) -> Collective | None:
     return Collective(op.kind) if traits(op.kind) & Trait.COLLECTIVE else None
 
 
-def _plain_gemm(fusion: Fusion, gemm: Op) -> bool:
-    """A GEMM whose right operand is one 2-D matrix (linear's weight, or a 2-D matmul operand): not a
-    weight with leading dims (nvFuser's logical split) nor grouped_mm's stack of matrices, which the fused
-    kernels do not run."""
-    return bool(traits(gemm.kind) & Trait.GEMM) and fusion.tensor(gemm.inputs[1]).ndim == 2
-
-
 def _gathers_rows(fusion: Fusion, ag: Op, gemm: Op) -> bool:
-    if not _plain_gemm(fusion, gemm) or gemm.inputs[0] != ag.outputs[0] or ag.outputs[0] in gemm.inputs[1:]:
+    if not is_plain_gemm(gemm, fusion) or gemm.inputs[0] != ag.outputs[0] or ag.outputs[0] in gemm.inputs[1:]:
         return False
     return ag.attr("dim") < fusion.tensor(ag.outputs[0]).ndim - 1 and ag.attr("outer", 1) == 1
 
@@ -110,7 +103,7 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
             gemm, comm = fusion.ops[seg.ops[-1]], fusion.ops[nxt.ops[0]]
             kind = _collective(comm)
             result = fusion.tensor(gemm.outputs[0])
-            if (_plain_gemm(fusion, gemm) and len(gemm.inputs) == 2 and comm.inputs[0] == gemm.outputs[0]
+            if (is_plain_gemm(gemm, fusion) and len(gemm.inputs) == 2 and comm.inputs[0] == gemm.outputs[0]
                     and _single_use(fusion, gemm.outputs[0])
                     and (kind is Collective.ALLREDUCE
                          or (kind is Collective.REDUCE_SCATTER and comm.attr("dim") < result.ndim - 1

@@ -104,6 +104,13 @@ def traits(kind: str) -> Trait:
     return OPS[kind].traits
 
 
+def is_plain_gemm(op, fusion) -> bool:
+    """A GEMM whose right operand is one 2-D matrix (linear's weight, or a 2-D matmul operand), as the
+    cuBLAS kernels of fused segments and GEMM epilogues run it: not a weight with leading dims
+    (nvFuser's logical split) nor grouped_mm's stack of matrices."""
+    return OPS[op.kind].has(Trait.GEMM) and fusion.tensor(op.inputs[1]).ndim == 2
+
+
 def is_biased_gemm(op) -> bool:
     """A GEMM given a bias operand (linear's third; grouped_mm's third operand is its offsets, no bias)."""
     od = OPS[op.kind]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tp_fusion.ir import Fusion, Op
-from tp_fusion.ops import Localize, Trait, is_tanh_gelu, opdef, traits
+from tp_fusion.ops import Localize, Trait, is_biased_gemm, is_plain_gemm, is_tanh_gelu, opdef, traits
 from tp_fusion.passes.fuse_collectives import reduction_addends
 from tp_fusion.sharding.reshard import Collective
 from tp_fusion.types import DataType
@@ -291,8 +291,8 @@ def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
         if not (isinstance(gemm, Compute) and isinstance(act, Compute)):
             continue
         result = gemm.op.outputs[0]
-        if (opdef(gemm.op.kind) is opdef("linear") and len(gemm.op.inputs) == 3
-                and all(isinstance(a, int) for a in gemm.op.inputs) and fusion.tensor(gemm.op.inputs[1]).ndim == 2
+        if (opdef(gemm.op.kind) is opdef("linear") and is_biased_gemm(gemm.op) and is_plain_gemm(gemm.op, fusion)
+                and all(isinstance(a, int) for a in gemm.op.inputs)
                 and is_tanh_gelu(act.op.kind, dict(act.attrs))
                 and act.op.inputs == (result,) and len(fusion.consumers(result)) == 1
                 and result not in fusion.outputs):

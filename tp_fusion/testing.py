@@ -226,7 +226,7 @@ def _rank_nodeid(item) -> str:
     return head if ids == suffix else f"{head}[{ids.removesuffix('-' + suffix)}]"
 
 
-_VERDICT = pytest.StashKey[str]()  # a rank test's outcome on the ranks, where it failed or passed
+_VERDICT = pytest.StashKey[str]()  # a rank test's outcome on the ranks (``_Spawner._verdict``)
 
 
 class _Spawner:
@@ -255,24 +255,34 @@ class _Spawner:
             batch = [i for i in pyfuncitem.session.items if _world_of(i) == world]
             self.last[world] = batch[-1]
             self.outcomes[world] = self._run(world, batch)
+        verdict, text = self._verdict(pyfuncitem, world)
+        pyfuncitem.stash[_VERDICT] = verdict
+        if verdict == "failed":
+            pytest.fail(text, pytrace=False)
+        if verdict == "xfailed":
+            pytest.xfail(text)
+        if verdict == "skipped":
+            pytest.skip(text)
+        return True
+
+    def _verdict(self, item, world: int) -> tuple[str, str]:
+        """The outcome of ``item`` over the ranks that ran it ("failed", "xfailed", "skipped" or
+        "passed") and its reason."""
         results, error = self.outcomes[world]
-        ranks = results.get(_rank_nodeid(pyfuncitem))
-        pyfuncitem.stash[_VERDICT] = "failed"  # unless one of the outcomes below says otherwise
+        ranks = results.get(_rank_nodeid(item))
         if ranks is None or len(ranks) < world:
-            pytest.fail(f"this test did not finish on all {world} ranks: {error or 'no report'}", pytrace=False)
+            return "failed", f"this test did not finish on all {world} ranks: {error or 'no report'}"
         failed = {r: text for r, (outcome, text) in sorted(ranks.items()) if outcome == "failed"}
         if failed:
-            pytest.fail("\n".join(f"===== rank {r} =====\n{text}" for r, text in failed.items()), pytrace=False)
-        if error and pyfuncitem is self.last[world]:
-            pytest.fail(f"the ranks did not exit cleanly after their last test: {error}", pytrace=False)
+            return "failed", "\n".join(f"===== rank {r} =====\n{text}" for r, text in failed.items())
+        if error and item is self.last[world]:
+            return "failed", f"the ranks did not exit cleanly after their last test: {error}"
         xfailed = [text for outcome, text in ranks.values() if outcome == "xfailed"]
-        del pyfuncitem.stash[_VERDICT]
         if xfailed:  # an expected failure on a rank (a strict xfail that passed there failed above)
-            pytest.xfail(xfailed[0])
+            return "xfailed", xfailed[0]
         if all(outcome == "skipped" for outcome, _ in ranks.values()):
-            pytest.skip(ranks[0][1] if 0 in ranks else next(iter(ranks.values()))[1])
-        pyfuncitem.stash[_VERDICT] = "passed"
-        return True
+            return "skipped", ranks[0][1] if 0 in ranks else next(iter(ranks.values()))[1]
+        return "passed", ""
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item, call):
@@ -281,7 +291,8 @@ class _Spawner:
         ranks failed there and fails here, and a test that passed there passes here."""
         report = yield
         verdict = item.stash.get(_VERDICT, None)
-        if call.when == "call" and verdict is not None and (report.outcome != verdict or hasattr(report, "wasxfail")):
+        if call.when == "call" and verdict in ("failed", "passed") \
+                and (report.outcome != verdict or hasattr(report, "wasxfail")):
             report.outcome = verdict
             if hasattr(report, "wasxfail"):
                 del report.wasxfail
