@@ -56,13 +56,20 @@ PARTIAL_SUM = Partial()
 
 @dataclass(frozen=True, slots=True)
 class Sharding:
-    """How a tensor lies on a mesh: one placement (``Shard``, ``Replicate``, ``Partial``) per mesh axis."""
+    """How a tensor lies on a mesh: one placement (``Shard``, ``Replicate``, ``Partial``) per mesh axis.
+    ``mesh`` None (``Sharding.unsharded()``): a tensor of a fusion without meshes, whole on every process
+    (nvFuser's Sharding of an empty mesh); only ``fd.output_shardings()`` hands these out."""
 
-    mesh: DeviceMesh
+    mesh: DeviceMesh | None
     placements: tuple[Placement, ...]
 
     def __post_init__(self):
-        assert len(self.placements) == self.mesh.ndim, (self.mesh, self.placements)
+        assert len(self.placements) == (0 if self.mesh is None else self.mesh.ndim), (self.mesh, self.placements)
+
+    @staticmethod
+    def unsharded() -> Sharding:
+        """The sharding of a tensor without a mesh: ``axis_sharded_on`` is -1, ``shard_tensor`` the whole."""
+        return Sharding(None, ())
 
     @staticmethod
     def replicated(mesh: DeviceMesh) -> Sharding:
@@ -95,7 +102,7 @@ class Sharding:
 
     def axis_sharded_on(self, ptype: ParallelType) -> int:
         """The tensor dim sharded on ``ptype``'s mesh axis, or -1 (replicated, partial or absent)."""
-        axis = ptype.mesh_axis(self.mesh.ndim)
+        axis = -1 if self.mesh is None else ptype.mesh_axis(self.mesh.ndim)
         if axis < 0 or not isinstance(self.placements[axis], Shard):
             return -1
         return self.placements[axis].dim
@@ -109,9 +116,10 @@ class Sharding:
         return f
 
     def dim_shards(self, dim: int) -> list[tuple[int, Shard]]:
-        """The (mesh axis, Shard) pairs that shard ``dim``, outermost piece first."""
+        """The (mesh axis, Shard) pairs that shard ``dim``, outermost piece first. Two pieces start at the
+        same ``outer`` only where the outer one has extent 1: a mesh axis of size 1 goes first."""
         return sorted(((a, p) for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim),
-                      key=lambda ap: (ap[1].outer, ap[0]))
+                      key=lambda ap: (ap[1].outer, self.mesh.shape[ap[0]] != 1, ap[0]))
 
     def dim_view(self, dim: int, n: int) -> list[tuple[int, int | None]]:
         """``dim`` of global extent ``n`` as pieces ``(extent, mesh axis or None)``, outermost first:
@@ -231,7 +239,7 @@ def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) ->
     from tp_fusion.runtime import dist
 
     sharding = _sharding_of(tv_or_sharding, tuple(full.shape))
-    if sharding is None:
+    if sharding is None or sharding.mesh is None:
         return full.clone()
     rank = dist.rank() if rank is None else rank
     if rank not in sharding.mesh:

@@ -246,7 +246,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     default_mesh = next(iter(torch_meshes.items()), None)
     result = []
     for name, out, sharding in zip(plan.fusion.outputs, outputs, fd.output_shardings()):
-        if sharding is None:  # no mesh: the same full value on every rank
+        if sharding.mesh is None:  # no mesh: the same full value on every rank
             if default_mesh is None:
                 raise InputError("execute_with_dtensors: no input is a DTensor; use fd.execute")
             sharding = Sharding.replicated(default_mesh[0])

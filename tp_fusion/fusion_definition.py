@@ -157,7 +157,7 @@ class TensorView:
         order = loops.allocation_order(self._loop(), [a._index for a in axes], self.ndim, what)
         if self.name in self._fd._inputs:
             contiguity = tuple(None if e == 1 else new_contiguity for e in self.shape)
-            self._fd._layouts[self.name] = Layout(contiguity, order if order != tuple(range(self.ndim))[::-1] else None)
+            self._fd._layouts[self.name] = Layout(contiguity, order)
         self._update(stride_order=order)
 
     def outer_split(self, axis: int, factor: int) -> TensorView:
@@ -282,7 +282,8 @@ def _count(n: int, what: str) -> str:
 @dataclass(frozen=True)
 class Layout:
     """An input's declared layout (``define_tensor``): per dim True (dense with the next faster dim),
-    False (any stride) or None (broadcast); ``stride_order`` as in nvFuser, None for row-major."""
+    False (any stride) or None (broadcast); ``stride_order`` as in nvFuser, None where none was declared
+    (a declared row-major order is kept: the input is then checked against it)."""
 
     contiguity: tuple[bool | None, ...]
     stride_order: tuple[int, ...] | None = None
@@ -317,9 +318,12 @@ def _layout(shape: tuple[int, ...], contiguity, stride_order) -> Layout:
                 sorted(order) != list(range(n)):
             raise DefinitionError(f"define_tensor: stride_order {list(order)} must be a permutation of "
                                   f"0..{n - 1} (dim i has the stride_order[i]-th smallest stride)")
-        if order == tuple(range(n - 1, -1, -1)):
-            order = None  # row-major, the default
     return Layout(contig, order)
+
+
+def _fixed_order(order: tuple[int, ...] | None, ndim: int) -> tuple[int, ...] | None:
+    """The IR's stride order for a declared one: None for row-major (the IR's default)."""
+    return None if order == tuple(range(ndim - 1, -1, -1)) else order
 
 
 class FusionInputs(tuple):
@@ -437,7 +441,7 @@ class FusionDefinition:
         tv = self._new_tensor(shape, dtype)
         self._inputs.append(tv.name)
         self._layouts[tv.name] = layout
-        tv._update(stride_order=layout.stride_order)
+        tv._update(stride_order=_fixed_order(layout.stride_order, len(shape)))
         return tv
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:

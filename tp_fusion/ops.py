@@ -7,7 +7,7 @@ docstring). ``fd.ops`` is generated from this table; the passes, the runtime and
 an op's traits, never its name. Adding an op is one ``register`` call plus its tests.
 
 Shapes are inferred in Python, so symbolic extents (-1) stay symbolic. Dtypes follow torch: where
-torch's promotion decides, the implementation runs once on one-element meta tensors of the
+torch's promotion decides, the implementation runs once on one-element CPU tensors of the
 operands' dtypes and ranks (``_torch_dtype``); ops that need equal dtypes (GEMMs, normalizations)
 check it here, as torch would only at run time.
 """
@@ -19,6 +19,7 @@ import enum
 import inspect
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -189,15 +190,17 @@ def broadcast_shapes(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _meta_operand(a: Operand):
+def _probe_operand(a: Operand):
+    """A one-element CPU tensor standing for a tensor operand. Not a meta tensor: meta kernels skip the
+    dtype checks of the real ones (``abs``/``relu`` of bool, bool minus a number)."""
     if isinstance(a, TensorType):
-        return torch.empty((1,) * a.ndim, dtype=a.dtype.torch, device="meta")
+        return torch.ones((1,) * a.ndim, dtype=a.dtype.torch)
     return a
 
 
 def _torch_dtype(impl: Callable, args: list[Operand], attrs: dict) -> list[DataType]:
     """The output dtypes torch gives ``impl`` for operands of these dtypes and ranks: one run on
-    one-element meta tensors (torch's own promotion, and its dtype errors), cached by what decides
+    one-element tensors (torch's own promotion, and its dtype errors), cached by what decides
     it (a scalar's type, not its value; a tensor's dtype and rank)."""
     key = tuple((a.dtype, a.ndim) if isinstance(a, TensorType) else type(a) for a in args)
     return list(_dtype_of(impl, key, tuple(args), tuple(attrs.items())))
@@ -210,7 +213,9 @@ def _dtype_of(impl, key, args, attrs) -> tuple[DataType, ...]:
     cache_key = (impl, key, attrs)
     if cache_key not in _DTYPE_CACHE:
         try:
-            out = impl(*[_meta_operand(a) for a in args], **dict(attrs))
+            with warnings.catch_warnings():  # about the one-element values (var_mean's degrees of freedom)
+                warnings.simplefilter("ignore")
+                out = impl(*[_probe_operand(a) for a in args], **dict(attrs))
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
             _bad(f"torch rejects operands {', '.join(map(str, args))}: {str(e).splitlines()[0]}")
         outs = out if isinstance(out, tuple) else (out,)
@@ -917,9 +922,11 @@ def _slice_infer(args, attrs):
 
 
 def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normalization: bool = False):
-    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Indices must
-    lie in [0, extent] (a symbolic ``fd.ops.size`` scalar is checked at execute); ``manual_normalization``
-    (nvFuser's promise that they do) changes nothing then."""
+    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Integer
+    indices of a dim of known extent are normalized as Python and torch do (negative ones count from
+    the end, then clamped to [0, extent]) unless ``manual_normalization`` (nvFuser's promise that they
+    lie in [0, extent] already); other indices must lie there (a symbolic ``fd.ops.size`` scalar is
+    checked at execute)."""
     x = rec.tv(x, "x")
     starts = _extents("slice", start_indices, "start_indices")
     ends = _extents("slice", end_indices, "end_indices")
@@ -927,6 +934,9 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
     if not len(starts) == len(ends) == len(strides) == x.ndim:
         _fail("slice", f"start_indices, end_indices and strides need one entry per dim of T{x.name} "
                        f"{x._ir.type_str()}")
+    if not manual_normalization:
+        bounds = [_normalized_slice(s, e, n) for s, e, n in zip(starts, ends, x.shape)]
+        starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
     for d, (s, e, k, n) in enumerate(zip(starts, ends, strides, x.shape)):
         if isinstance(s, SymbolicSize) or isinstance(e, SymbolicSize):
             bad = k < 1 or (isinstance(s, int) and s < 0)
@@ -936,6 +946,15 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
             _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
                            "extent and a stride >= 1")
     return rec(x, starts=starts, ends=ends, strides=strides)
+
+
+def _normalized_slice(start, end, n: int) -> tuple:
+    """Python's bounds of ``[start:end]`` on an extent ``n``: negative ones count from the end, then
+    clamped to [0, n], end at least start. Left as they are where ``n`` or a bound is symbolic."""
+    if n < 0 or not (isinstance(start, int) and isinstance(end, int)):
+        return start, end
+    start, end = (min(max(i + n if i < 0 else i, 0), n) for i in (start, end))
+    return start, max(end, start)
 
 
 def _slice_localize(attrs: dict, s: Localize) -> dict:

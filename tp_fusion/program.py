@@ -20,6 +20,7 @@ from tp_fusion.ir import Fusion, Op
 from tp_fusion.ops import Localize, Trait, is_biased_gemm, is_plain_gemm, is_tanh_gelu, opdef, traits
 from tp_fusion.passes.fuse_collectives import reduction_addends
 from tp_fusion.sharding.reshard import Collective
+from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.types import DataType
 
 FUSED, SEQUENTIAL = "fused", "sequential"
@@ -117,7 +118,8 @@ class Program:
         return [name for seg in self.segments for name in seg.collectives]
 
     def output_shardings(self) -> list:
-        return [self.fusion.tensor(o).sharding for o in self.fusion.outputs]
+        """One Sharding per output; ``Sharding.unsharded()`` for an output without a mesh."""
+        return [self.fusion.tensor(o).sharding or Sharding.unsharded() for o in self.fusion.outputs]
 
     def summary(self):
         """Per segment: bytes sent/received per rank, FLOPs, fused or not (see ``tp_fusion.summary``)."""

@@ -48,6 +48,17 @@ def test_int_pow_negative_rejected_like_torch():
     _define(lambda fd: fd.ops.pow(fd.define_tensor([4]), -1))
 
 
+@pytest.mark.parametrize("make", [
+    lambda fd, m: fd.ops.abs(m), lambda fd, m: fd.ops.relu(m), lambda fd, m: fd.ops.sub(m, 1),
+    lambda fd, m: fd.ops.sub(1.5, m), lambda fd, m: fd.ops.neg(m), lambda fd, m: fd.ops.gelu(m),
+], ids=["abs", "relu", "sub_number", "rsub_number", "neg", "gelu"])
+def test_bool_operands_torch_rejects_are_rejected_at_definition(make):
+    """What torch's kernels refuse for bool (checked there, not in its meta functions) fails when the
+    op is recorded, not inside execute after the communication has started."""
+    with pytest.raises(DefinitionError, match="torch rejects operands"):
+        _define(lambda fd: make(fd, fd.define_tensor([3, 4], dtype=DataType.Bool)))
+
+
 @pytest.mark.parametrize("devices,match", [
     ([[0, 1], [2]], "rectangular"),
     ([[0, 1], 2], "rectangular"),

@@ -410,6 +410,21 @@ def test_nvfuser_slice_and_cat_keywords():
         fd.ops.cat([x, x], 0, manual_padding=True)
 
 
+@pytest.mark.parametrize("starts,ends,manual", [
+    ([0, 0], [10, 8], False), ([-2, 1], [6, 8], False), ([0, -5], [-1, -2], False), ([4, 0], [2, 8], False),
+    ([1, 2], [5, 7], True),
+], ids=["end_past_extent", "negative_start", "negative_ends", "end_before_start", "manual"])
+def test_slice_bounds_follow_python(starts, ends, manual):
+    a = _rand(2, 6, 8)
+    _, (out,) = _run(lambda fd, x: fd.ops.slice(x, starts, ends, manual_normalization=manual), [a])
+    _check(out, a[starts[0]:ends[0], starts[1]:ends[1]])
+
+
+def test_manual_normalization_promises_bounds_in_range():
+    with FusionDefinition() as fd, pytest.raises(DefinitionError, match=r"\[-2:6:1\] needs 0 <= start"):
+        fd.ops.slice(fd.define_tensor([6, 8]), [-2, 0], [6, 8], manual_normalization=True)
+
+
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("in_shape,shape,bdims", [((3,), (2, 3), (1,)), ((3,), (3, 2), (0,)),
                                                   ((3, 1), (2, 3, 4), (1, 2)), ((2, 3), (2, 5, 3), (0, 2))])

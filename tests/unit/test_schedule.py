@@ -65,6 +65,19 @@ def test_split_reduction_axis_parallelized_is_partial_and_allreduced():
     assert plan.output_shardings()[0].is_replicated
 
 
+def test_an_output_without_a_mesh_has_the_unsharded_sharding():
+    """API.md: one Sharding per output, also in a fusion without meshes (nvFuser: an empty mesh)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 3])
+        fd.add_output(fd.ops.relu(x))
+    full = torch.randn(4, 3)
+    fd.execute([full])
+    (sharding,) = fd.output_shardings()
+    assert sharding == Sharding.unsharded() and sharding.mesh is None
+    assert sharding.axis_sharded_on(X) == sharding.axis_sharded_on(Y) == -1
+    torch.testing.assert_close(shard_tensor(full, sharding, rank=1), full)
+
+
 def test_reduction_and_logical_dim_on_one_mesh_axis_is_a_reduce_scatter():
     with FusionDefinition() as fd:
         x, w = fd.define_tensor([4, 8]), fd.define_tensor([6, 8])
@@ -209,6 +222,25 @@ def test_two_mesh_axes_split_one_dim():
     plan = fd.compile([[2, 12, 5]], rank=3)
     assert plan.collectives() == []  # a pointwise op keeps both pieces
     assert plan.output_shardings()[0].placements == (Shard(1, 2), Shard(1))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_size_one_mesh_axis_outside_another_on_one_dim(world):
+    """Both pieces start at the same place when the outer mesh axis has size 1: it takes the whole dim,
+    so the other's shard is as if it were alone (round 17: refused as overlapping before)."""
+    mesh = DeviceMesh(torch.arange(world).reshape(world, 1))
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([8, 3])
+        fd.add_output(fd.ops.set(t))
+    t.set_device_mesh(mesh)
+    t.outer_split(0, 1).axis(0).parallelize(X)  # mesh_x: the size-1 axis, outside
+    t.outer_split(1, world).axis(1).parallelize(Y)
+    full = torch.arange(24.0).reshape(8, 3)
+    local = _local(t, full, mesh)
+    for r, piece in local.items():
+        torch.testing.assert_close(piece, full.chunk(world)[r])
+    torch.testing.assert_close(unshard_tensor(local, t.sharding), full)
+    assert fd.compile([[8, 3]]).collectives() == ["allgather"]  # the unannotated output is gathered
 
 
 @pytest.mark.parametrize("shape,dim,outer", [((12, 3), 0, 3), ((3, 12), 1, 2), ((2, 12, 2), 1, 1)])

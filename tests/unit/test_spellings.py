@@ -74,6 +74,16 @@ def test_stride_order_column_major():
         fd.execute([torch.randn(4, 6)])
 
 
+@pytest.mark.parametrize("contiguity", [None, False, True])
+def test_a_declared_row_major_stride_order_is_checked(contiguity):
+    fd = _add_fusion(contiguity=contiguity, stride_order=[1, 0])  # dim 1 has the smallest stride
+    assert fd.fusion.inputs()[0].stride_order == (1, 0)
+    t = torch.randn(4, 6)
+    torch.testing.assert_close(fd.execute([t])[0], t + 1)
+    with pytest.raises(InputError, match=r"stride_order \[1, 0\].*dim 0 must have a larger stride than dim 1"):
+        fd.execute([torch.randn(6, 4).t()])
+
+
 def test_broadcast_dims_are_free():
     with FusionDefinition() as fd:
         x = fd.define_tensor([1, -1], contiguity=[None, True])
