@@ -27,6 +27,8 @@ Run it either way; both run the same file:
   Per world size, one set of ranks runs every selected test (``pytest`` inside each rank) and the
   ranks' outcomes are reported here: a test fails if it fails on any rank. The ranks judge ``xfail``
   marks (a strict one that passes there fails the test), and their verdict is what this process reports.
+  A rank whose test raised aborts its group as it leaves the test, so no peer waits out a collective
+  it will not join, and the next test joins a fresh group.
 - ``torchrun --nproc_per_node=N -m pytest tests/nvfuser``: each test runs once on torchrun's ranks,
   CUDA and NCCL when there are GPUs, else CPU and gloo.
 
@@ -53,6 +55,8 @@ _PARAM = "_multidevice_ranks"
 _spawned_world = _spawned_rank = 0  # in ranks started by this plugin: their world size and rank
 _spawned_store = None  # and the store their process group met through
 _generation = 0  # how many groups they joined through it
+_ended = 0  # how many rank tests they ended
+_RAISED = pytest.StashKey[bool]()  # in a spawned rank: whether a test's body raised there
 
 
 @dataclass
@@ -124,7 +128,7 @@ def setup_default_process_group():
 
 
 @pytest.fixture
-def multidevice_test(setup_default_process_group):
+def multidevice_test(setup_default_process_group, request):
     """A ``MultideviceTest`` for this rank; None in the pytest process that only collects the ranks' results."""
     if not _rank_mode():
         yield None
@@ -141,7 +145,28 @@ def multidevice_test(setup_default_process_group):
     torch.manual_seed(0)
     restart_creation_order()  # an earlier test may have created fusions on some ranks only
     yield fixture
-    fixture.barrier()
+    if _spawned_store is None:
+        fixture.barrier()
+    else:
+        _end_spawned_test(request.node.stash.get(_RAISED, False))
+
+
+def _end_spawned_test(raised: bool) -> None:
+    """Spawned ranks, after a rank test: the ranks' barrier, through the launch's store rather than the
+    process group. A rank whose test raised (a failed assert, a skip or xfail on that rank only) may
+    have peers waiting in a collective it will never join: it aborts its process group first, so that
+    they error out at once instead of at the group's timeout. Where any rank's test raised, every rank
+    leaves its group and the next test joins a fresh one (``pytest_runtest_setup``)."""
+    global _ended
+    from tp_fusion.runtime import dist, faults
+
+    if raised:
+        faults.abort_process_groups()
+    _ended += 1
+    key = f"tp_fusion_pytest_end/{_ended}/"
+    _spawned_store.set(f"{key}{_spawned_rank}", "1" if raised else "0")
+    if any(_spawned_store.get(f"{key}{r}") == b"1" for r in range(_spawned_world)):
+        dist.destroy_process_group()
 
 
 # --- plugin hooks -------------------------------------------------------------------------------
@@ -193,6 +218,15 @@ def pytest_runtest_setup(item):
 
             if not dist.is_initialized():
                 _join_fresh_group()  # a failure inside a plan in an earlier test aborted the group
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In a spawned rank: note whether the test's body raised, for the fixture's teardown."""
+    report = yield
+    if _spawned_store is not None and call.when == "call":
+        item.stash[_RAISED] = call.excinfo is not None
+    return report
 
 
 def _join_fresh_group() -> None:

@@ -1,5 +1,6 @@
 """The pytest plugin's report of tests that ran on spawned ranks (``tp_fusion.testing``): each rank's
-outcome comes back as the test's own, with its reason."""
+outcome comes back as the test's own, with its reason, and a test that raises on one rank neither
+leaves its peers waiting in a collective nor breaks the tests after it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 RANK_TESTS = '''
 import pytest
+import torch
 
 def test_passes(multidevice_test):
     assert multidevice_test.size == 2
@@ -26,6 +28,28 @@ def test_gap_closed(multidevice_test):
 
 def test_fails_on_rank_1(multidevice_test):
     assert multidevice_test.rank == 0
+
+def _relu(d):
+    from tp_fusion import FusionDefinition, ParallelType
+    from tp_fusion.multidevice import DeviceMesh
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2 * d, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(DeviceMesh(range(d)))
+        x.outer_split(0, d).axis(0).parallelize(ParallelType.mesh_x)
+    return fd, x
+
+def test_rank_1_leaves_before_execute(multidevice_test):
+    fd, x = _relu(multidevice_test.size)
+    assert multidevice_test.rank == 0
+    fd.execute([multidevice_test.shard_tensor(torch.randn(4, 4), x)])
+
+def test_runs_after_a_rank_left(multidevice_test):
+    fd, x = _relu(multidevice_test.size)
+    full = torch.randn(4, 4)
+    (out,) = fd.execute([multidevice_test.shard_tensor(full, x)])
+    torch.testing.assert_close(out, multidevice_test.shard_tensor(full, x).relu())
 '''
 
 
@@ -43,8 +67,12 @@ def test_rank_outcomes_reach_the_pytest_process(tmp_path):
     outcomes = {name: outcome for outcome, name in
                 re.findall(r"^(PASSED|XFAIL|FAILED) test_on_ranks\.py::(test_\w+)\[ranks2\]", out, re.M)}
     assert outcomes == {"test_passes": "PASSED", "test_known_gap": "XFAIL", "test_gap_closed": "FAILED",
-                        "test_fails_on_rank_1": "FAILED"}, out
+                        "test_fails_on_rank_1": "FAILED", "test_rank_1_leaves_before_execute": "FAILED",
+                        "test_runs_after_a_rank_left": "PASSED"}, out
     assert re.search(r"^SKIPPED .*not at this size", out, re.M), out
     assert re.search(r"^XFAIL .*test_known_gap.* - a known gap", out, re.M), out
     assert "XPASS(strict)" in out and "===== rank 1 =====" in out, out
-    assert "2 failed, 1 passed, 1 skipped, 1 xfailed" in out, out
+    assert "3 failed, 2 passed, 1 skipped, 1 xfailed" in out, out
+    # Rank 1 aborted its group on leaving: rank 0, waiting in execute's agreement, learnt at once
+    # (not at the group's 120 s timeout), and the next test ran in a fresh group.
+    assert "rank(s) 1 stopped responding" in out, out
