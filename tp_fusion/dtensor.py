@@ -65,7 +65,22 @@ def _dtensor_api():
 
 def mesh_from_torch(device_mesh) -> DeviceMesh:
     """The tp_fusion DeviceMesh with the same rank layout as a torch DeviceMesh."""
-    return DeviceMesh(device_mesh.mesh.detach().cpu())
+    mesh = DeviceMesh(device_mesh.mesh.detach().cpu())
+    _check_increasing(mesh)
+    return mesh
+
+
+def _check_increasing(mesh: DeviceMesh) -> None:
+    """UnsupportedPlacementError unless the ranks increase along every axis of ``mesh``. torch places a
+    DTensor's shards by the rank order of each mesh axis' process group, which sorts its ranks, not by
+    the order the mesh lists them in (``DeviceMesh("cpu", [1, 0])`` gives rank 0 the first shard): such
+    a mesh would give tp_fusion and torch different data."""
+    ranks = torch.tensor(mesh.devices).reshape(mesh.shape)
+    for axis in range(ranks.ndim):
+        if ranks.ndim and ranks.shape[axis] > 1 and not bool((ranks.diff(dim=axis) > 0).all()):
+            raise UnsupportedPlacementError(
+                f"execute_with_dtensors: {mesh!r} lists the ranks of mesh axis {axis} out of increasing order; "
+                "torch places DTensor shards by each axis' sorted ranks, so list them in increasing order")
 
 
 def sharding_from_dtensor(dt, what: str = "DTensor") -> Sharding:
@@ -252,6 +267,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
             sharding = Sharding.replicated(default_mesh[0])
         tmesh = torch_meshes.get(sharding.mesh)
         if tmesh is None:
+            _check_increasing(sharding.mesh)
             ranks = torch.tensor(sharding.mesh.devices).reshape(sharding.mesh.shape)
             tmesh = torch_meshes[sharding.mesh] = _dtensor_api().DeviceMesh(out.device.type, ranks)
         shape = plan.fusion.tensor(name).shape

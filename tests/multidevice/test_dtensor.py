@@ -88,6 +88,13 @@ def _check_1d(rank: int, world: int) -> None:
     with pytest.raises(UnevenShardError, match=r"dim 0 \(extent 9\) across 2 devices"):
         tp_fusion.execute_with_dtensors(_mlp_fusion(t=T + 1), uneven)
     assert isinstance(UnsupportedPlacementError("x"), NotImplementedError)
+    # A mesh listing its ranks out of order: torch places shards by sorted rank, so no wrong data.
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    reversed_mesh = TorchDeviceMesh(mesh.device_type, list(range(world))[::-1])
+    backwards = [distribute_tensor(t, reversed_mesh, p) for t, p in zip(full, tp)]
+    with pytest.raises(UnsupportedPlacementError, match=r"mesh axis 0 out of increasing order"):
+        tp_fusion.execute_with_dtensors(_mlp_fusion(), backwards)
 
     # A strided output (the inner piece of a split on mesh_x) comes back as DTensor's _StridedShard.
     with FusionDefinition() as fd4:
