@@ -77,7 +77,7 @@ def _check_increasing(mesh: DeviceMesh) -> None:
     a mesh would give tp_fusion and torch different data."""
     ranks = torch.tensor(mesh.devices).reshape(mesh.shape)
     for axis in range(ranks.ndim):
-        if ranks.ndim and ranks.shape[axis] > 1 and not bool((ranks.diff(dim=axis) > 0).all()):
+        if not bool((ranks.diff(dim=axis) > 0).all()):  # an axis of size 1 has no differences: passes
             raise UnsupportedPlacementError(
                 f"execute_with_dtensors: {mesh!r} lists the ranks of mesh axis {axis} out of increasing order; "
                 "torch places DTensor shards by each axis' sorted ranks, so list them in increasing order")
