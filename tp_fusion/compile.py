@@ -29,13 +29,13 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
     if len(inputs) != len(fusion.inputs):
         raise InputError(f"execute: the fusion takes {len(fusion.inputs)} inputs ({names}), got {len(inputs)}")
     shapes, devices = [], set()
-    layouts = getattr(fusion.inputs, "layouts", {})  # declared by define_tensor (fusion_definition.Layout)
     for name, x in zip(fusion.inputs, inputs):
         t = fusion.tensor(name)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"execute: input T{name} must be a torch.Tensor, got {type(x).__name__}")
-        if t.sharding is not None and rank not in t.sharding.mesh:
-            shapes.append(t.shape)  # this rank holds no shard of it; its input is ignored
+        if not holds(t, rank):
+            check_unheld(name, t, x, rank)
+            shapes.append(t.shape)  # this rank holds no shard of it: its extents are its holders' to say
             continue
         if x.dtype != t.dtype.torch:
             raise InputError(f"execute: input T{name} has dtype {x.dtype}, the fusion defines it as "
@@ -53,13 +53,32 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
                     f"execute: input T{name} dim {d} has local extent {got}; its global extent {t.shape[d]}"
                     f"{split} gives {want}. Pass this rank's shard (shard_tensor) of a {list(t.shape)} tensor; "
                     f"expected local shape {list(local_expected)}")
-        layout = layouts.get(name)
+        layout = declared_layouts(fusion).get(name)
         if layout is not None and layout.constrains:
             check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
         shapes.append(t.sharding.global_shape(tuple(x.shape)) if t.sharding else tuple(x.shape))
     if len(devices) > 1:
         raise InputError(f"execute: inputs are on several devices {sorted(map(str, devices))}; use one")
     return shapes
+
+
+def holds(t: Tensor, rank: int) -> bool:
+    """Whether ``rank`` holds a part of tensor ``t`` (an unsharded tensor is held by every rank)."""
+    return t.sharding is None or rank in t.sharding.mesh
+
+
+def declared_layouts(fusion: Fusion) -> dict:
+    """The inputs' layouts declared by ``define_tensor`` (``fusion_definition.Layout``), by name."""
+    return getattr(fusion.inputs, "layouts", {})
+
+
+def check_unheld(name: int, t: Tensor, x, rank: int) -> None:
+    """A rank outside an input's mesh passes an empty tensor for it (what ``shard_tensor`` gives)."""
+    if not isinstance(x, torch.Tensor) or x.numel():
+        got = f"a {type(x).__name__}" if not isinstance(x, torch.Tensor) else f"shape {list(x.shape)}"
+        raise InputError(f"execute: rank {rank} holds no part of input T{name} (its mesh is "
+                         f"{list(t.sharding.mesh.devices)}) and must pass an empty tensor for it (what "
+                         f"shard_tensor gives), got {got}")
 
 
 def check_layout(what: str, x: torch.Tensor, contiguity: Sequence[bool | None],

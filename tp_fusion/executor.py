@@ -10,17 +10,31 @@ call. Under NCCL they agree when a plan is compiled (a host round trip per call 
 at small sizes: 2x H200, 107 us per agreement), and every call is checked by
 ``faults.LaggedAgreement``: a digest of every 32 calls goes out in an asynchronous host-side
 all_reduce that the end of the next 32 reads.
+
+Building a plan is collective as well (process groups, tuning), so the plan cache is keyed by what
+every rank sees alike for valid inputs (``_InputView``): the shapes, dtypes and devices of the
+inputs a rank holds, not their strides nor the empty tensors of inputs it holds no part of, plus
+the global shapes of symbolic inputs that some rank cannot see, exchanged on every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 from collections.abc import Sequence
 
 import torch
 
-from tp_fusion.compile import check_mesh_sizes, compile_program, global_input_shapes
+from tp_fusion.compile import (
+    check_layout,
+    check_mesh_sizes,
+    check_unheld,
+    compile_program,
+    declared_layouts,
+    global_input_shapes,
+    holds,
+)
 from tp_fusion.errors import (
     DefinitionError,
     ExecutionError,
@@ -40,11 +54,35 @@ _lagged = faults.LaggedAgreement()  # per-call agreement under NCCL (nothing wai
 _progress = faults.ProgressGuard()  # bounded waits for peers on the GPU
 
 
-def _signature(inputs: Sequence) -> tuple:
-    """What a compiled plan depends on: shapes, dtypes, devices, and strides (an input whose layout
-    changes is checked again against its declared contiguity and stride order)."""
-    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else type(t)
-                 for t in inputs)
+@dataclasses.dataclass(frozen=True)
+class _InputView:
+    """How one rank's inputs key a cached plan, so that for valid inputs every rank finds a plan or
+    builds one at the same call (building is collective: process groups, tuning)."""
+
+    held: tuple[bool, ...]  # which inputs this rank holds a part of
+    checked: tuple[int, ...]  # checked on every call, as the key leaves them out: unheld, or with a declared layout
+    exchanged: tuple[int, ...]  # symbolic extents some rank cannot know (it holds no part): exchanged every call
+
+
+def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
+    tensors = [fusion.tensor(name) for name in fusion.inputs]
+    held = tuple(holds(t, rank) for t in tensors)
+    layouts = declared_layouts(fusion)
+    checked = tuple(i for i, (name, h) in enumerate(zip(fusion.inputs, held))
+                    if not h or (name in layouts and layouts[name].constrains))
+    exchanged = tuple(i for i, t in enumerate(tensors)
+                      if -1 in t.shape and not all(holds(t, r) for r in range(world)))
+    return _InputView(held, checked, exchanged)
+
+
+def _signature(inputs: Sequence, view: _InputView) -> tuple:
+    """What a compiled plan depends on: the shapes, dtypes and devices of the inputs this rank holds.
+    Not their strides (a declared layout is checked on every call), nor the empty tensors passed for
+    inputs it holds no part of: a rank whose layouts differ from its peers' still finds the plan they find."""
+    if len(inputs) != len(view.held):
+        return (len(inputs),)
+    return tuple(None if not h else (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
+                 for x, h in zip(inputs, view.held))
 
 
 class Executor:
@@ -56,6 +94,7 @@ class Executor:
         self._sharded = fusion.has_meshes
         self._text = str(fusion)
         self._cache: dict[tuple, tuple[Program, Runner, int, str]] = {}
+        self._views: dict[tuple[int, int], _InputView] = {}
 
     def run(self, inputs: list) -> tuple[list[torch.Tensor], Program]:
         if not _executing.acquire(blocking=False):
@@ -68,26 +107,32 @@ class Executor:
             _executing.release()
 
     def _run(self, inputs: list) -> tuple[list[torch.Tensor], Program]:
-        sig = _signature(inputs)
         world = dist.world_token()
         multi = self._sharded and world is not None and dist.world_size() > 1
         backend = dist.backend() if multi else None
+        rank, size = dist.rank(), dist.world_size() if dist.is_initialized() else 1
+        view = self._views.get((rank, size))
+        if view is None:
+            view = self._views[rank, size] = _input_view(self.fusion, rank, size)
+        extents = _exchange_extents(self.fusion, inputs, view) if multi and view.exchanged else ()
+        sig = (_signature(inputs, view), extents)
         cached = self._cache.get(sig)
         if cached is not None and cached[1].world != world:
             self._cache.clear()  # the process group these were built under is gone
             cached = None
         error = None
-        if cached is None:
-            try:
-                program, fingerprint, detail = self._compile(inputs)
-            except TPFusionError as e:
-                error = e
-            except Exception as e:  # an internal error: still agree, so no peer is left waiting
-                if not multi:
-                    raise
-                error = e
-        else:
-            program, runner, fingerprint, detail = cached
+        try:
+            if cached is None:
+                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)))
+            else:
+                program, runner, fingerprint, detail = cached
+                _check_unkeyed(self.fusion, inputs, view, rank)
+        except TPFusionError as e:
+            error = e
+        except Exception as e:  # an internal error: still agree, so no peer is left waiting
+            if not multi:
+                raise
+            error = e
         if multi and (cached is None or backend == "gloo"):
             _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
         if error is not None:
@@ -106,36 +151,64 @@ class Executor:
             _progress.after_call()
         return outputs, program
 
-    def _compile(self, inputs: list) -> tuple[Program, int, str]:
-        """This rank's program for these inputs, its fingerprint and a description of the shapes."""
+    def _compile(self, inputs: list, known: dict[int, tuple[int, ...]]) -> tuple[Program, int, str]:
+        """This rank's program for these inputs, its fingerprint and a description of the shapes.
+        ``known``: the exchanged global shapes of inputs this rank may hold no part of."""
         rank = dist.rank()
         if dist.is_initialized():
             check_mesh_sizes(self.fusion, dist.world_size())
         _check_process_group(self.fusion)
         shapes = global_input_shapes(self.fusion, inputs, rank)
+        shapes = [known[i] if i in known and -1 in shape else shape for i, shape in enumerate(shapes)]
         device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
         _check_backend(self.fusion, inputs)
         program = compile_program(self.fusion, shapes, rank, device)
         detail = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
-        agreed = _agreed_shapes(self.fusion, shapes)
-        return program, _fingerprint(self.serial, self._text, agreed), detail
+        return program, _fingerprint(self.serial, self._text, tuple(map(tuple, shapes))), detail
+
+
+def _exchange_extents(fusion: Fusion, inputs: list, view: _InputView) -> tuple[tuple[int, ...], ...]:
+    """The global shapes of the inputs whose symbolic extents some rank cannot know (it holds no part
+    of them), as their holders see them: one host-side all_reduce(MAX) on every call of such a fusion,
+    before anything can raise, so that every rank compiles, keys and builds its plan with the same
+    shapes. A holder whose own shape differs from the result is caught by the agreement."""
+    dims = []
+    for i in view.exchanged:
+        t = fusion.tensor(fusion.inputs[i])
+        x = inputs[i] if i < len(inputs) else None
+        fits = view.held[i] and isinstance(x, torch.Tensor) and x.dim() == t.ndim
+        dims.extend(t.sharding.global_shape(tuple(x.shape)) if fits else [-1] * t.ndim)
+    v = torch.tensor(dims, dtype=torch.int64)
+    try:
+        dist.host_all_reduce_max(v)
+    except Exception as e:  # a peer left (or failed in an earlier plan): the process group is broken
+        raise ExecutionError(faults.report_failure(
+            dist.rank(), "the exchange of symbolic extents before running the plan", f"{type(e).__name__}: {e}",
+            local=False, exc=e)) from e
+    flat, out = v.tolist(), []
+    for i in view.exchanged:
+        n = fusion.tensor(fusion.inputs[i]).ndim
+        out.append(tuple(flat[:n]))
+        flat = flat[n:]
+    return tuple(out)
+
+
+def _check_unkeyed(fusion: Fusion, inputs: list, view: _InputView, rank: int) -> None:
+    """On a cached plan, what its key leaves out: the declared layouts of the inputs this rank holds,
+    and the empty tensors for those it holds no part of (``global_input_shapes`` checks them on a miss)."""
+    layouts = declared_layouts(fusion)
+    for i in view.checked:
+        name, x = fusion.inputs[i], inputs[i]
+        if not view.held[i]:
+            check_unheld(name, fusion.tensor(name), x, rank)
+        else:
+            layout = layouts[name]
+            check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
 
 
 def _fingerprint(*parts) -> int:
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
-
-
-def _agreed_shapes(fusion: Fusion, shapes: list[tuple[int, ...]]) -> tuple:
-    """The global input shapes every rank must agree on: those of inputs every rank holds (a rank
-    outside a tensor's mesh cannot know its symbolic extents)."""
-    world = set(range(dist.world_size()))
-    out = []
-    for name, shape in zip(fusion.inputs, shapes):
-        t = fusion.tensor(name)
-        held_by_all = t.sharding is None or world <= set(t.sharding.mesh.devices)
-        out.append(tuple(shape) if held_by_all else t.shape)
-    return tuple(out)
 
 
 def _check_process_group(fusion: Fusion) -> None:

@@ -217,6 +217,74 @@ def test_operands_on_different_meshes(multidevice_test):
     _cross_mesh(multidevice_test.rank, multidevice_test.size)
 
 
+def _two_linears_on(mesh: DeviceMesh, tokens: int = -1):
+    """x [tokens, 6] -> column-parallel then row-parallel linear on ``mesh`` (one allreduce)."""
+    with FusionDefinition() as fd:
+        x, w1, w2 = fd.define_tensor([tokens, 6]), fd.define_tensor([8, 6]), fd.define_tensor([6, 8])
+        z = fd.ops.linear(fd.ops.linear(x, w1), w2)
+        fd.add_output(z)
+        for tv in (x, w1, w2, z):
+            tv.set_device_mesh(mesh)
+        w1.outer_split(0, 2)
+        w1.axis(0).parallelize(ParallelType.mesh_x)
+        w2.outer_split(1, 2)
+        w2.axis(1).parallelize(ParallelType.mesh_x)
+    return fd, (x, w1, w2)
+
+
+def _plan_cache_on_every_rank(rank: int, world: int) -> None:
+    """Every rank finds a cached plan or builds one at the same call (building is collective), for
+    inputs that differ between ranks only where a plan does not depend on them."""
+    g = torch.Generator().manual_seed(2)
+    w1f, w2f = torch.randn(8, 6, generator=g), torch.randn(6, 8, generator=g)
+
+    def run(fd, tvs, xf, tweak=lambda i, t: t):
+        ins = [tweak(i, shard_tensor(f, tv)) for i, (f, tv) in enumerate(zip((xf, w1f, w2f), tvs))]
+        (out,) = fd.execute(ins)
+        torch.testing.assert_close(out, shard_tensor(xf @ w1f.T @ w2f.T, fd.output_shardings()[0]))
+        _in_step()
+
+    # A mesh of some ranks and a symbolic extent: the ranks outside it cannot see the extent change.
+    fd, tvs = _two_linears_on(DeviceMesh([0, 1]))
+    for tokens in (4, 10, 4):
+        run(fd, tvs, torch.randn(tokens, 6, generator=g))
+    assert fd.plan.collectives() == ["allreduce"], str(fd.plan)
+
+    # One rank passes an input in another layout (no layout declared): the plan is the same.
+    fd, tvs = _two_linears_on(DeviceMesh(range(world)[:2]), tokens=4)
+    xf = torch.randn(4, 6, generator=g)
+    run(fd, tvs, xf)
+    run(fd, tvs, xf, lambda i, t: t.T.contiguous().T if rank == 1 and i == 0 else t)
+
+    # A rank outside the mesh passes the full tensor instead of an empty one, before and after a good call.
+    fd, tvs = _two_linears_on(DeviceMesh([1, 2]), tokens=4)
+    for _ in range(2):
+        ins = [f if rank == 0 else shard_tensor(f, tv) for f, tv in zip((xf, w1f, w2f), tvs)]
+        want = r"execute: rank 0 holds no part of input T0 \(its mesh is \[1, 2\]\) and must pass an empty tensor"
+        _raises(InputError, want if rank == 0 else "rank 0 rejected its inputs: " + want,
+                lambda ins=ins: fd.execute(ins))
+        run(fd, tvs, xf)
+
+    # A pipeline: stage 1 holds no part of the input whose symbolic extent sizes what it receives.
+    with FusionDefinition() as fd:
+        x, w1, w2 = fd.define_tensor([-1, 6]), fd.define_tensor([8, 6]), fd.define_tensor([6, 8])
+        h = fd.ops.set(fd.ops.linear(x, w1))
+        z = fd.ops.linear(h, w2)
+        fd.add_output(z)
+        for tv in (x, w1):
+            tv.set_device_mesh(DeviceMesh([0]))
+        for tv in (w2, h, z):
+            tv.set_device_mesh(DeviceMesh([1]))
+    for tokens in (2, 6):
+        run(fd, (x, w1, w2), torch.randn(tokens, 6, generator=g))
+    assert fd.plan.collectives() == ["send_recv"], str(fd.plan)
+
+
+@pytest.mark.ranks(4)
+def test_plan_cache_agrees_across_ranks(multidevice_test):
+    _plan_cache_on_every_rank(multidevice_test.rank, multidevice_test.size)
+
+
 @pytest.mark.skipif(dist.is_initialized(), reason="needs no process group")
 def test_sharded_fusion_without_a_process_group():
     fd, x = _sharded_relu(2, rows=4)
