@@ -77,6 +77,9 @@ class ParallelType(enum.Enum):
     DIDx = "mesh_x"
     DIDy = "mesh_y"
     DIDz = "mesh_z"
+    # nvFuser's stream-parallel loop runs its iterations on CUDA streams: a schedule, not a change of
+    # values. tp_fusion runs it as a serial loop and overlaps communication in its fused segments.
+    stream = "serial"
 
     @property
     def is_device(self) -> bool:

@@ -7,8 +7,7 @@
 # SPDX-License-Identifier: BSD-3-Clause
 
 # tp_fusion: ParallelType.stream only schedules (it splits work over CUDA streams; the values are
-# those of the serial schedule), so each `parallelize(ParallelType.stream)` becomes
-# ParallelType.serial and the stream split stays as a serial loop split. swizzle1d (a stream-index
+# those of the serial schedule): tp_fusion accepts it as a serial loop. swizzle1d (a stream-index
 # permutation, no effect on values), host IR options, MultiDeviceExecutor(params) and
 # CommunicatorBackend are dropped; kernel and profiler counts become fd.plan.collectives();
 # benchmarks run once, on small shapes, without timing. The plain torch references (*_reference*)
@@ -91,7 +90,7 @@ def row_parallel_linear_forward(
             tv.set_device_mesh(mesh)
 
         inp.outer_split(0, num_chunks)
-        inp.axis(0).parallelize(nvfuser.ParallelType.serial)  # tp_fusion: was ParallelType.stream
+        inp.axis(0).parallelize(nvfuser.ParallelType.stream)
         inp.outer_split(2, mesh.size)
         inp.axis(2).parallelize(nvfuser.ParallelType.mesh_x)
         weight.outer_split(1, mesh.size)
@@ -180,7 +179,7 @@ def column_parallel_linear_forward(h: int, d: int, parallelism: str):
         ag_out.outer_split(0, d)
         # tp_fusion: `if parallelism == "collective_permute": ag_out.swizzle1d(0, mesh_x)` dropped
         # (a permutation of the stream loop: the order of the chunks' transfers, not their values)
-        ag_out.axis(0).parallelize(nvfuser.ParallelType.serial)  # tp_fusion: was ParallelType.stream
+        ag_out.axis(0).parallelize(nvfuser.ParallelType.stream)
 
     return fd
 
@@ -278,7 +277,7 @@ def test_overlap_allgather_matmul_stream_outermost(multidevice_test, s):  # tp_f
 
         x, weight, bias, out = tensors
         x.axis(1).parallelize(nvfuser.ParallelType.mesh_x)
-        out.axis(0).parallelize(nvfuser.ParallelType.serial)  # tp_fusion: was ParallelType.stream
+        out.axis(0).parallelize(nvfuser.ParallelType.stream)
 
     N_WARMUPS = 2  # tp_fusion: was N_WARMUPS, N_ITERATIONS = 5, 25
     m, k, n, d = 2**7, 2**7, 2**7, multidevice_test.size  # tp_fusion: were 2**10 (CPU ranks)
@@ -337,7 +336,7 @@ def test_overlap_allgather_matmul_shard_outermost(multidevice_test):
 
         x, weight, bias, out = tensors
         x.axis(0).parallelize(nvfuser.ParallelType.mesh_x)
-        out.axis(0).parallelize(nvfuser.ParallelType.serial)  # tp_fusion: was ParallelType.stream
+        out.axis(0).parallelize(nvfuser.ParallelType.stream)
 
     N_WARMUPS = 2  # tp_fusion: was N_WARMUPS, N_ITERATIONS = 5, 25
     m, k, n, d = 2**7, 2**7, 2**7, multidevice_test.size  # tp_fusion: were 2**10 (CPU ranks)
