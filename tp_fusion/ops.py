@@ -925,8 +925,8 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
     """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Integer
     indices of a dim of known extent are normalized as Python and torch do (negative ones count from
     the end, then clamped to [0, extent]) unless ``manual_normalization`` (nvFuser's promise that they
-    lie in [0, extent] already); other indices must lie there (a symbolic ``fd.ops.size`` scalar is
-    checked at execute)."""
+    lie in [0, extent] already); other indices must lie there (on a symbolic extent, and for a
+    symbolic ``fd.ops.size`` scalar, that is checked at execute)."""
     x = rec.tv(x, "x")
     starts = _extents("slice", start_indices, "start_indices")
     ends = _extents("slice", end_indices, "end_indices")
@@ -941,10 +941,11 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
         if isinstance(s, SymbolicSize) or isinstance(e, SymbolicSize):
             bad = k < 1 or (isinstance(s, int) and s < 0)
         else:
-            bad = k < 1 or s < 0 or e < s or (n >= 0 and e > n) or (n < 0 and (s, e) != (0, n) and e != -1)
+            bad = k < 1 or s < 0 or e < s or (n >= 0 and e > n)
         if bad:
+            unknown = " (the extent is symbolic: bounds counted from the end need fd.ops.size)" if n < 0 else ""
             _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
-                           "extent and a stride >= 1")
+                           f"extent and a stride >= 1{unknown}")
     return rec(x, starts=starts, ends=ends, strides=strides)
 
 

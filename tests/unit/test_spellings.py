@@ -209,6 +209,20 @@ def test_a_symbolic_slice_bound_is_checked_at_execute():
         fd.execute([a, torch.randn(8)])
 
 
+def test_integer_slice_bounds_on_a_symbolic_extent_are_checked_at_execute():
+    """nvFuser takes integer bounds on a dim whose extent is bound at execute; so does tp_fusion (from
+    the end, they need the extent: refused when recorded)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.slice(x, [0, 1], [4, 3]))
+        with pytest.raises(DefinitionError, match=r"\[1:-1:1\] .*the extent is symbolic"):
+            fd.ops.slice(x, [1, 0], [-1, 2])
+    t = torch.randn(6, 5)
+    torch.testing.assert_close(fd.execute([t])[0], t[0:4, 1:3])
+    with pytest.raises(InputError, match=r"slice: .*\[0:4:1\] needs 0 <= start <= end <= extent"):
+        fd.execute([torch.randn(3, 5)])
+
+
 def test_symbolic_scalars_only_where_extents_go():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 4])
