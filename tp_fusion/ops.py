@@ -943,7 +943,8 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
         else:
             bad = k < 1 or s < 0 or e < s or (n >= 0 and e > n)
         if bad:
-            unknown = " (the extent is symbolic: bounds counted from the end need fd.ops.size)" if n < 0 else ""
+            unknown = (" (the extent is symbolic, so a bound counted from its end cannot be resolved: define the "
+                       "extent, or pass non-negative bounds, which execute checks)") if n < 0 else ""
             _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
                            f"extent and a stride >= 1{unknown}")
     return rec(x, starts=starts, ends=ends, strides=strides)

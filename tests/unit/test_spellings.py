@@ -210,8 +210,8 @@ def test_a_symbolic_slice_bound_is_checked_at_execute():
 
 
 def test_integer_slice_bounds_on_a_symbolic_extent_are_checked_at_execute():
-    """nvFuser takes integer bounds on a dim whose extent is bound at execute; so does tp_fusion (from
-    the end, they need the extent: refused when recorded)."""
+    """nvFuser takes integer bounds on a dim whose extent is bound at execute; so does tp_fusion (bounds
+    counted from the end need the extent: refused when recorded)."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.slice(x, [0, 1], [4, 3]))
