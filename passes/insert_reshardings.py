@@ -45,8 +45,10 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
             ops.append(op)
             continue
         st: Strategy = op.strategy
-        args = tuple(reshard(a, s) if isinstance(a, int) else a for a, s in zip(op.inputs, st.inputs))
-        if is_biased_gemm(op) and st.outputs[0].has_partial:
+        bias_once = is_biased_gemm(op) and st.outputs[0].has_partial  # the bias is resharded for its add
+        used = op.inputs[:2] if bias_once else op.inputs
+        args = tuple(reshard(a, s) if isinstance(a, int) else a for a, s in zip(used, st.inputs))
+        if bias_once:
             out, target = op.outputs[0], tensors[op.outputs[0]].sharding
             partial = new_tensor(out, st.outputs[0])
             ops.append(Op(op.kind, args[:2], (partial,), strategy=Strategy(st.mesh, st.inputs[:2], st.outputs)))

@@ -10,6 +10,7 @@ Shard(i) -> Shard(j)          ``ALL_TO_ALL`` (i != j; on one dim at another plac
                               ``ALLGATHER`` then ``LOCAL_SLICE``)
 Replicate -> Shard(i)         ``LOCAL_SLICE`` (no communication)
 Replicate -> Partial          ``TO_PARTIAL`` (the value on mesh index 0, zeros elsewhere; local)
+Shard(i) -> Partial           ``ALLGATHER`` then ``TO_PARTIAL``
 ============================  =======================================================
 
 A change on several mesh axes becomes a sequence: free local steps first (less data to move
@@ -93,7 +94,8 @@ _TABLE = {
 
 
 def step_collective(src: Placement, dst: Placement) -> Collective | None:
-    """The one-axis step from ``src`` to ``dst`` (None: there is none, e.g. Shard -> Partial)."""
+    """The one-axis step from ``src`` to ``dst`` (None: no single step, e.g. Shard -> Partial, which
+    ``same_mesh_steps`` gathers first)."""
     return _TABLE.get((type(src), type(dst)))
 
 
@@ -120,8 +122,8 @@ def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep
                 a, b = cur[axis], dst.placements[axis]
                 if a == b or (slices_only and not isinstance(a, Replicate)):
                     continue
-                if isinstance(a, Shard) and isinstance(b, Shard) and a.dim == b.dim:
-                    b = REPLICATE  # another place in the same dim: gather now, slice on the next pass
+                if isinstance(a, Shard) and (isinstance(b, Partial) or isinstance(b, Shard) and a.dim == b.dim):
+                    b = REPLICATE  # gather now; slice (another place in the dim) or go partial on the next pass
                 if isinstance(b, Shard) and not Sharding(src.mesh, (*cur[:axis], b, *cur[axis + 1:])).nests(b.dim):
                     continue  # would overlap another axis' piece of b.dim: wait for it to let go
                 collective = step_collective(a, b)

@@ -160,6 +160,29 @@ def test_biased_linear_with_an_annotated_output(multidevice_test, strided):
     assert fd.plan.collectives() == ([] if d == 1 else ["reduce_scatter"] if strided else ["allreduce"])
 
 
+def test_sharded_bias_of_a_row_parallel_linear(multidevice_test):
+    """A row-parallel linear into a pending sum whose bias is sharded: the bias is gathered and added
+    once (on the first rank of the sum)."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([4, 2 * d], dtype=DataType.Double), fd.define_tensor([3 * d, 2 * d],
+                                                                                      dtype=DataType.Double)
+        b = fd.define_tensor([3 * d], dtype=DataType.Double)
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(y)
+    for tv in (x, w, b, y):
+        tv.set_device_mesh(mesh)
+    for tv in (x, w):
+        tv.outer_split(-1, d).axis(-2).parallelize(X)
+    b.outer_split(0, d).axis(0).parallelize(X)
+    y.outer_split(-1, d).axis(-2).parallelize(X)
+    full = [rand(10, 4, 2 * d), rand(11, 3 * d, 2 * d), rand(12, 3 * d)]
+    (got,) = fd.execute([shard_tensor(t, tv) for tv, t in zip((x, w, b), full)])
+    torch.testing.assert_close(got, F.linear(*full))
+    assert fd.plan.collectives() == ([] if d == 1 else ["allgather", "allreduce"])
+
+
 def test_context_parallel_tokens_through_a_block(multidevice_test):
     """Tokens on an inner piece (strided) through layer_norm, linear, gelu and a strided contraction."""
     d = multidevice_test.size

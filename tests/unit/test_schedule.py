@@ -364,6 +364,8 @@ def test_reshard_steps_between_places_of_one_dim():
     assert kinds((Shard(0), Shard(0, 2)), (Shard(0), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 1)]
     assert kinds((Shard(0, 2), Shard(0)), (REPLICATE, Shard(0)), MESH22) == [(Collective.ALLGATHER, 0, 1)]
     assert kinds((Shard(0, 2), Shard(0, 4)), (Shard(0, 2), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 2)]
+    # a shard going partial: gather, then the value on the axis' first rank (zeros elsewhere)
+    assert kinds((Shard(0),), (PARTIAL_SUM,), MESH2) == [(Collective.ALLGATHER, 0, 1), (Collective.TO_PARTIAL, 0, 1)]
 
 
 @pytest.mark.parametrize("schedule,placement,collectives", [
