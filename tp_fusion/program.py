@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.ops import Localize, Trait, is_biased_gemm, is_plain_gemm, is_tanh_gelu, opdef, traits
 from tp_fusion.passes.fuse_collectives import reduction_addends
@@ -246,6 +247,18 @@ def _broadcast_group(op: Op) -> tuple[int, ...]:
     return tuple(sorted({src.devices[0], *dst.devices}))
 
 
+def _check_increasing(mesh, op: Op) -> None:
+    """torch numbers a process group's ranks in increasing order, so a collective that places pieces by
+    position needs each group along its mesh axis listed that way (else the pieces land out of place)."""
+    axis = op.attr("mesh_axis")
+    for g in mesh.all_axis_groups(axis):
+        if list(g) != sorted(g):
+            raise LoweringError(
+                f"{op.kind} over mesh axis {axis} of {mesh}: its ranks {list(g)} are not in increasing order, "
+                "and torch's process groups order their ranks by number, so the pieces would land out of place; "
+                "list the ranks along each mesh axis in increasing order")
+
+
 def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
     """Every group ``op`` uses on any rank."""
     c = Collective(op.kind)
@@ -256,15 +269,23 @@ def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
     return fusion.tensor(op.inputs[0]).sharding.mesh.all_axis_groups(op.attr("mesh_axis"))
 
 
+# Collectives that place pieces by their rank's position in the group.
+_POSITIONAL = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)
+
+
 def _communicate(fusion: Fusion, op: Op, rank: int, donate: bool) -> Communicate:
     c = Collective(op.kind)
     out = fusion.tensor(op.outputs[0])
-    if c in (Collective.SEND_RECV, Collective.BROADCAST):
+    if c is Collective.SEND_RECV:
         src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
-        runs_here = rank in set(src.devices) | set(dst.devices)
-        group = _broadcast_group(op) if c is Collective.BROADCAST else None
+        runs_here, group = rank in set(src.devices) | set(dst.devices), None
+    elif c is Collective.BROADCAST:  # from the source's first rank to the destination mesh, no one else
+        group = _broadcast_group(op)
+        runs_here = rank in group
     else:
         mesh = fusion.tensor(op.inputs[0]).sharding.mesh
+        if c in _POSITIONAL:
+            _check_increasing(mesh, op)
         runs_here = rank in mesh
         group = mesh.axis_group(op.attr("mesh_axis"), rank) if runs_here else None
     return Communicate(op, c, group, local_shape(fusion, out.name), out.dtype, donate, runs_here)

@@ -285,6 +285,69 @@ def test_plan_cache_agrees_across_ranks(multidevice_test):
     _plan_cache_on_every_rank(multidevice_test.rank, multidevice_test.size)
 
 
+def _meshes_out_of_order_and_broadcasts(rank: int, world: int) -> None:
+    """A collective that places pieces by position on a mesh axis listed out of increasing order is
+    refused on every rank (torch numbers a group's ranks increasingly); a broadcast runs on its own
+    group only (a rank of the source mesh outside it once ran it on a group it is not in)."""
+    from tp_fusion import LoweringError
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8])
+        y = fd.ops.neg(x)
+        fd.add_output(y)
+        for tv in (x, y):
+            tv.set_device_mesh(DeviceMesh([3, 2, 1, 0]))
+        x.outer_split(0, 4)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    want = r"allgather over mesh axis 0 of .*: its ranks \[3, 2, 1, 0\] are not in increasing order"
+    _raises(LoweringError, want, lambda: fd.execute([shard_tensor(torch.arange(8.0), x)]), base=NotImplementedError)
+
+    # Three fusions on meshes of some ranks, in this order (found by a fuzz): the third broadcasts from
+    # rank 0 to rank 3, a group (0, 3) that leaves ranks 1 and 2 out.
+    g = torch.Generator().manual_seed(0)
+
+    def run(fd, tvs, fulls, ref):
+        (out,) = fd.execute([shard_tensor(f, tv) for f, tv in zip(fulls, tvs)])
+        torch.testing.assert_close(out, shard_tensor(ref, fd.output_shardings()[0]), atol=1e-5, rtol=1e-5)
+        _in_step()
+
+    with FusionDefinition() as fd:
+        t0, t4 = fd.define_tensor([12, 4, 8]), fd.define_tensor([12, 8, 4])
+        t1 = fd.ops.unsqueeze(t0, 2)
+        t2 = fd.ops.set(t1)
+        fd.add_output(fd.ops.matmul(fd.ops.mean(t2, [1]), t4))
+        for tv in (t0, t2, t4):
+            tv.set_device_mesh(DeviceMesh([0]))
+        t1.set_device_mesh(DeviceMesh([3, 2, 1, 0]))
+    a, b = torch.randn(12, 4, 8, generator=g), torch.randn(12, 8, 4, generator=g)
+    run(fd, (t0, t4), (a, b), torch.matmul(a.unsqueeze(2).mean(1), b))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.unsqueeze(fd.ops.softmax(x, -1), 0)
+        fd.add_output(z)
+        x.set_device_mesh(DeviceMesh(torch.tensor([[2, 3]])))
+        x.outer_split(0, 2)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+        z.set_device_mesh(DeviceMesh([2, 3]))
+    a = torch.randn(4, 8, generator=g)
+    run(fd, (x,), (a,), torch.softmax(a, -1).unsqueeze(0))
+    with FusionDefinition() as fd:
+        t0, t2 = fd.define_tensor([8, 8, 8]), fd.define_tensor([1, 1, 8])
+        t4 = fd.ops.slice(fd.ops.mul(t2, fd.ops.gelu(t0, approximate="tanh")), [4, 0, 0], [8, 8, 8])
+        fd.add_output(t4)
+        t0.set_device_mesh(DeviceMesh(range(world)))
+        for tv in (t2, t4):
+            tv.set_device_mesh(DeviceMesh([3]))
+    a, b = torch.randn(8, 8, 8, generator=g), torch.randn(1, 1, 8, generator=g)
+    run(fd, (t0, t2), (a, b), (b * torch.nn.functional.gelu(a, approximate="tanh"))[4:])
+    assert "broadcast" in fd.plan.collectives(), str(fd.plan)
+
+
+@pytest.mark.ranks(4)
+def test_meshes_out_of_order_and_broadcasts_to_some_ranks(multidevice_test):
+    _meshes_out_of_order_and_broadcasts(multidevice_test.rank, multidevice_test.size)
+
+
 @pytest.mark.skipif(dist.is_initialized(), reason="needs no process group")
 def test_sharded_fusion_without_a_process_group():
     fd, x = _sharded_relu(2, rows=4)
