@@ -249,7 +249,7 @@ def test_column_parallel_linear_forward_benchmark(
 
     (out,) = fd.execute([inp, weight])  # tp_fusion: was get_benchmark_fns + benchmark.pedantic
     # tp_fusion: added (upstream asserts nothing)
-    torch.testing.assert_close(out, torch.nn.functional.linear(inp_ref, weight))
+    torch.testing.assert_close(out, torch.nn.functional.linear(inp_ref.to(weight.device), weight))
 
 
 @pytest.mark.mpi
