@@ -15,6 +15,8 @@ from conftest import ROOT, user_env
 @pytest.mark.parametrize("script,args,expect", [
     ("examples/tp_mlp.py", [], ["collectives: ['allreduce']", "collectives: ['allgather', 'reduce_scatter']"]),
     ("examples/linear_tp.py", [], ["collectives: []", "collectives: ['allreduce']"]),
+    ("examples/tp_mlp.py", ["--nproc", "1"], ["mode tp: 1 ranks", "collectives: []"]),  # one rank: no collective
+    ("examples/linear_tp.py", ["--nproc", "1"], ["row-parallel linear: 1 ranks", "collectives: []"]),
     ("examples/dp_tp_mlp.py", [], ["mesh [2, 2]", "collectives: ['allreduce']", "allreduce(T8, mesh_axis=1)"]),
 ])
 def test_example_runs_and_validates(script, args, expect):
