@@ -96,8 +96,7 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> float:
     fd = define_mlp(args.tokens, args.hidden, world, mode, dtype)
     full = reference_inputs(args.tokens, args.hidden, torch_dtype, device)
     title = f"mode {mode}: {world} ranks, tokens {args.tokens}, hidden {args.hidden}, {args.dtype}"
-    expected = EXPECTED_COLLECTIVES[mode] if world > 1 else []  # a mesh of one rank runs no collective
-    local, error = execute_and_check(rank, fd, full, reference_mlp(*full), title, expected,
+    local, error = execute_and_check(rank, fd, full, reference_mlp(*full), title, EXPECTED_COLLECTIVES[mode],
                                      explain=getattr(args, "explain", False))
     if getattr(args, "profile", None) and mode == profiled_mode(args):
         profile(rank, world, lambda: fd.execute(local), Path(args.profile),

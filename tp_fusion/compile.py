@@ -29,11 +29,12 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
     if len(inputs) != len(fusion.inputs):
         raise InputError(f"execute: the fusion takes {len(fusion.inputs)} inputs ({names}), got {len(inputs)}")
     shapes, devices = [], set()
+    layouts = declared_layouts(fusion)
     for name, x in zip(fusion.inputs, inputs):
         t = fusion.tensor(name)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"execute: input T{name} must be a torch.Tensor, got {type(x).__name__}")
-        if not holds(t, rank):
+        if not t.held_by(rank):
             check_unheld(name, t, x, rank)
             shapes.append(t.shape)  # this rank holds no shard of it: its extents are its holders' to say
             continue
@@ -53,18 +54,13 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
                     f"execute: input T{name} dim {d} has local extent {got}; its global extent {t.shape[d]}"
                     f"{split} gives {want}. Pass this rank's shard (shard_tensor) of a {list(t.shape)} tensor; "
                     f"expected local shape {list(local_expected)}")
-        layout = declared_layouts(fusion).get(name)
+        layout = layouts.get(name)
         if layout is not None and layout.constrains:
             check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
         shapes.append(t.sharding.global_shape(tuple(x.shape)) if t.sharding else tuple(x.shape))
     if len(devices) > 1:
         raise InputError(f"execute: inputs are on several devices {sorted(map(str, devices))}; use one")
     return shapes
-
-
-def holds(t: Tensor, rank: int) -> bool:
-    """Whether ``rank`` holds a part of tensor ``t`` (an unsharded tensor is held by every rank)."""
-    return t.sharding is None or rank in t.sharding.mesh
 
 
 def declared_layouts(fusion: Fusion) -> dict:

@@ -75,9 +75,8 @@ def _check_increasing(mesh: DeviceMesh) -> None:
     DTensor's shards by the rank order of each mesh axis' process group, which sorts its ranks, not by
     the order the mesh lists them in (``DeviceMesh("cpu", [1, 0])`` gives rank 0 the first shard): such
     a mesh would give tp_fusion and torch different data."""
-    ranks = torch.tensor(mesh.devices).reshape(mesh.shape)
-    for axis in range(ranks.ndim):
-        if not bool((ranks.diff(dim=axis) > 0).all()):  # an axis of size 1 has no differences: passes
+    for axis in range(len(mesh.shape)):
+        if mesh.unordered_group(axis) is not None:
             raise UnsupportedPlacementError(
                 f"execute_with_dtensors: {mesh!r} lists the ranks of mesh axis {axis} out of increasing order; "
                 "torch places DTensor shards by each axis' sorted ranks, so list them in increasing order")

@@ -33,7 +33,6 @@ from tp_fusion.compile import (
     compile_program,
     declared_layouts,
     global_input_shapes,
-    holds,
 )
 from tp_fusion.errors import (
     DefinitionError,
@@ -66,12 +65,12 @@ class _InputView:
 
 def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
     tensors = [fusion.tensor(name) for name in fusion.inputs]
-    held = tuple(holds(t, rank) for t in tensors)
+    held = tuple(t.held_by(rank) for t in tensors)
     layouts = declared_layouts(fusion)
     checked = tuple(i for i, (name, h) in enumerate(zip(fusion.inputs, held))
                     if not h or (name in layouts and layouts[name].constrains))
     exchanged = tuple(i for i, t in enumerate(tensors)
-                      if -1 in t.shape and not all(holds(t, r) for r in range(world)))
+                      if -1 in t.shape and not all(t.held_by(r) for r in range(world)))
     return _InputView(held, checked, exchanged)
 
 

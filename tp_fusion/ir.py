@@ -56,6 +56,10 @@ class Tensor:
     def ndim(self) -> int:
         return len(self.shape)
 
+    def held_by(self, rank: int) -> bool:
+        """Whether ``rank`` holds a part of this tensor (an unsharded tensor is held by every rank)."""
+        return self.sharding is None or rank in self.sharding.mesh
+
     def replace(self, **kw) -> Tensor:
         return dataclasses.replace(self, **kw)
 

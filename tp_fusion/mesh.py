@@ -96,6 +96,12 @@ class DeviceMesh:
         others = [range(n) if a != axis else range(1) for a, n in enumerate(self.shape)]
         return [self.axis_group(axis, self.rank_at(c)) for c in itertools.product(*others)]
 
+    def unordered_group(self, axis: int) -> tuple[int, ...] | None:
+        """A group along ``axis`` whose ranks are not in increasing order, or None. torch numbers a
+        process group's ranks increasingly (and places a DTensor's shards so): collectives that place
+        pieces by position need every group in that order."""
+        return next((g for g in self.all_axis_groups(axis) if list(g) != sorted(g)), None)
+
     def numel_along(self, axes: Iterable[int]) -> int:
         """How many devices the mesh axes ``axes`` span together."""
         return math.prod(self.shape[a] for a in axes)

@@ -237,26 +237,21 @@ def local_shape(fusion: Fusion, name: int) -> tuple[int, ...]:
     return t.sharding.local_shape(t.shape) if t.sharding else t.shape
 
 
-def _holds(fusion: Fusion, name: int, rank: int) -> bool:
-    t = fusion.tensor(name)
-    return t.sharding is None or rank in t.sharding.mesh
-
-
 def _broadcast_group(op: Op) -> tuple[int, ...]:
     src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
     return tuple(sorted({src.devices[0], *dst.devices}))
 
 
 def _check_increasing(mesh, op: Op) -> None:
-    """torch numbers a process group's ranks in increasing order, so a collective that places pieces by
-    position needs each group along its mesh axis listed that way (else the pieces land out of place)."""
+    """A collective that places pieces by position runs along a mesh axis whose ranks increase (else
+    torch's process group, which numbers its ranks increasingly, puts the pieces out of place)."""
     axis = op.attr("mesh_axis")
-    for g in mesh.all_axis_groups(axis):
-        if list(g) != sorted(g):
-            raise LoweringError(
-                f"{op.kind} over mesh axis {axis} of {mesh}: its ranks {list(g)} are not in increasing order, "
-                "and torch's process groups order their ranks by number, so the pieces would land out of place; "
-                "list the ranks along each mesh axis in increasing order")
+    bad = mesh.unordered_group(axis)
+    if bad is not None:
+        raise LoweringError(
+            f"{op.kind} over mesh axis {axis} of {mesh}: its ranks {list(bad)} are not in increasing order, "
+            "and torch's process groups order their ranks by number, so the pieces would land out of place; "
+            "list the ranks along each mesh axis in increasing order")
 
 
 def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
@@ -300,7 +295,7 @@ def _compute(fusion: Fusion, op: Op, rank: int, device: torch.device) -> Compute
             in_global=[None if a is None else fusion.tensor(a).shape for a in ins],
             in_local=[None if a is None else local_shape(fusion, a) for a in ins],
             out_local=local_shape(fusion, op.outputs[0]), device=device))
-    return Compute(op, tuple(attrs.items()), _holds(fusion, op.outputs[0], rank))
+    return Compute(op, tuple(attrs.items()), fusion.tensor(op.outputs[0]).held_by(rank))
 
 
 def gelu_epilogues(fusion: Fusion, steps: Sequence[Instruction]) -> set[int]:
@@ -371,7 +366,7 @@ def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:
                 steps.append(_compute(fusion, op, rank, device))
         fused = _fused(fusion, [fusion.ops[i] for i in seg.ops], steps, rank) if seg.kind == "fused" else None
         segments.append(ProgramSegment(seg.kind, seg.note, tuple(steps), fused))
-    outputs = tuple((o, _holds(fusion, o, rank)) for o in fusion.outputs)
+    outputs = tuple((o, fusion.tensor(o).held_by(rank)) for o in fusion.outputs)
     # Asynchronous collectives on CUDA only: NCCL's wait holds the stream, not the host, and the GPU
     # guards bound it (runtime.faults); a gloo wait whose peer failed blocked the host until the
     # group's timeout (60 s in tests/multidevice/test_reliability.py) instead of failing promptly.

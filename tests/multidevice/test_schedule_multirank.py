@@ -132,9 +132,19 @@ def test_context_and_tensor_parallel_execute(multidevice_test):
     _run(fd, [x], [full], y, full * 2.0, ["allgather", "allgather"])
 
 
-@pytest.mark.parametrize("strided", [True, False])
-def test_biased_linear_with_an_annotated_output(multidevice_test, strided):
+# case: (the output, the collectives on more than one rank)
+_BIASED_CASES = {
+    "strided out dim": (lambda y, fd: fd.ops.mul(y, 2.0), lambda t: t * 2.0, ["reduce_scatter"]),
+    "pending sum": (lambda y, fd: fd.ops.relu(y), torch.relu, ["allreduce"]),
+    # a sharded bias is gathered and added once (on the first rank of the sum)
+    "pending sum, sharded bias": (lambda y, fd: y, lambda t: t, ["allgather", "allreduce"]),
+}
+
+
+@pytest.mark.parametrize("case", list(_BIASED_CASES))
+def test_biased_linear_with_an_annotated_output(multidevice_test, case):
     """The bias is added once: sharded as a strided out dim, or on one device of a pending sum."""
+    output, reference, collectives = _BIASED_CASES[case]
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))
     with FusionDefinition() as fd:
@@ -142,45 +152,22 @@ def test_biased_linear_with_an_annotated_output(multidevice_test, strided):
                                                                                       dtype=DataType.Double)
         b = fd.define_tensor([3 * d], dtype=DataType.Double)
         y = fd.ops.linear(x, w, b)
-        out = fd.ops.mul(y, 2.0) if strided else fd.ops.relu(y)
-        fd.add_output(out)
+        fd.add_output(output(y, fd))
     for tv in (x, w, y):
         tv.set_device_mesh(mesh)
     for tv in (x, w):
         tv.outer_split(-1, d).axis(-2).parallelize(X)
-    if strided:
+    if case == "strided out dim":
         y.inner_split(1, d).axis(2).parallelize(X)
     else:
         y.outer_split(-1, d).axis(-2).parallelize(X)
+    if case == "pending sum, sharded bias":
+        b.set_device_mesh(mesh)
+        b.outer_split(0, d).axis(0).parallelize(X)
     full = [rand(7, 4, 2 * d), rand(8, 3 * d, 2 * d), rand(9, 3 * d)]
-    ref = F.linear(*full)
-    want = ref * 2.0 if strided else torch.relu(ref)
     (got,) = fd.execute([shard_tensor(t, tv) for tv, t in zip((x, w, b), full)])
-    torch.testing.assert_close(got, shard_tensor(want, fd.output_shardings()[0]))
-    assert fd.plan.collectives() == ([] if d == 1 else ["reduce_scatter"] if strided else ["allreduce"])
-
-
-def test_sharded_bias_of_a_row_parallel_linear(multidevice_test):
-    """A row-parallel linear into a pending sum whose bias is sharded: the bias is gathered and added
-    once (on the first rank of the sum)."""
-    d = multidevice_test.size
-    mesh = DeviceMesh(range(d))
-    with FusionDefinition() as fd:
-        x, w = fd.define_tensor([4, 2 * d], dtype=DataType.Double), fd.define_tensor([3 * d, 2 * d],
-                                                                                      dtype=DataType.Double)
-        b = fd.define_tensor([3 * d], dtype=DataType.Double)
-        y = fd.ops.linear(x, w, b)
-        fd.add_output(y)
-    for tv in (x, w, b, y):
-        tv.set_device_mesh(mesh)
-    for tv in (x, w):
-        tv.outer_split(-1, d).axis(-2).parallelize(X)
-    b.outer_split(0, d).axis(0).parallelize(X)
-    y.outer_split(-1, d).axis(-2).parallelize(X)
-    full = [rand(10, 4, 2 * d), rand(11, 3 * d, 2 * d), rand(12, 3 * d)]
-    (got,) = fd.execute([shard_tensor(t, tv) for tv, t in zip((x, w, b), full)])
-    torch.testing.assert_close(got, F.linear(*full))
-    assert fd.plan.collectives() == ([] if d == 1 else ["allgather", "allreduce"])
+    torch.testing.assert_close(got, shard_tensor(reference(F.linear(*full)), fd.output_shardings()[0]))
+    assert fd.plan.collectives() == ([] if d == 1 else collectives)
 
 
 def test_context_parallel_tokens_through_a_block(multidevice_test):
