@@ -98,6 +98,12 @@ SP_DESIGNS = {
     "rs_ring_2_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=2),
     "rs_ring_4_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=4),
     "rs_sum_2_pieces": overlap.Tuning(rs_subchunks=2),
+    # Chunk boundaries off the middle (round 18's compute-only probe: GEMM 1 best 256 rows early, GEMM 2
+    # 512-768 rows late, on 8192 and 16384 tokens)
+    "ag_split_256": overlap.Tuning(ag_split_rows=256),
+    "rs_split_512": overlap.Tuning(rs_split_rows=512),
+    "rs_split_768": overlap.Tuning(rs_split_rows=768),
+    "split_256_768": overlap.Tuning(ag_split_rows=256, rs_split_rows=768),
 }
 TP_DESIGNS = {"ar_two_streams": overlap.Tuning(rs_streams=2), "ar_1_piece": overlap.Tuning(ar_subchunks=1),
               "ar_4_pieces": overlap.Tuning(ar_subchunks=4)}

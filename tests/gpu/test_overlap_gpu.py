@@ -33,7 +33,9 @@ def _tunings():
             Tuning(ag_streams=2, rs_remote_store=True),
             Tuning(rs_streams=2, rs_subchunks=2, ar_subchunks=1), Tuning(rs_reduce="ring"),
             Tuning(rs_reduce="ring", rs_subchunks=2, rs_remote_store=True),
-            Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4)]
+            Tuning(ag_gemm="async_input", rs_subchunks=2, ar_subchunks=1), Tuning(ar_subchunks=4),
+            Tuning(ag_split_rows=32, rs_split_rows=96),  # 256 rows per rank in the allgathers, 512 in the rest
+            Tuning(ag_split_rows=200, rs_split_rows=300, ag_streams=2, rs_streams=2)]
 
 
 def _checks(rank: int, n: int) -> None:
@@ -87,7 +89,8 @@ def _graph_checks(rank: int, n: int) -> None:
 
     gen = torch.Generator(torch.device("cuda", rank)).manual_seed(1)  # the same data on every rank
     for tuning in (Tuning(), Tuning(ag_streams=2, rs_reduce="ring", rs_subchunks=2),
-                   Tuning(rs_streams=2, rs_remote_store=True, ar_subchunks=1)):
+                   Tuning(rs_streams=2, rs_remote_store=True, ar_subchunks=1),
+                   Tuning(ag_split_rows=8, rs_split_rows=12)):  # of 32 rows per rank
         _graph_check(tuning, rank, n, gen)
     _graph_memory_check(rank)
 

@@ -1,5 +1,6 @@
-"""The overlap kernels on CPU gloo ranks (world 2 and 4, and subgroups): the fused mode's ring decompositions
-and the sequential mode, against plain torch."""
+"""The overlap kernels on CPU gloo ranks (world 2 and 4, and subgroups): the fused mode's kernels (the
+GPUs' own, over send/recv: ``symm.HostMailbox``) in each ``Tuning`` that shapes their decomposition, and
+the sequential mode, against plain torch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import torch.nn.functional as F
 from conftest import rand as _rand
 
 from tp_fusion.runtime import dist, overlap
+
+# Every way of running a fused kernel's decomposition (the stream knobs change nothing on the CPU).
+_RUNS = (("sequential", None), ("fused", overlap.Tuning()),
+         ("fused", overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
+         ("fused", overlap.Tuning(rs_reduce="ring", rs_remote_store=True)),
+         ("fused", overlap.Tuning(rs_subchunks=3, rs_remote_store=True, ar_subchunks=1)),
+         # Own rows moved into the GEMM of the next rank's chunk (``overlap._own_split``; on the last
+         # of more than two ranks nothing moves) and the bias added by each rank to its own rows.
+         ("fused", overlap.Tuning(ag_split_rows=5, rs_split_rows=3)),
+         ("fused", overlap.Tuning(ag_split_rows=1, rs_split_rows=7, ag_streams=2, rs_streams=2)))
 
 
 def _check_group(pg, ranks) -> None:
@@ -21,9 +32,11 @@ def _check_group(pg, ranks) -> None:
         for bias, epilogue in ((None, None), (b, None), (b, overlap.gelu_tanh), (None, torch.tanh)):
             want = F.linear(x_full, w, bias)
             want = epilogue(want) if epilogue else want
-            for mode in overlap.MODES:
-                got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode)
-                torch.testing.assert_close(got, want, msg=f"allgather_linear dim={dim} bias={bias is not None} {mode}")
+            for mode, tuning in _RUNS:
+                got = overlap.allgather_linear(x_local, w, bias, gather_dim=dim, pg=pg, epilogue=epilogue, mode=mode,
+                                               tuning=tuning)
+                torch.testing.assert_close(got, want, msg=f"allgather_linear dim={dim} bias={bias is not None} "
+                                                          f"{mode} {tuning}")
     x2 = _rand(4, 2 * n, 5)
     got = overlap.allgather_linear(x2.chunk(n)[r], w, b, gather_dim=-2, pg=pg, epilogue=overlap.gelu_tanh,
                                    mode="fused")
@@ -33,24 +46,28 @@ def _check_group(pg, ranks) -> None:
     xs = [_rand(10 + g, 2 * n, 3 * n, 5) for g in ranks]
     ws = [_rand(20 + g, 7, 5) for g in ranks]
     total = sum(F.linear(x, wg) for x, wg in zip(xs, ws, strict=True))
-    for mode in overlap.MODES:
+    for mode, tuning in _RUNS:
+        how = f"{mode} {tuning}"
         for dim in (0, 1, -2):
-            got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg, mode=mode)
-            torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim} {mode}")
-        got = overlap.linear_reduce_scatter(xs[r], ws[r], b, scatter_dim=1, pg=pg, mode=mode)
-        torch.testing.assert_close(got, (total + b).chunk(n, dim=1)[r], msg=f"linear_reduce_scatter bias {mode}")
-        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg, mode=mode), total)
-        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, pg=pg, mode=mode), total + b)
+            got = overlap.linear_reduce_scatter(xs[r], ws[r], scatter_dim=dim, pg=pg, mode=mode, tuning=tuning)
+            torch.testing.assert_close(got, total.chunk(n, dim=dim)[r], msg=f"linear_reduce_scatter dim={dim} {how}")
+        got = overlap.linear_reduce_scatter(xs[r], ws[r], b, scatter_dim=1, pg=pg, mode=mode, tuning=tuning)
+        torch.testing.assert_close(got, (total + b).chunk(n, dim=1)[r], msg=f"linear_reduce_scatter bias {how}")
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], pg=pg, mode=mode, tuning=tuning), total,
+                                   msg=f"linear_allreduce {how}")
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, pg=pg, mode=mode, tuning=tuning),
+                                   total + b, msg=f"linear_allreduce bias {how}")
         # A residual (of the result's shape: this rank's rows after a reduce_scatter) is added once.
         res = _rand(5, 2 * n, 3 * n, 7)
         for dim in (0, 1):
             got = overlap.linear_reduce_scatter(xs[r], ws[r], b, residual=res.chunk(n, dim=dim)[r], scatter_dim=dim,
-                                                pg=pg, mode=mode)
+                                                pg=pg, mode=mode, tuning=tuning)
             torch.testing.assert_close(got, (total + b + res).chunk(n, dim=dim)[r],
-                                       msg=f"linear_reduce_scatter residual dim={dim} {mode}")
-        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], residual=res, pg=pg, mode=mode), total + res)
-        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, residual=res, pg=pg, mode=mode),
-                                   total + b + res)
+                                       msg=f"linear_reduce_scatter residual dim={dim} {how}")
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], residual=res, pg=pg, mode=mode,
+                                                            tuning=tuning), total + res)
+        torch.testing.assert_close(overlap.linear_allreduce(xs[r], ws[r], b, residual=res, pg=pg, mode=mode,
+                                                            tuning=tuning), total + b + res)
     odd = [_rand(30 + g, 2 * n + 1, 5) for g in ranks]  # rows that do not split: sequential
     torch.testing.assert_close(overlap.linear_allreduce(odd[r], ws[r], pg=pg, mode="sequential"),
                                sum(F.linear(x, wg) for x, wg in zip(odd, ws, strict=True)))

@@ -143,12 +143,14 @@ def broadcast(t: torch.Tensor, src: int, pg: ProcessGroup | None) -> None:
     _dist.broadcast(t, src=src, group=pg)
 
 
-def isend(t: torch.Tensor, dst: int):
-    return _dist.isend(t, dst=dst)
+def isend(t: torch.Tensor, dst: int, tag: int = 0, pg: ProcessGroup | None = None):
+    """To world rank ``dst``, over ``pg`` (None: the world)."""
+    return _dist.isend(t, dst=dst, group=pg, tag=tag)
 
 
-def irecv(t: torch.Tensor, src: int):
-    return _dist.irecv(t, src=src)
+def irecv(t: torch.Tensor, src: int | None, tag: int = 0, pg: ProcessGroup | None = None):
+    """From world rank ``src``, or (``src=None``) from whichever rank of ``pg`` sends with ``tag``."""
+    return _dist.irecv(t, src=src, group=pg, tag=tag)
 
 
 def barrier(pg: ProcessGroup | None = None) -> None:

@@ -8,7 +8,8 @@ computes, in one of two modes that the caller chooses:
   peer's receive slot (a copy-engine write over NVLink, no SMs taken from the GEMMs) and flags it
   ready with a stream memory operation; the peer's stream waits on the flag and consumes the slot
   (``symm.Mailbox`` says why no "free" flag is needed, and how the flags let a plan replay as CUDA
-  graphs). On the CPU (gloo) the same chunk order runs as a ring of send/recv (exact, for CI).
+  graphs). On the CPU (gloo) the same kernels run over send/recv (``symm.HostMailbox``), so CI
+  checks the decomposition the GPUs run, every ``Tuning`` of it included.
 - ``"sequential"``: one collective and one GEMM.
 
 Every rank issues the same kernels in the same order and starts with its local chunk; nothing
@@ -40,9 +41,9 @@ def gelu_tanh(t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    """Knobs of the CUDA pipelines (the CPU rings have none). Defaults: the best measured on 2x H200
-    (docs/performance.md says what each alternative measured); every combination computes the same
-    result."""
+    """Knobs of the fused pipelines (streams are CUDA's; on the CPU the rest shape the same
+    decomposition). Defaults: the best measured on 2x H200 (docs/performance.md says what each
+    alternative measured); every combination computes the same result."""
 
     ag_streams: int = 1  # AG+GEMM: 2 puts every other peer chunk's GEMM on a second stream, so that
     #                      the tail wave of one GEMM overlaps the next: faster in short timings, within
@@ -65,13 +66,24 @@ class Tuning:
     gelu_in_gemm: bool = True  # bias + tanh-GELU in the cuBLASLt epilogue, or the GELU as a pass apart:
     #                            the epilogue kernel is slower on some shapes (3072x12288x49152: 2.5%),
     #                            so tuning measures both
+    ag_split_rows: int = 0  # AG+GEMM ("chunks"): own rows that the first GEMM leaves to the second, which
+    #                         takes them with the first peer's chunk (``_own_split``): GEMMs of other
+    #                         sizes than the chunks' can waste less of their last wave of tiles
+    rs_split_rows: int = 0  # GEMM+RS ("sum", one piece, staged pushes): own rows that the first GEMM (the
+    #                         first peer's partial) takes along; every rank then adds the bias to its own rows
 
     def __post_init__(self):
         if self.ag_streams not in (1, 2) or self.rs_streams not in (1, 2) \
                 or self.ag_gemm not in ("chunks", "async_input") \
-                or self.rs_reduce not in ("sum", "ring") or self.rs_subchunks < 1 or self.ar_subchunks < 1:
+                or self.rs_reduce not in ("sum", "ring") or self.rs_subchunks < 1 or self.ar_subchunks < 1 \
+                or self.ag_split_rows < 0 or self.rs_split_rows < 0:
             raise ValueError(f"invalid {self}: ag_streams and rs_streams are 1 or 2, ag_gemm 'chunks' or "
-                             "'async_input', rs_reduce 'sum' or 'ring', sub-chunk counts >= 1")
+                             "'async_input', rs_reduce 'sum' or 'ring', sub-chunk counts >= 1, split rows >= 0")
+        if self.ag_split_rows and self.ag_gemm != "chunks":
+            raise ValueError(f"invalid {self}: ag_split_rows splits the chunks of ag_gemm='chunks'")
+        if self.rs_split_rows and (self.rs_reduce != "sum" or self.rs_subchunks != 1 or self.rs_remote_store):
+            raise ValueError(f"invalid {self}: rs_split_rows needs rs_reduce='sum', rs_subchunks=1 and "
+                             "rs_remote_store=False")
 
 
 DEFAULT_TUNING = Tuning()
@@ -102,10 +114,8 @@ def allgather_linear(x_local, weight, bias=None, *, gather_dim: int, pg, epilogu
                 gathered = x2.new_empty((n * x2.shape[0], x2.shape[1]))
                 dist.all_gather(gathered, x2, pg)
                 out = _linear(gathered, weight, bias, epilogue, gelu_in_gemm=tuning.gelu_in_gemm)
-            elif x2.is_cuda:
-                out = _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning)
             else:
-                out = _ring_allgather_linear(x2, weight, bias, epilogue, pg)
+                out = _pushed_allgather_linear(x2, weight, bias, epilogue, pg, tuning)
     out = out.view(n * lead[0], *lead[1:], -1)
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
@@ -159,14 +169,8 @@ def linear_allreduce(x, weight, bias=None, *, residual=None, pg, mode: str,
             r = dist.group_rank(pg)  # the bias rides in rank 0's GEMM, the residual in the last rank's
             out = _linear(x2, weight, bias if r == 0 else None, None, residual=res if r == n - 1 else None)
             dist.all_reduce(out, pg)
-        elif x2.is_cuda:
-            out = _symm_linear_allreduce(x2.contiguous(), weight, bias, res, pg, tuning)
         else:
-            x3 = x2.reshape(n, rows // n, -1).contiguous()
-            res_mine = None if res is None else res.view(n, rows // n, -1)[dist.group_rank(pg)]
-            mine = _ring_linear_reduce_scatter(x3, weight, bias, res_mine, pg)
-            out = mine.new_empty((rows, mine.shape[-1]))
-            dist.all_gather(out, mine, pg)
+            out = _pushed_linear_allreduce(x2.contiguous(), weight, bias, res, pg, tuning)
     return out.view(*x.shape[:-1], -1)
 
 
@@ -252,9 +256,7 @@ def _linear_reduce_scatter_rows(x3, weight, bias, residual, pg, mode, tuning) ->
     """Reduce-scatter of ``F.linear`` over the leading (destination rank) dim of ``x3``, plus ``bias``,
     plus ``residual`` (this rank's rows)."""
     if mode == FUSED:
-        if not x3.is_cuda:
-            return _ring_linear_reduce_scatter(x3, weight, bias, residual, pg)
-        kernel = _symm_ring_linear_reduce_scatter if tuning.rs_reduce == "ring" else _symm_linear_reduce_scatter
+        kernel = _ring_linear_reduce_scatter if tuning.rs_reduce == "ring" else _pushed_linear_reduce_scatter
         return kernel(x3, weight, bias, residual, pg, tuning)
     out = x3.new_empty((x3.shape[1], weight.shape[0]))
     # The bias rides in one rank's GEMM epilogue, so the reduction adds it once.
@@ -264,89 +266,60 @@ def _linear_reduce_scatter_rows(x3, weight, bias, residual, pg, mode, tuning) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# CPU: rings of send/recv (gloo)
+# Pushes into peers' slots: symmetric memory and stream flags on CUDA, send/recv on the CPU
 # --------------------------------------------------------------------------------------------------
 
-def _ring_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
-    """Step s GEMMs the chunk of rank r-s (step 0: the local one) while passing it on to r+1."""
-    n, r = dist.group_size(pg), dist.group_rank(pg)
-    right, left = dist.global_rank(pg, (r + 1) % n), dist.global_rank(pg, (r - 1) % n)
-    out = x2.new_empty((n, x2.shape[0], weight.shape[0]))
-    chunk = x2
-    for step in range(n):
-        if step < n - 1:
-            nxt = torch.empty_like(chunk)
-            reqs = [dist.isend(chunk, right), dist.irecv(nxt, left)]
-        _linear(chunk, weight, bias, epilogue, out=out[(r - step) % n])
-        if step < n - 1:
-            for req in reqs:
-                req.wait()
-            chunk = nxt
-    return out.view(-1, weight.shape[0])
-
-
-def _ring_linear_reduce_scatter(x3, weight, bias, residual, pg) -> torch.Tensor:
-    """The partial sum for chunk j starts at rank j+1 and travels the ring, each rank adding its own
-    partial (computed while the previous transfer is in flight), until it reaches rank j, which adds
-    its own partial, the bias and the residual."""
-    n, r = dist.group_size(pg), dist.group_rank(pg)
-    right, left = dist.global_rank(pg, (r + 1) % n), dist.global_rank(pg, (r - 1) % n)
-    sends, recv, recv_req = [], None, None
-    for step in range(n - 1):
-        partial = F.linear(x3[(r - step - 1) % n], weight)
-        if recv_req is not None:
-            recv_req.wait()
-            partial += recv
-        sends.append(dist.isend(partial, right))
-        recv = torch.empty_like(partial)
-        recv_req = dist.irecv(recv, left)
-    mine = _linear(x3[r], weight, bias, None, residual=residual)
-    recv_req.wait()
-    mine += recv
-    for req in sends:
-        req.wait()
-    return mine
-
-
-# --------------------------------------------------------------------------------------------------
-# CUDA: pushes into peers' symmetric-memory slots, flagged with stream memory operations
-# --------------------------------------------------------------------------------------------------
-
-def _on(stream: torch.cuda.Stream, main: torch.cuda.Stream):
-    """``torch.cuda.stream(stream)``, skipped when it is the current stream already (host time)."""
+def _on(stream: torch.cuda.Stream | None, main: torch.cuda.Stream | None):
+    """``torch.cuda.stream(stream)``, skipped when it is the current stream already (host time; on the
+    CPU both are None)."""
     return contextlib.nullcontext() if stream is main else torch.cuda.stream(stream)
 
 
-def _symm_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tensor:
+def _pushed_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Tensor:
     """Rank r GEMMs its own rows while the comm stream pushes them to r-1, r-2, ...; then it GEMMs the
     rows of r+1, r+2, ... in that order, each as soon as its ready flag is set (every other one on a
-    second stream with ``ag_streams=2``, so that one GEMM's tail wave overlaps the next)."""
+    second stream with ``ag_streams=2``, so that one GEMM's tail wave overlaps the next). With
+    ``ag_split_rows``, some own rows move into the GEMM of r+1's (``_own_split``)."""
     if tuning.ag_gemm == "async_input":
         return _async_input_allgather_linear(x2, weight, bias, epilogue, pg)
     device = x2.device
     box = symm.mailbox("allgather_linear", 1, x2.shape, x2.dtype, pg, device)
     box.start_call()
     n, r = box.n, box.rank
-    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
-    side = symm.side_stream(device) if tuning.ag_streams == 2 else main
-    out = x2.new_empty((n, x2.shape[0], weight.shape[0]))
+    main, comm = symm.current_stream(device), symm.comm_stream(device)
+    side = symm.side_stream(device) if tuning.ag_streams == 2 else main  # step 1's GEMM runs on side
+    m = x2.shape[0]
+    out = x2.new_empty((n * m, weight.shape[0]))
+    gathered = box.slots_of_part(0).view(n * m, -1)  # rank src's rows at src * m: slot(src, 0)
+
+    def gemm(rows: slice, x: torch.Tensor) -> None:
+        _linear(x, weight, bias, epilogue, out=out[rows], gelu_in_gemm=tuning.gelu_in_gemm)
+
     symm.stream_wait(comm, main)  # x2 is written, and this rank's reads of the last call are issued
     if side is not main:
         symm.stream_wait(side, main)
     # The local GEMM is issued before the pushes, so the GPU starts computing at once.
-    _linear(x2, weight, bias, epilogue, out=out[r], gelu_in_gemm=tuning.gelu_in_gemm)
+    split = _own_split(r, n, m, tuning.ag_split_rows)
+    if split is None:
+        gemm(slice(r * m, (r + 1) * m), x2)
+    else:  # the own rows that join the first peer's chunk are copied beside it (copy engine)
+        lead, shared, joined = split
+        gemm(_shift(lead, r * m), x2[lead])
+        symm.copy(comm, gathered[_shift(shared, r * m)], x2[shared])
+        symm.stream_wait(side, comm)
     for step in range(1, n):
         box.push(comm, (r - step) % n, 0, x2)
     for step in range(1, n):
         src = (r + step) % n
         stream = side if step % 2 else main
         box.wait_ready(stream, src, 0)
+        rows = joined if step == 1 and split is not None else slice(src * m, (src + 1) * m)
         with _on(stream, main):
-            _linear(box.slot(src, 0), weight, bias, epilogue, out=out[src], gelu_in_gemm=tuning.gelu_in_gemm)
+            gemm(rows, gathered[rows])
     symm.stream_wait(main, comm)
     if side is not main:
         symm.stream_wait(main, side)
-    return out.view(-1, weight.shape[0])
+    return out
 
 
 def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tensor:
@@ -355,15 +328,16 @@ def _async_input_allgather_linear(x2, weight, bias, epilogue, pg) -> torch.Tenso
     their rows straight into this rank's gathered buffer; the comm stream turns each peer's ready flag
     into the kernel's 0/1 signal. Bias and epilogue follow as separate passes. (The peers' copies run on
     copy engines: the spinning GEMM holds the SMs.)"""
-    if x2.dtype != torch.bfloat16 or x2.shape[0] % 128 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"Tuning(ag_gemm='async_input') needs bf16 operands and a multiple of 128 rows per "
-                         f"rank (got {x2.dtype} x of {tuple(x2.shape)}); use ag_gemm='chunks'")
+    if not x2.is_cuda or x2.dtype != torch.bfloat16 or x2.shape[0] % 128 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"Tuning(ag_gemm='async_input') needs bf16 CUDA operands and a multiple of 128 rows "
+                         f"per rank (got {x2.dtype} x of {tuple(x2.shape)} on {x2.device.type}); use "
+                         "ag_gemm='chunks'")
     device = x2.device
     symm._symm_mem()  # registers torch.ops.symm_mem
     box = symm.mailbox("allgather_linear.async_input", 1, x2.shape, x2.dtype, pg, device)
     box.start_call()
     n, r, driver = box.n, box.rank, symm.driver()
-    main, comm = torch.cuda.current_stream(device), symm.comm_stream(device)
+    main, comm = symm.current_stream(device), symm.comm_stream(device)
     signals = torch.zeros(n, dtype=torch.int32, device=device)
     symm.stream_wait(comm, main)
     box.slot(r, 0).copy_(x2)  # on the compute stream, ahead of the GEMM that spins on its signal
@@ -399,8 +373,8 @@ class _ReduceScatterCall:
     staging: torch.Tensor | None  # [n - 1, pieces, sub, out]
     out: torch.Tensor  # [pieces, sub, out]
     res: torch.Tensor | None  # [pieces, sub, out]
-    main: torch.cuda.Stream
-    comm: torch.cuda.Stream
+    main: torch.cuda.Stream | None  # None on the CPU
+    comm: torch.cuda.Stream | None
 
 
 def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _ReduceScatterCall:
@@ -409,7 +383,7 @@ def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _Reduce
     sub = rows // c
     box = symm.mailbox(kind, c, (sub, out_cols), x3.dtype, pg, x3.device)
     box.start_call()
-    main, comm = torch.cuda.current_stream(x3.device), symm.comm_stream(x3.device)
+    main, comm = symm.current_stream(x3.device), symm.comm_stream(x3.device)
     symm.stream_wait(comm, main)  # forks comm from main even where no push follows (a capture joins it)
     return _ReduceScatterCall(
         box, c, x3.view(box.n, c, sub, -1),
@@ -418,42 +392,57 @@ def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _Reduce
         main, comm)
 
 
-def _symm_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
+def _pushed_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """Rank r GEMMs the partial for r+1, r+2, ... (the bias in the one for r+1) and pushes each into
     that rank's slot (or stores it there from the GEMM); then it GEMMs its own rows (onto the residual,
     on a second stream with ``rs_streams=2``) without waiting, and adds the received partials in one
-    pass (``rs_reduce="sum"``; "ring" is ``_symm_ring_linear_reduce_scatter``)."""
+    pass (``rs_reduce="sum"``; "ring" is ``_ring_linear_reduce_scatter``). With ``rs_split_rows``, the
+    GEMM of r+1's partial takes some own rows along (``_own_split``), and every rank adds the bias to
+    its own rows instead."""
     call = _reduce_scatter_call("linear_reduce_scatter", x3, weight, residual, pg, tuning)
     box, main, comm, staging = call.box, call.main, call.comm, call.staging
-    n, r = box.n, box.rank
+    n, r, m = box.n, box.rank, x3.shape[1]
     side = symm.side_stream(x3.device) if tuning.rs_streams == 2 else main
     if side is not main:
         symm.stream_wait(side, main)  # the inputs are ready; the own-rows GEMM needs nothing else
+    split = _own_split(r, n, m, tuning.rs_split_rows)
+    done = None  # (own rows, their partial) from the joined GEMM
     for step in range(1, n):
         dst = (r + step) % n
-        b = bias if step == 1 else None  # the bias is added once: in the partial from rank dst-1
+        # The bias is added once: in the partial from rank dst-1, or with split rows by dst itself.
+        b = bias if step == 1 and not tuning.rs_split_rows else None
         for k in range(call.pieces):
             if staging is None:
                 _linear(call.xs[dst, k], weight, b, None, out=box.peer_slot(dst, k))
                 box.mark_ready(main, dst, k)
+                continue
+            if step == 1 and split is not None:
+                lead, shared, joined = split
+                partial = x3.new_empty((joined.stop - joined.start, weight.shape[0]))
+                _linear(x3.view(n * m, -1)[joined], weight, None, None, out=partial)
+                mine = _shift(shared, r * m - joined.start)
+                theirs = _shift(slice(dst * m, (dst + 1) * m), -joined.start)
+                done, piece = (shared, partial[mine]), partial[theirs]
             else:
-                _linear(call.xs[dst, k], weight, b, None, out=staging[step - 1, k])
-                symm.stream_wait(comm, main)
-                box.push(comm, dst, k, staging[step - 1, k])
+                piece = staging[step - 1, k]
+                _linear(call.xs[dst, k], weight, b, None, out=piece)
+            symm.stream_wait(comm, main)
+            box.push(comm, dst, k, piece)
+    own_bias = bias if tuning.rs_split_rows else None
     for k in range(call.pieces):
         _reduce_part(box, k, call.xs[r, k], weight, None if call.res is None else call.res[k], side, main,
-                     call.out[k])
+                     call.out[k], bias=own_bias, done=done)
     symm.stream_wait(main, comm)
     return call.out.view(-1, weight.shape[0])
 
 
-def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
-    """The CPU ring's order (``_ring_linear_reduce_scatter``) on the copy engines: the partial for
-    chunk j starts at rank j+1 (with the bias) and travels right, each rank's GEMM reading what arrived
-    as its C operand and writing the sum it passes on (``cublaslt.addmm_into``: no pass adds it), until
-    rank j's GEMM of its own rows writes the result (a residual is added to what arrived first). Each
-    step runs in ``rs_subchunks`` pieces, so that the push of piece k overlaps the GEMM of piece k+1.
-    Rank r's slot for chunk j holds what its left neighbour passed on for j (``slot=j``)."""
+def _ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch.Tensor:
+    """The reduce_scatter as a ring: the partial for chunk j starts at rank j+1 (with the bias) and
+    travels right, each rank's GEMM reading what arrived as its C operand and writing the sum it
+    passes on (``cublaslt.addmm_into``: no pass adds it), until rank j's GEMM of its own rows writes
+    the result (a residual is added to what arrived first). Each step runs in ``rs_subchunks``
+    pieces, so that the push of piece k overlaps the GEMM of piece k+1. Rank r's slot for chunk j
+    holds what its left neighbour passed on for j (``slot=j``)."""
     call = _reduce_scatter_call("linear_reduce_scatter.ring", x3, weight, residual, pg, tuning)
     box, main, comm, staging, xs = call.box, call.main, call.comm, call.staging, call.xs
     n, r = box.n, box.rank
@@ -482,16 +471,49 @@ def _symm_ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> 
     return call.out.view(-1, weight.shape[0])
 
 
-def _reduce_part(box, k: int, x_own, weight, residual, side, main, out: torch.Tensor) -> None:
-    """``out`` = this rank's partial of part ``k`` (its own rows, onto ``residual`` if given, GEMMed on
-    ``side`` into its own slot, which no peer pushes into) plus every peer's partial pushed into ``box``."""
+def _reduce_part(box, k: int, x_own, weight, residual, side, main, out: torch.Tensor, bias=None,
+                 done: tuple[slice, torch.Tensor] | None = None) -> None:
+    """``out`` = this rank's partial of part ``k`` (its own rows, plus ``bias``, onto ``residual`` if
+    given, GEMMed on ``side`` into its own slot, which no peer pushes into) plus every peer's partial
+    pushed into ``box``. ``done``: (own rows, their partial) that a GEMM on ``main`` computed already;
+    they are finished there, and the GEMM here takes the rest (``_own_split``: a head or a tail)."""
+    own, rest = box.slot(box.rank, k), slice(None)
+    if done is not None:
+        rows, partial = done
+        if residual is None:
+            own[rows].copy_(partial)
+        else:
+            torch.add(partial, residual[rows], out=own[rows])
+        if bias is not None:
+            own[rows].add_(bias)
+        rest = slice(rows.stop, None) if rows.start == 0 else slice(0, rows.start)
     with _on(side, main):
-        _linear(x_own, weight, None, None, out=box.slot(box.rank, k), residual=residual)
+        _linear(x_own[rest], weight, bias, None, out=own[rest], residual=None if residual is None else residual[rest])
     if side is not main:
         symm.stream_wait(main, side)
     for step in range(1, box.n):
         box.wait_ready(main, (box.rank - step) % box.n, k)
     _sum_slots(box.slots_of_part(k), out)
+
+
+def _own_split(r: int, n: int, m: int, rows: int) -> tuple[slice, slice, slice] | None:
+    """Where a kernel whose first GEMM takes rank ``r``'s own ``m`` rows (chunk ``r`` of ``n``) and
+    whose second takes chunk r+1 moves ``rows`` own rows into the second: (the own rows the first
+    GEMM keeps, the own rows that move, both counted from this rank's first row; the second GEMM's
+    rows of all n * m). The moved rows must adjoin chunk r+1: this rank's tail, or on the last of two
+    ranks (whose r+1 is chunk 0) its head. None where they cannot (the last rank of more than two) or
+    where either GEMM would be left without rows."""
+    if not 0 < rows < m:
+        return None
+    if r + 1 < n:
+        return slice(0, m - rows), slice(m - rows, m), slice(r * m + m - rows, (r + 2) * m)
+    if n == 2:
+        return slice(rows, m), slice(0, rows), slice(0, m + rows)
+    return None
+
+
+def _shift(rows: slice, by: int) -> slice:
+    return slice(rows.start + by, rows.stop + by)
 
 
 def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -502,7 +524,7 @@ def _sum_slots(slots: torch.Tensor, out: torch.Tensor) -> None:
         torch.sum(slots, dim=0, out=out)
 
 
-def _symm_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tensor:
+def _pushed_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tensor:
     """GEMM + reduce_scatter + allgather, pipelined over ``c`` row pieces per reducing rank: for piece
     k, rank r pushes its partials of the peers' rows (the bias in the one for r+1), GEMMs its own rows
     (onto the residual; on a second stream with ``rs_streams=2``), sums what it received, and pushes
@@ -518,8 +540,8 @@ def _symm_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tens
     sums = symm.mailbox("linear_allreduce.sums", c, (sub, out_cols), x2.dtype, pg, device)
     partials.start_call()
     sums.start_call()
-    r, driver = partials.rank, symm.driver()
-    main, comm, recv = torch.cuda.current_stream(device), symm.comm_stream(device), symm.comm_stream(device, 1)
+    r = partials.rank
+    main, comm, recv = symm.current_stream(device), symm.comm_stream(device), symm.comm_stream(device, 1)
     side = symm.side_stream(device) if tuning.rs_streams == 2 else main
     symm.stream_wait(recv, main)  # ``out`` is allocated; and under a capture, recv joins it
     xs = x2.view(n, c, sub, -1)
@@ -541,7 +563,7 @@ def _symm_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Tens
         for step in range(1, n):
             src = (r - step) % n
             sums.wait_ready(recv, src, k)
-            driver.copy(recv, out[src, k], sums.slot(src, k))
+            symm.copy(recv, out[src, k], sums.slot(src, k))
     symm.stream_wait(main, comm)
     symm.stream_wait(main, recv)
     return out.view(rows, out_cols)

@@ -8,7 +8,11 @@ symmetric memory that stream memory operations (``cuStreamWriteValue32``/``cuStr
 write and wait on: the GPU's front end handles them, so no spinning kernel competes with the GEMMs
 and the host never synchronizes. The driver is called through ctypes, so nothing beyond torch is
 needed (3-6 us of host time per call on 2x H200, like cuda-python: ``benchmarks/flag_overhead.py``).
-Nothing here runs on the CPU; ``torch.distributed._symmetric_memory`` is imported on first use.
+``torch.distributed._symmetric_memory`` is imported on first use.
+
+On the CPU (gloo) the same interface runs on the host (``HostMailbox``: a push is a send, a wait a
+receive; streams are None and their waits nothing), so the kernels of ``overlap.py`` run there
+unchanged: CI checks the very decomposition, chunk order and bias placement the GPUs run.
 
 Peers are mapped over NVLink, so symmetric memory serves only groups whose ranks share a host:
 ``hosts_spanned`` tells tuning which groups must fall back to NCCL collectives.
@@ -21,6 +25,7 @@ import functools
 import os
 import socket
 import weakref
+import zlib
 
 import torch
 
@@ -112,13 +117,19 @@ def driver() -> Driver | None:
         return None
 
 
-def comm_stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream:
+def current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The compute stream the kernels issue on (None on the CPU, where everything runs in host order)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def comm_stream(device: torch.device, lane: int = 0) -> torch.cuda.Stream | None:
     """A stream that issues copy-engine work (high priority: it is tiny to launch). Lane 0 pushes; lane
     1 is for work that waits on a peer's flag and then copies what arrived: on lane 0 such a wait would
     hold up the pushes queued behind it (the peer's next wait may be on one of those pushes, so the two
     ranks' pipelines would step in lockstep). (The cache is keyed on the arguments as given, so this
-    wrapper passes ``lane`` explicitly: ``comm_stream(d)`` and ``comm_stream(d, 0)`` are one stream.)"""
-    return _comm_stream(device, lane)
+    wrapper passes ``lane`` explicitly: ``comm_stream(d)`` and ``comm_stream(d, 0)`` are one stream.)
+    None on the CPU."""
+    return _comm_stream(device, lane) if device.type == "cuda" else None
 
 
 @functools.cache
@@ -126,13 +137,17 @@ def _comm_stream(device: torch.device, lane: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A second compute stream, for compute/compute overlap (the tail wave of one GEMM with the next);
+    None on the CPU."""
+    return _side_stream(device) if device.type == "cuda" else None
+
+
 @functools.cache
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A second compute stream, for compute/compute overlap (the tail wave of one GEMM with the next)."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-@functools.cache
 @functools.cache
 def _event(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> torch.cuda.Event:
     """The event of one (waiter, signaler) pair. Reusing it is safe: a stream's wait binds to the
@@ -142,10 +157,20 @@ def _event(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> torch.cuda
 
 def stream_wait(waiter: torch.cuda.Stream, signaler: torch.cuda.Stream) -> None:
     """``waiter.wait_stream(signaler)`` with one reused event per pair (no event created and destroyed
-    per call, as ``wait_stream`` does)."""
+    per call, as ``wait_stream`` does). Nothing on the CPU (None streams: host order)."""
+    if waiter is None:
+        return
     event = _event(waiter, signaler)
     event.record(signaler)
     waiter.wait_event(event)
+
+
+def copy(stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy contiguous ``src`` into ``dst`` on ``stream`` (the copy engine; on the CPU, now)."""
+    if stream is None:
+        dst.copy_(src)
+    else:
+        driver().copy(stream, dst, src)
 
 
 class Mailbox:
@@ -234,7 +259,59 @@ class Mailbox:
         driver().wait(stream, self._flag_base + self._flag_offset(src, part), self._bit())
 
 
+class HostMailbox:
+    """``Mailbox`` on the CPU, over the group's send/recv (gloo), for the same kernels: a push sends a
+    copy of its piece, tagged with the slot and piece it fills; a wait receives it into this rank's
+    slot from whichever group rank sent it (the ring's slots are all pushed by the left neighbour).
+    Each push of a call is waited for by its receiver in the same call, and every rank makes the same
+    calls in the same order, so the messages of one tag match in order. A call's sends are completed
+    when the next call starts: the peers received them in the call before. ``peer_slot`` (a remote
+    store) is a local buffer that ``mark_ready`` sends. Host order needs no double buffering."""
+
+    def __init__(self, kind: str, parts: int, part_shape, dtype, pg, device):
+        self.rank, self.n, self.parts, self.pg = dist.group_rank(pg), dist.group_size(pg), parts, pg
+        self.slots = torch.empty((self.n, parts, *part_shape), dtype=dtype, device=device)
+        self._stores: torch.Tensor | None = None  # [dst, slot, part, ...]: what remote stores write
+        self._tag = zlib.crc32(repr((kind, parts, tuple(part_shape), str(dtype))).encode()) & 0x3FFFFFFF
+        self._sends: list = []
+
+    def start_call(self) -> None:
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    def slot(self, src: int, part: int) -> torch.Tensor:
+        return self.slots[src, part]
+
+    def slots_of_part(self, part: int) -> torch.Tensor:
+        return self.slots[:, part]
+
+    def peer_slot(self, dst: int, part: int, slot: int | None = None) -> torch.Tensor:
+        if self._stores is None:
+            self._stores = self.slots.new_empty((self.n, *self.slots.shape))
+        return self._stores[dst, self.rank if slot is None else slot, part]
+
+    def push(self, stream, dst: int, part: int, src: torch.Tensor, slot: int | None = None) -> None:
+        self._send(dst, part, slot, src)
+
+    def mark_ready(self, stream, dst: int, part: int, slot: int | None = None) -> None:
+        self._send(dst, part, slot, self.peer_slot(dst, part, slot))
+
+    def wait_ready(self, stream, src: int, part: int) -> None:
+        dist.irecv(self.slots[src, part], None, self._tag_of(src, part), self.pg).wait()
+
+    def _tag_of(self, slot: int, part: int) -> int:
+        return self._tag + slot * self.parts + part
+
+    def _send(self, dst: int, part: int, slot: int | None, piece: torch.Tensor) -> None:
+        """Send a copy of ``piece`` (the caller may write it again before the peer has it)."""
+        tag = self._tag_of(self.rank if slot is None else slot, part)
+        self._sends.append(dist.isend(piece.clone(), dist.global_rank(self.pg, dst), tag, self.pg))
+
+
 _mailboxes: dict[tuple, Mailbox] = {}  # the shared ones
+_host_mailboxes: dict[tuple, HostMailbox] = {}
+_host_world = None  # the world group the host mailboxes were made under (``dist.world_token()``)
 _owners: weakref.WeakSet[OwnMailboxes] = weakref.WeakSet()
 _owner: list[OwnMailboxes] = []  # the innermost ``with OwnMailboxes()``, if any
 
@@ -267,12 +344,28 @@ class OwnMailboxes:
 
 def mailbox(kind: str, parts: int, part_shape, dtype: torch.dtype, pg, device: torch.device) -> Mailbox:
     """The mailbox for ``kind`` with ``parts`` pieces of ``part_shape`` per peer (created on first use,
-    which is collective over ``pg``): the innermost ``OwnMailboxes`` scope's where one is active."""
-    boxes = _owner[-1].boxes if _owner else _mailboxes
+    which is collective over ``pg``): the innermost ``OwnMailboxes`` scope's where one is active; on
+    the CPU a ``HostMailbox``."""
     key = (kind, parts, tuple(part_shape), dtype, dist.group_name(pg), device)
+    if device.type != "cuda":
+        return _host_mailbox(key, pg)
+    boxes = _owner[-1].boxes if _owner else _mailboxes
     if key not in boxes:
         boxes[key] = Mailbox(parts, part_shape, dtype, pg, device)
     return boxes[key]
+
+
+def _host_mailbox(key: tuple, pg) -> HostMailbox:
+    """The host mailbox of ``key``, made afresh under a new world group (group names repeat, and a
+    mailbox of the old world would send on its groups)."""
+    global _host_world
+    if _host_world != dist.world_token():
+        _host_mailboxes.clear()
+        _host_world = dist.world_token()
+    if key not in _host_mailboxes:
+        kind, parts, part_shape, dtype, _, device = key
+        _host_mailboxes[key] = HostMailbox(kind, parts, part_shape, dtype, pg, device)
+    return _host_mailboxes[key]
 
 
 def release_waits() -> None:
