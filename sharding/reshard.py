@@ -133,7 +133,11 @@ def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep
                 steps.append(_step(collective, axis, cur, b, src.mesh))
                 progressed = True
         if not progressed:  # every step waits on another: gather one axis first
-            axis = next(a for a in reversed(range(len(cur))) if cur[a] != dst.placements[a])
+            axis = next((a for a in reversed(range(len(cur)))
+                         if cur[a] != dst.placements[a] and not isinstance(cur[a], Replicate)), None)
+            if axis is None:  # only slices are left, and each overlaps another axis' piece
+                raise LoweringError(f"{what}: cannot reshard {src} -> {dst}: {dst} shards a dim on mesh axes "
+                                    "whose pieces overlap")
             steps.append(_step(step_collective(cur[axis], REPLICATE), axis, cur, REPLICATE, src.mesh))
     return steps
 

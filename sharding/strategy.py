@@ -63,7 +63,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
     3. else replicate everything.
-    Candidates that would shard one dim on two mesh axes are skipped.
+    Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -82,7 +82,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         cands = rule(op, fusion, mesh.shape[axis])
         if elementwise:
             cands = cands + _strided(cands, [h[axis] for h in have if h is not None])
-        cands = [c for c in cands if _compatible(c, need_in, need_out)
+        cands = [c for c in cands if _compatible(c, need_in, need_out, mesh, axis)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
         pick = None
@@ -121,8 +121,14 @@ def _strided(cands: list[Candidate], have: list[Placement]) -> list[Candidate]:
             for k in outers for c in cands if any(isinstance(p, Shard) for p in c.inputs)]
 
 
-def _compatible(c: Candidate, need_in, need_out) -> bool:
-    for placements, chosen in zip((*c.inputs, *c.outputs), (*need_in, *need_out)):
-        if isinstance(placements, Shard) and chosen is not None and placements in chosen:
-            return False
+def _compatible(c: Candidate, need_in, need_out, mesh: DeviceMesh, axis: int) -> bool:
+    """Whether candidate ``c`` on mesh axis ``axis`` leaves every operand and output a sharding that can
+    exist with what the other mesh axes chose already: a dim sharded on two mesh axes needs pieces
+    that nest (``Sharding.nests``; S(0) on one axis of 2 and S(0, outer=3) on another would overlap)."""
+    for p, chosen in zip((*c.inputs, *c.outputs), (*need_in, *need_out)):
+        if isinstance(p, Shard) and chosen is not None:
+            trial = [REPLICATE if q is None else q for q in chosen]
+            trial[axis] = p
+            if not Sharding(mesh, tuple(trial)).nests(p.dim):
+                return False
     return True

@@ -132,6 +132,26 @@ def test_context_and_tensor_parallel_execute(multidevice_test):
     _run(fd, [x], [full], y, full * 2.0, ["allgather", "allgather"])
 
 
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("n", [6, 8, 10])
+def test_blocks_and_strided_pieces_of_one_dim_on_two_mesh_axes(multidevice_test, n):
+    """x in blocks on mesh_y, w in strided pieces on mesh_x, added. For n = 6 and 10 the two pieces overlap
+    (S(0) of 2 and S(0, outer=n/2) of 2), so the output cannot take both: propagation once gave it both and
+    lowering looped forever (a black-box fuzz, round 19); for n = 8 they nest and no collective runs."""
+    mesh = DeviceMesh(torch.arange(4).reshape(2, 2))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([n], dtype=DataType.Double), fd.define_tensor([n], dtype=DataType.Double)
+        fd.add_output(fd.ops.add(x, w))
+    x.set_device_mesh(mesh)
+    x.outer_split(0, 2).axis(0).parallelize(Y)
+    w.set_device_mesh(mesh)
+    w.inner_split(0, 2).axis(1).parallelize(X)
+    full = [rand(11, n), rand(12, n)]
+    (got,) = fd.execute([shard_tensor(t, tv) for tv, t in zip((x, w), full)])
+    torch.testing.assert_close(got, shard_tensor(full[0] + full[1], fd.output_shardings()[0]))
+    assert fd.plan.collectives() == ([] if n == 8 else ["allgather"])
+
+
 # case: (the output, the collectives on more than one rank)
 _BIASED_CASES = {
     "strided out dim": (lambda y, fd: fd.ops.mul(y, 2.0), lambda t: t * 2.0, ["reduce_scatter"]),

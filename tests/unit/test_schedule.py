@@ -10,7 +10,7 @@ import pytest
 import torch
 from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Shard, Sharding, unshard_tensor
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, ShardingError, shard_tensor
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, LoweringError, ParallelType, ShardingError, shard_tensor
 from tp_fusion.runtime.collectives import _stack_chunks, _unstack, local_slice
 
 X, Y = ParallelType.mesh_x, ParallelType.mesh_y
@@ -240,7 +240,10 @@ def test_a_size_one_mesh_axis_outside_another_on_one_dim(world):
     for r, piece in local.items():
         torch.testing.assert_close(piece, full.chunk(world)[r])
     torch.testing.assert_close(unshard_tensor(local, t.sharding), full)
-    assert fd.compile([[8, 3]]).collectives() == ["allgather"]  # the unannotated output is gathered
+    # The unannotated output keeps both pieces, as any nesting pair (round 19; before, propagation refused
+    # two mesh axes on one dim whenever their Shards were equal, and gathered it)
+    plan = fd.compile([[8, 3]])
+    assert plan.collectives() == [] and plan.output_shardings()[0] == t.sharding
 
 
 @pytest.mark.parametrize("shape,dim,outer", [((12, 3), 0, 3), ((3, 12), 1, 2), ((2, 12, 2), 1, 1)])
@@ -366,6 +369,10 @@ def test_reshard_steps_between_places_of_one_dim():
     assert kinds((Shard(0, 2), Shard(0, 4)), (Shard(0, 2), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 2)]
     # a shard going partial: gather, then the value on the axis' first rank (zeros elsewhere)
     assert kinds((Shard(0),), (PARTIAL_SUM,), MESH2) == [(Collective.ALLGATHER, 0, 1), (Collective.TO_PARTIAL, 0, 1)]
+    # overlapping pieces of one dim (S(0) of 2 on mesh_y, S(0, outer=3) on mesh_x) are no sharding to reach:
+    # an error, where the search for a step once looped forever
+    with pytest.raises(LoweringError, match="overlap"):
+        kinds((Shard(0), REPLICATE), (Shard(0), Shard(0, 3)), MESH22)
 
 
 @pytest.mark.parametrize("schedule,placement,collectives", [
