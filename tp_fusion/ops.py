@@ -348,11 +348,17 @@ def _scalar(value, like: torch.Tensor) -> torch.Tensor:
 
 def _binary(fn):
     def impl(a, b):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return fn(a, b)
+        want = torch.result_type(a, b)  # torch's dtype, the number taken as a number
         if not isinstance(a, torch.Tensor):
             a = _scalar(a, b)
         if not isinstance(b, torch.Tensor):
             b = _scalar(b, a)
-        return fn(a, b)
+        out = fn(a, b)
+        # A 0-d tensor meets the number's 0-d float32 tensor as an equal (bf16[] * 3.0 would come out
+        # float32): round the result to torch's dtype, as torch rounds its float32 math.
+        return out.to(want) if out.dtype.is_floating_point and want.is_floating_point and out.dtype != want else out
     return impl
 
 
@@ -870,18 +876,20 @@ SPELLINGS["shape"] = _shape_front
 
 
 def _squeeze_front(rec, x, dims):
-    """``x`` without the given dims, which must have extent 1."""
+    """``x`` without the given dims, which must have extent 1 (a symbolic one is checked at execute)."""
     x = rec.tv(x, "x")
-    dims = rec.dims(x, dims)
-    bad = [d for d in dims if x.shape[d] != 1]
+    return rec(x, dims=rec.dims(x, dims))
+
+
+def _squeeze_infer(args, attrs):
+    (x,), dims = args, attrs["dims"]
+    bad = [d for d in dims if x.shape[d] not in (1, -1)]
     if bad:
-        _fail("squeeze", f"dims {bad} of T{x.name} {x._ir.type_str()} are not of extent 1")
-    return rec(x, dims=dims)
+        _bad(f"dims {bad} of {x} are not of extent 1")
+    return [TensorType(tuple(e for d, e in enumerate(x.shape) if d not in dims), x.dtype)]
 
 
-register("squeeze", impl=lambda x, dims: x.squeeze(dims) if dims else x,
-         infer=lambda args, attrs: [TensorType(tuple(e for d, e in enumerate(args[0].shape) if d not in attrs["dims"]),
-                                               args[0].dtype)],
+register("squeeze", impl=lambda x, dims: x.squeeze(dims) if dims else x, infer=_squeeze_infer,
          traits=Trait.VIEW, rule=rules.squeeze, front=_squeeze_front)
 
 
@@ -1009,14 +1017,18 @@ def _layer_norm(x, *params, normalized_shape=(), eps=1e-5, affine=()):
 
 
 def _layer_norm_infer(args, attrs):
+    """The input's shape and dtype. Weight and bias have the normalized shape (a symbolic extent is
+    checked once bound, at execute) and the input's dtype, or float32 for a half-precision input
+    (torch's mixed-precision layer norm)."""
     x, *params = args
     ns = attrs["normalized_shape"]
     if tuple(x.shape[len(x.shape) - len(ns):]) != ns and -1 not in x.shape:
         _bad(f"normalized_shape {list(ns)} must be the trailing extents of {x}")
     for p in params:
-        if p.shape != ns:
+        if len(p.shape) != len(ns) or any(a != b and -1 not in (a, b) for a, b in zip(p.shape, ns)):
             _bad(f"weight and bias must have the normalized shape {list(ns)}, got {p}")
-    return [TensorType(x.shape, _same_dtype(args))]
+    mixed = x.dtype in (DataType.BFloat16, DataType.Half) and {p.dtype for p in params} == {DataType.Float}
+    return [TensorType(x.shape, x.dtype if mixed else _same_dtype(args))]
 
 
 def _layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
@@ -1306,7 +1318,11 @@ def _cpu_flash(q, k, v, dropout_p: float) -> bool:
 
 
 def _as_4d(*tensors):
-    return [t.reshape(-1, *t.shape[-3:]) for t in tensors]
+    """[N*, H, S, E] as [B, H, S, E], the last dim of unit stride: aten's attention kernels read a
+    tensor whose last dim is strided as if it were not (torch's ``F.scaled_dot_product_attention``
+    checks for it; calling the kernels directly does not)."""
+    out = [t.reshape(-1, *t.shape[-3:]) for t in tensors]
+    return [t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in out]
 
 
 def _logits(q, k, is_causal: bool, scale):

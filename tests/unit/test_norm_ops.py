@@ -85,6 +85,30 @@ def test_native_layer_norm_matches_layer_norm_and_int_shape():
     torch.testing.assert_close(y_int, ln, rtol=0, atol=0)
 
 
+def test_layer_norm_of_symbolic_parameters_and_float32_parameters_of_half_inputs():
+    """A weight and bias of symbolic extent ([-1], API.md: any number of -1) are checked once bound; a bf16
+    input takes float32 parameters, as torch's mixed-precision layer norm (both refused when recorded before
+    round 19)."""
+    from tp_fusion import InputError
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 10])
+        w, b = fd.define_tensor([-1]), fd.define_tensor([-1])
+        fd.add_output(fd.ops.layer_norm(x, 10, w, b))
+    x, w, b = _rand(0, 4, 10), _rand(1, 10), _rand(2, 10)
+    (y,) = fd.execute([x, w, b])
+    torch.testing.assert_close(y, F.layer_norm(x, [10], w, b))
+    with pytest.raises(InputError, match="normalized shape"):
+        fd.execute([x, _rand(1, 9), _rand(2, 9)])
+    xb = x.bfloat16()
+    _, (y, y_native) = _run(lambda fd, t, tw, tb: (fd.ops.layer_norm(t, [10], tw, tb),
+                                                   fd.ops.native_layer_norm(t, [10], tw, tb)[0]), [xb, w, b])
+    for got in (y, y_native):
+        _check(got, F.layer_norm(xb, [10], w, b), torch.bfloat16)
+    with pytest.raises(DefinitionError, match="dtypes"):  # torch takes float32 parameters only
+        _run(lambda fd, t, tw: fd.ops.layer_norm(t, [10], tw), [x, w.bfloat16()])
+
+
 # --- native_layer_norm_backward ---------------------------------------------------------------
 
 

@@ -175,11 +175,18 @@ def test_type_promotion():
                 fd.ops.div(a, 4),       # true division -> float32
                 fd.ops.add(c, d),       # f32 + bf16 -> f32
                 fd.ops.mul(d, a),       # bf16 * int tensor -> bf16
-                fd.ops.add(b, True))    # i32 + bool -> i32
+                fd.ops.add(b, True),    # i32 + bool -> i32
+                # a 0-d tensor and a number: the tensor's dtype where the number's kind is no higher
+                # (bf16[] * 3.0 came out float32 before round 19)
+                fd.ops.mul(fd.ops.sum(d, [0]), 3.0),    # bf16[] * float -> bf16
+                fd.ops.sub(2.0, fd.ops.sum(d, [0])),    # float - bf16[] -> bf16
+                fd.ops.mul(fd.ops.sum(b, [0]), 2.5))    # i64[] * float -> float32
     fd, outs = _run(build, [i64, i32, f32, bf])
-    wants = [i64 * 2.5, i64 + i32, i32 * 2, torch.div(i64, 4), f32 + bf, bf * i64, i32 + True]
+    wants = [i64 * 2.5, i64 + i32, i32 * 2, torch.div(i64, 4), f32 + bf, bf * i64, i32 + True,
+             bf.sum() * 3.0, 2.0 - bf.sum(), i32.sum() * 2.5]
     assert [o.dtype for o in outs] == [torch.float32, torch.int64, torch.int32, torch.float32,
-                                       torch.float32, torch.bfloat16, torch.int32]
+                                       torch.float32, torch.bfloat16, torch.int32,
+                                       torch.bfloat16, torch.bfloat16, torch.float32]
     for got, want in zip(outs, wants):
         _check(got, want)
     # the recorded output dtypes agree with what ran
@@ -448,6 +455,16 @@ def test_squeeze_unsqueeze(dtype, dt):
     wants = [x.squeeze((0, 2)), x.squeeze(2), x.squeeze(-2), x.unsqueeze(0), x.unsqueeze(-1), x.unsqueeze(3)]
     for got, want in zip(outs, wants):
         _check(got, want)
+
+
+def test_squeeze_of_a_symbolic_dim_is_checked_at_execute():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        fd.add_output(fd.ops.squeeze(x, [0]))
+    (y,) = fd.execute([_rand(0, 1, 4)])
+    _check(y, _rand(0, 1, 4).squeeze(0))
+    with pytest.raises(InputError, match=r"dims \[0\] of f32\[2, 4\] are not of extent 1"):
+        fd.execute([_rand(0, 2, 4)])
 
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
