@@ -417,7 +417,7 @@ def _pushed_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> tor
                 box.mark_ready(main, dst, k)
                 continue
             if step == 1 and split is not None:
-                lead, shared, joined = split
+                _, shared, joined = split
                 partial = x3.new_empty((joined.stop - joined.start, weight.shape[0]))
                 _linear(x3.view(n * m, -1)[joined], weight, None, None, out=partial)
                 mine = _shift(shared, r * m - joined.start)
