@@ -919,22 +919,22 @@ def _slice(x, starts, ends, strides):
 def _slice_infer(args, attrs):
     (x,) = args
     out = []
-    for d, (n, s, end, k) in enumerate(zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"])):
+    for n, s, end, k in zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"]):
         if n < 0 or isinstance(s, SymbolicSize) or isinstance(end, SymbolicSize):
             out.append(-1)  # known once execute binds the sizes
             continue
-        if not 0 <= s <= end <= n:  # a bound that was a symbolic size, now bound
-            _bad(f"dim {d} of {x}: [{s}:{end}:{k}] needs 0 <= start <= end <= extent")
-        out.append(len(range(s, min(end, n), k)))
+        # Bounds on an extent bound at execute are normalized there, as nvFuser does at run time and
+        # Python's slices do (negative ones count from the end, then clamped to [0, extent]).
+        out.append(len(range(*slice(s, end, k).indices(n))))
     return [TensorType(tuple(out), x.dtype)]
 
 
 def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normalization: bool = False):
-    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Integer
-    indices of a dim of known extent are normalized as Python and torch do (negative ones count from
-    the end, then clamped to [0, extent]) unless ``manual_normalization`` (nvFuser's promise that they
-    lie in [0, extent] already); other indices must lie there (on a symbolic extent, and for a
-    symbolic ``fd.ops.size`` scalar, that is checked at execute)."""
+    """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Indices are
+    normalized as Python, torch and nvFuser do (negative ones count from the end, then clamped to
+    [0, extent]): now on a dim of known extent (unless ``manual_normalization``, nvFuser's promise that
+    they lie in [0, extent] already), at execute on a symbolic extent or for a symbolic ``fd.ops.size``
+    scalar."""
     x = rec.tv(x, "x")
     starts = _extents("slice", start_indices, "start_indices")
     ends = _extents("slice", end_indices, "end_indices")
@@ -946,15 +946,10 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
         bounds = [_normalized_slice(s, e, n) for s, e, n in zip(starts, ends, x.shape)]
         starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
     for d, (s, e, k, n) in enumerate(zip(starts, ends, strides, x.shape)):
-        if isinstance(s, SymbolicSize) or isinstance(e, SymbolicSize):
-            bad = k < 1 or (isinstance(s, int) and s < 0)
-        else:
-            bad = k < 1 or s < 0 or e < s or (n >= 0 and e > n)
-        if bad:
-            unknown = (" (the extent is symbolic, so a bound counted from its end cannot be resolved: define the "
-                       "extent, or pass non-negative bounds, which execute checks)") if n < 0 else ""
+        known = n >= 0 and not isinstance(s, SymbolicSize) and not isinstance(e, SymbolicSize)
+        if k < 1 or (known and not 0 <= s <= e <= n):
             _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
-                           f"extent and a stride >= 1{unknown}")
+                           "extent and a stride >= 1")
     return rec(x, starts=starts, ends=ends, strides=strides)
 
 
@@ -968,10 +963,13 @@ def _normalized_slice(start, end, n: int) -> tuple:
 
 
 def _slice_localize(attrs: dict, s: Localize) -> dict:
-    """A sharded dim is never narrowed (the rule keeps narrowed dims whole): it runs in full."""
+    """A sharded dim is never narrowed (the rule keeps narrowed dims whole): it runs in full, whatever
+    bounds normalized to its whole extent (e.g. ``[-n:n + 2]``)."""
     (glob, local) = s.in_global[0], s.in_local[0]
-    ends = tuple(local[d] if local[d] != glob[d] else e for d, e in enumerate(attrs["ends"]))
-    return {**attrs, "ends": ends}
+    sharded = [local[d] != glob[d] for d in range(len(glob))]
+    starts = tuple(0 if sh else b for sh, b in zip(sharded, attrs["starts"]))
+    ends = tuple(local[d] if sh else e for d, (sh, e) in enumerate(zip(sharded, attrs["ends"])))
+    return {**attrs, "starts": starts, "ends": ends}
 
 
 register("slice", impl=_slice, infer=_slice_infer, traits=Trait.VIEW, rule=rules.slice_,

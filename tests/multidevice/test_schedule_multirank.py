@@ -152,6 +152,24 @@ def test_blocks_and_strided_pieces_of_one_dim_on_two_mesh_axes(multidevice_test,
     assert fd.plan.collectives() == ([] if n == 8 else ["allgather"])
 
 
+def test_slice_bounds_normalized_at_execute_keep_a_sharded_dim(multidevice_test):
+    """Bounds on a symbolic extent are normalized at execute (negative from the end, clamped): a sharded
+    dim they cover whole stays sharded and runs in full on each rank; the narrowed dim is sliced locally."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1], dtype=DataType.Double)
+        y = fd.ops.slice(x, [-1000, 1], [1000, -1])
+        fd.add_output(y)
+    for tv in (x, y):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(0, d).axis(0).parallelize(X)
+    full = rand(13, 2 * d, 5)
+    (got,) = fd.execute([shard_tensor(full, x)])
+    torch.testing.assert_close(got, shard_tensor(full[:, 1:-1], fd.output_shardings()[0]))
+    assert fd.plan.collectives() == []
+
+
 # case: (the output, the collectives on more than one rank)
 _BIASED_CASES = {
     "strided out dim": (lambda y, fd: fd.ops.mul(y, 2.0), lambda t: t * 2.0, ["reduce_scatter"]),

@@ -199,28 +199,31 @@ def test_layer_norm_weight_broadcast_to_a_symbolic_shape():
                                rtol=1e-5)
 
 
-def test_a_symbolic_slice_bound_is_checked_at_execute():
+def test_a_symbolic_slice_bound_is_normalized_at_execute():
+    """``x[:len(y)]``: a bound past the extent is clamped, as torch and nvFuser (which normalizes bounds at
+    run time) do; round 18 refused it at execute."""
     with FusionDefinition() as fd:
         x, y = fd.define_tensor([-1]), fd.define_tensor([-1])
         fd.add_output(fd.ops.slice(x, [0], [fd.ops.size(y, 0)]))  # x[:len(y)]
     a = torch.randn(6)
-    torch.testing.assert_close(fd.execute([a, torch.randn(4)])[0], a[:4])
-    with pytest.raises(InputError, match=r"slice: .*\[0:8:1\] needs 0 <= start <= end <= extent"):
-        fd.execute([a, torch.randn(8)])
+    for n in (4, 8):
+        torch.testing.assert_close(fd.execute([a, torch.randn(n)])[0], a[:n])
 
 
-def test_integer_slice_bounds_on_a_symbolic_extent_are_checked_at_execute():
-    """nvFuser takes integer bounds on a dim whose extent is bound at execute; so does tp_fusion (bounds
-    counted from the end need the extent: refused when recorded)."""
+def test_integer_slice_bounds_on_a_symbolic_extent_are_normalized_at_execute():
+    """nvFuser takes integer bounds on a dim whose extent is bound at execute, counted from the end where
+    negative and clamped to it, as Python's slices (round 18 refused negative ones when recorded and
+    bounds past the extent at execute)."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, -1])
         fd.add_output(fd.ops.slice(x, [0, 1], [4, 3]))
-        with pytest.raises(DefinitionError, match=r"\[1:-1:1\] .*the extent is symbolic"):
-            fd.ops.slice(x, [1, 0], [-1, 2])
-    t = torch.randn(6, 5)
-    torch.testing.assert_close(fd.execute([t])[0], t[0:4, 1:3])
-    with pytest.raises(InputError, match=r"slice: .*\[0:4:1\] needs 0 <= start <= end <= extent"):
-        fd.execute([torch.randn(3, 5)])
+        fd.add_output(fd.ops.slice(x, [1, -3], [-1, 100]))
+        with pytest.raises(DefinitionError, match=r"a stride >= 1"):
+            fd.ops.slice(x, [0, 0], [2, 2], [1, 0])
+    for t in (torch.randn(6, 5), torch.randn(3, 2)):
+        got = fd.execute([t])
+        torch.testing.assert_close(got[0], t[0:4, 1:3])
+        torch.testing.assert_close(got[1], t[1:-1, -3:100])
 
 
 def test_symbolic_scalars_only_where_extents_go():
