@@ -932,9 +932,9 @@ def _slice_infer(args, attrs):
 def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normalization: bool = False):
     """nvFuser's ``slice``: ``x[start_indices[d]:end_indices[d]:strides[d]]`` on every dim. Indices are
     normalized as Python, torch and nvFuser do (negative ones count from the end, then clamped to
-    [0, extent]): now on a dim of known extent (unless ``manual_normalization``, nvFuser's promise that
-    they lie in [0, extent] already), at execute on a symbolic extent or for a symbolic ``fd.ops.size``
-    scalar."""
+    [0, extent]): when recorded, on a dim of known extent (unless ``manual_normalization``, nvFuser's
+    promise that they lie in [0, extent] already); at execute, on a symbolic extent or for a symbolic
+    ``fd.ops.size`` scalar."""
     x = rec.tv(x, "x")
     starts = _extents("slice", start_indices, "start_indices")
     ends = _extents("slice", end_indices, "end_indices")
