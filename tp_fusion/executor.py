@@ -33,6 +33,7 @@ from tp_fusion.compile import (
     compile_program,
     declared_layouts,
     global_input_shapes,
+    laid_out,
 )
 from tp_fusion.errors import (
     DefinitionError,
@@ -108,7 +109,7 @@ class Executor:
     def _run(self, inputs: list) -> tuple[list[torch.Tensor], Program]:
         world = dist.world_token()
         multi = self._sharded and world is not None and dist.world_size() > 1
-        backend = dist.backend() if multi else None
+        every_call = multi and agrees_every_call(dist.backend())
         rank, size = dist.rank(), dist.world_size() if dist.is_initialized() else 1
         view = self._views.get((rank, size))
         if view is None:
@@ -132,14 +133,22 @@ class Executor:
             if not multi:
                 raise
             error = e
-        if multi and (cached is None or backend == "gloo"):
+        if multi and (cached is None or every_call):
             _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
+        deferred = None
         if error is not None:
-            raise error
+            if cached is None or not multi or every_call:
+                raise error
+            # Under NCCL a cached plan runs without agreement, so the peers are in its collectives by now:
+            # this rank runs it too, on stand-ins for the inputs that failed their check, then raises.
+            deferred = type(error)(f"{error} (this rank ran the plan on stand-ins for it first, so that its "
+                                   "peers, which run the cached plan without checking with it, were not left "
+                                   "waiting; their results are right)")
+            inputs = _stand_ins(self.fusion, inputs, view, program.device)
         guarded = multi and program.device.type == "cuda"
         if guarded:
             _progress.before_call(world, program.rank, symm.release_waits)
-        if multi and backend != "gloo":
+        if multi and not every_call:
             _lagged.check_and_launch(world, fingerprint)
         if cached is None:
             runner = Runner(program)  # creates process groups: after the agreement
@@ -148,6 +157,8 @@ class Executor:
         outputs = runner.run(inputs)
         if guarded:
             _progress.after_call()
+        if deferred is not None:
+            raise deferred
         return outputs, program
 
     def _compile(self, inputs: list, known: dict[int, tuple[int, ...]]) -> tuple[Program, int, str]:
@@ -197,12 +208,36 @@ def _check_unkeyed(fusion: Fusion, inputs: list, view: _InputView, rank: int) ->
     and the empty tensors for those it holds no part of (``global_input_shapes`` checks them on a miss)."""
     layouts = declared_layouts(fusion)
     for i in view.checked:
+        _check_unkeyed_one(fusion, fusion.inputs[i], inputs[i], view.held[i], layouts, rank)
+
+
+def _check_unkeyed_one(fusion: Fusion, name: int, x, held: bool, layouts: dict, rank: int) -> None:
+    if not held:
+        check_unheld(name, fusion.tensor(name), x, rank)
+    else:
+        layout = layouts[name]
+        check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
+
+
+def agrees_every_call(backend: str) -> bool:
+    """Whether the ranks agree on every call of a cached plan too: under gloo (a host exchange is cheap
+    beside CPU work). Under NCCL only a compile agrees, as a host round trip per call would bound the
+    call rate; ``faults.LaggedAgreement`` checks the calls later instead."""
+    return backend == "gloo"
+
+
+def _stand_ins(fusion: Fusion, inputs: list, view: _InputView, device: torch.device) -> list:
+    """``inputs`` with what ``_check_unkeyed`` refuses replaced by what it accepts: an empty tensor for an
+    input this rank holds no part of (its values are never read), the same values laid out as declared."""
+    layouts, fixed = declared_layouts(fusion), list(inputs)
+    for i in view.checked:
         name, x = fusion.inputs[i], inputs[i]
-        if not view.held[i]:
-            check_unheld(name, fusion.tensor(name), x, rank)
-        else:
-            layout = layouts[name]
-            check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
+        try:
+            _check_unkeyed_one(fusion, name, x, view.held[i], layouts, dist.rank())
+        except TPFusionError:
+            fixed[i] = laid_out(x, layouts[name].stride_order) if view.held[i] else \
+                torch.empty(0, dtype=fusion.tensor(name).dtype.torch, device=device)
+    return fixed
 
 
 def _fingerprint(*parts) -> int:

@@ -285,6 +285,49 @@ def test_plan_cache_agrees_across_ranks(multidevice_test):
     _plan_cache_on_every_rank(multidevice_test.rank, multidevice_test.size)
 
 
+@pytest.mark.ranks(2)
+def test_a_bad_input_on_a_cached_plan_under_nccl_leaves_no_peer_waiting(multidevice_test, monkeypatch):
+    """Under NCCL a cached plan runs without agreement, so a rank that alone passes a bad layout or a
+    non-empty tensor for an input it holds no part of finds its peers in the plan's collectives: it runs
+    the plan on stand-ins, then raises; the peers get right results (before, they waited in the
+    allgather until the group's timeout). Seen here on gloo, with the executor agreeing as under NCCL."""
+    from tp_fusion import InputError, executor
+
+    monkeypatch.setattr(executor, "agrees_every_call", lambda backend: False)
+    rank = multidevice_test.rank
+    mesh = DeviceMesh([0, 1])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], contiguity=[True, True])
+        u = fd.define_tensor([3])
+        y = fd.ops.set(fd.ops.mul(x, 2.0))
+        fd.add_output(y)
+        fd.add_output(fd.ops.add(u, 1.0))
+        for tv in (x, y):
+            tv.set_device_mesh(mesh)  # y replicated on it: an allgather
+        x.outer_split(0, 2)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+        u.set_device_mesh(DeviceMesh([0]))  # rank 1 holds no part of u
+    full_x, full_u = torch.randn(4, 6), torch.randn(3)
+    good = [shard_tensor(full_x, x), shard_tensor(full_u, u)]
+    bad_layout = [good[0].t().contiguous().t(), good[1]]  # the same values, column-major
+    bad_unheld = [good[0], torch.ones(3)]  # rank 1 passes a full tensor for u
+
+    def check(outs):
+        torch.testing.assert_close(outs[0], full_x * 2.0)
+        if rank == 0:
+            torch.testing.assert_close(outs[1], full_u + 1.0)
+
+    check(fd.execute(good))  # compiles: every rank agrees
+    for bad, why in ((bad_layout, "does not match its declared layout"), (bad_unheld, "must pass an empty tensor")):
+        if rank == 1:
+            with pytest.raises(InputError, match=f"{why}.*ran the plan on stand-ins"):
+                fd.execute(bad)
+        else:
+            check(fd.execute(good))
+        _in_step()
+    check(fd.execute(good))  # the group is sound
+
+
 def _meshes_out_of_order_and_broadcasts(rank: int, world: int) -> None:
     """A collective that places pieces by position on a mesh axis listed out of increasing order is
     refused on every rank (torch numbers a group's ranks increasingly); a broadcast runs on its own
