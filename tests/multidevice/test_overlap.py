@@ -118,3 +118,23 @@ def test_single_process_needs_no_group():
 def test_tuning_is_validated():
     with pytest.raises(ValueError, match="rs_reduce"):
         overlap.Tuning(rs_reduce="tree")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 8])
+def test_own_split_moves_own_rows_beside_the_next_chunk(n, rows):
+    """``_own_split``: the first GEMM keeps the rest of this rank's m own rows; the moved ones and chunk
+    r+1 form one block of rows of all n * m; where that cannot be (the last of more than two ranks) or
+    a GEMM would get no rows, nothing moves."""
+    m = 8
+    for r in range(n):
+        split = overlap._own_split(r, n, m, rows)
+        if not 0 < rows < m or (r == n - 1 and n > 2):
+            assert split is None
+            continue
+        lead, moved, joined = split
+        assert sorted([*range(m)[lead], *range(m)[moved]]) == list(range(m)) and len(range(m)[moved]) == rows
+        nxt = (r + 1) % n
+        block = set(range(n * m)[joined])
+        assert block == {r * m + i for i in range(m)[moved]} | set(range(nxt * m, (nxt + 1) * m))
+        assert block == set(range(min(block), max(block) + 1))  # one block, as one GEMM reads and writes it
