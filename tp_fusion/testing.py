@@ -79,6 +79,11 @@ class MultideviceTest:
         """This rank's chunk of ``full`` split evenly along ``dim`` over a 1-D ``mesh``, on ``device``."""
         if self.rank not in mesh:
             return full.new_empty((0,)).to(self.device)
+        if full.shape[dim] % mesh.size:
+            from tp_fusion.errors import ShardingError
+
+            raise ShardingError(f"shard_tensor_1d: dim {dim} of a {list(full.shape)} tensor (extent {full.shape[dim]}) "
+                                f"does not split evenly over the {mesh.size} devices of {mesh}")
         return full.chunk(mesh.size, dim)[mesh.devices.index(self.rank)].contiguous().to(self.device)
 
     def barrier(self) -> None:

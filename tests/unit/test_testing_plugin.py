@@ -76,3 +76,23 @@ def test_rank_outcomes_reach_the_pytest_process(tmp_path):
     # Rank 1 aborted its group on leaving: rank 0, waiting in execute's agreement, learnt at once
     # (not at the group's 120 s timeout), and the next test ran in a fresh group.
     assert "rank(s) 1 stopped responding" in out, out
+
+
+def test_shard_tensor_1d_takes_even_chunks_only():
+    """The fixture's ``shard_tensor_1d``: this rank's even chunk, an empty tensor off the mesh, and a clear
+    error where the dim does not split evenly (torch.chunk gave fewer chunks: an IndexError on the last
+    ranks, found running nvFuser's transformer test at 3 ranks)."""
+    import pytest
+    import torch
+
+    from tp_fusion import DeviceMesh, ShardingError
+    from tp_fusion.testing import MultideviceTest
+
+    full = torch.arange(24.0).reshape(4, 6)
+    for rank in range(3):
+        test = MultideviceTest(rank, 3, rank, 3, torch.device("cpu"))
+        torch.testing.assert_close(test.shard_tensor_1d(full, 1, DeviceMesh([0, 1, 2])), full[:, 2 * rank:2 * rank + 2])
+        others = DeviceMesh([r for r in range(3) if r != rank])
+        assert test.shard_tensor_1d(full, 1, others).numel() == 0
+        with pytest.raises(ShardingError, match="extent 4.*does not split evenly over the 3 devices"):
+            test.shard_tensor_1d(full, 0, DeviceMesh([0, 1, 2]))
