@@ -108,16 +108,6 @@ def check_layout(what: str, x: torch.Tensor, contiguity: Sequence[bool | None],
         want = strides[d] * sizes[d]
 
 
-def laid_out(x: torch.Tensor, stride_order: Sequence[int] | None) -> torch.Tensor:
-    """A dense copy of ``x`` whose strides follow ``stride_order`` (row-major without one): a layout that
-    ``check_layout`` accepts for any contiguity."""
-    n = x.dim()
-    order = tuple(stride_order) if stride_order is not None else tuple(range(n - 1, -1, -1))
-    slowest_first = sorted(range(n), key=lambda d: -order[d])
-    back = sorted(range(n), key=slowest_first.__getitem__)
-    return x.permute(slowest_first).contiguous().permute(back)
-
-
 def check_mesh_sizes(fusion: Fusion, world: int) -> None:
     """Every mesh names ranks of a world of ``world`` ranks."""
     for t in fusion.tensors:

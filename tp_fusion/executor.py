@@ -33,7 +33,6 @@ from tp_fusion.compile import (
     compile_program,
     declared_layouts,
     global_input_shapes,
-    laid_out,
 )
 from tp_fusion.errors import (
     DefinitionError,
@@ -44,6 +43,7 @@ from tp_fusion.errors import (
     TPFusionError,
 )
 from tp_fusion.ir import Fusion
+from tp_fusion.ops import with_stride_order
 from tp_fusion.program import Program
 from tp_fusion.runtime import dist, faults, symm, tuning
 from tp_fusion.runtime.runner import Runner
@@ -120,13 +120,15 @@ class Executor:
         if cached is not None and cached[1].world != world:
             self._cache.clear()  # the process group these were built under is gone
             cached = None
-        error = None
+        error, refused = None, {}
         try:
             if cached is None:
                 program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)))
             else:
                 program, runner, fingerprint, detail = cached
-                _check_unkeyed(self.fusion, inputs, view, rank)
+                refused = _unkeyed_refusals(self.fusion, inputs, view, rank)
+                if refused:
+                    raise next(iter(refused.values()))
         except TPFusionError as e:
             error = e
         except Exception as e:  # an internal error: still agree, so no peer is left waiting
@@ -144,7 +146,7 @@ class Executor:
             deferred = type(error)(f"{error} (this rank ran the plan on stand-ins for it first, so that its "
                                    "peers, which run the cached plan without checking with it, were not left "
                                    "waiting; their results are right)")
-            inputs = _stand_ins(self.fusion, inputs, view, program.device)
+            inputs = _stand_ins(self.fusion, inputs, refused, view, program.device)
         guarded = multi and program.device.type == "cuda"
         if guarded:
             _progress.before_call(world, program.rank, symm.release_waits)
@@ -203,20 +205,21 @@ def _exchange_extents(fusion: Fusion, inputs: list, view: _InputView) -> tuple[t
     return tuple(out)
 
 
-def _check_unkeyed(fusion: Fusion, inputs: list, view: _InputView, rank: int) -> None:
-    """On a cached plan, what its key leaves out: the declared layouts of the inputs this rank holds,
-    and the empty tensors for those it holds no part of (``global_input_shapes`` checks them on a miss)."""
-    layouts = declared_layouts(fusion)
+def _unkeyed_refusals(fusion: Fusion, inputs: list, view: _InputView, rank: int) -> dict[int, TPFusionError]:
+    """On a cached plan, what its key leaves out, checked: the declared layouts of the inputs this rank
+    holds, and the empty tensors for those it holds no part of (``global_input_shapes`` checks them on
+    a miss). Returns each refused input's error, by position."""
+    layouts, refused = declared_layouts(fusion), {}
     for i in view.checked:
-        _check_unkeyed_one(fusion, fusion.inputs[i], inputs[i], view.held[i], layouts, rank)
-
-
-def _check_unkeyed_one(fusion: Fusion, name: int, x, held: bool, layouts: dict, rank: int) -> None:
-    if not held:
-        check_unheld(name, fusion.tensor(name), x, rank)
-    else:
-        layout = layouts[name]
-        check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
+        name, x = fusion.inputs[i], inputs[i]
+        try:
+            if view.held[i]:
+                check_layout(f"T{name}", x, layouts[name].contiguity, layouts[name].stride_order)
+            else:
+                check_unheld(name, fusion.tensor(name), x, rank)
+        except TPFusionError as e:
+            refused[i] = e
+    return refused
 
 
 def agrees_every_call(backend: str) -> bool:
@@ -226,17 +229,17 @@ def agrees_every_call(backend: str) -> bool:
     return backend == "gloo"
 
 
-def _stand_ins(fusion: Fusion, inputs: list, view: _InputView, device: torch.device) -> list:
-    """``inputs`` with what ``_check_unkeyed`` refuses replaced by what it accepts: an empty tensor for an
-    input this rank holds no part of (its values are never read), the same values laid out as declared."""
+def _stand_ins(fusion: Fusion, inputs: list, refused: dict, view: _InputView, device: torch.device) -> list:
+    """``inputs`` with the ``refused`` ones replaced by what the checks accept: the same values laid out
+    as declared, or an empty tensor for an input this rank holds no part of (its values are never read)."""
     layouts, fixed = declared_layouts(fusion), list(inputs)
-    for i in view.checked:
-        name, x = fusion.inputs[i], inputs[i]
-        try:
-            _check_unkeyed_one(fusion, name, x, view.held[i], layouts, dist.rank())
-        except TPFusionError:
-            fixed[i] = laid_out(x, layouts[name].stride_order) if view.held[i] else \
-                torch.empty(0, dtype=fusion.tensor(name).dtype.torch, device=device)
+    for i in refused:
+        name = fusion.inputs[i]
+        if view.held[i]:  # refused for its layout
+            order = layouts[name].stride_order
+            fixed[i] = inputs[i].contiguous() if order is None else with_stride_order(inputs[i], order)
+        else:
+            fixed[i] = torch.empty(0, dtype=fusion.tensor(name).dtype.torch, device=device)
     return fixed
 
 

@@ -336,11 +336,10 @@ def _known(values) -> tuple[int, ...]:
 # --- pointwise ------------------------------------------------------------------------------------
 
 
-def _scalar(value, like: torch.Tensor) -> torch.Tensor:
-    """A Python number as a 0-d CPU tensor that behaves in ``fn(like, value)`` as the number itself
-    would in torch: the result dtype is ``torch.result_type(like, value)``, and a float keeps float32
+def _scalar(value, dtype: torch.dtype) -> torch.Tensor:
+    """A Python number as a 0-d CPU tensor that behaves in ``fn(tensor, value)`` as the number itself
+    would in torch, given their result dtype ``dtype`` (``torch.result_type``): a float keeps float32
     precision or more (a 0-d CPU tensor enters CUDA kernels as a scalar, in their compute type)."""
-    dtype = torch.result_type(like, value)
     if dtype.is_floating_point:
         dtype = torch.promote_types(dtype, torch.float32)
     return torch.tensor(value, dtype=dtype)
@@ -351,10 +350,10 @@ def _binary(fn):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             return fn(a, b)
         want = torch.result_type(a, b)  # torch's dtype, the number taken as a number
-        if not isinstance(a, torch.Tensor):
-            a = _scalar(a, b)
-        if not isinstance(b, torch.Tensor):
-            b = _scalar(b, a)
+        if isinstance(a, torch.Tensor):
+            b = _scalar(b, want)
+        else:
+            a = _scalar(a, want)
         out = fn(a, b)
         # A 0-d tensor meets the number's 0-d float32 tensor as an equal (bf16[] * 3.0 would come out
         # float32): round the result to torch's dtype, as torch rounds its float32 math.
