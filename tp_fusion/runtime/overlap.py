@@ -377,7 +377,8 @@ class _ReduceScatterCall:
     comm: torch.cuda.Stream | None
 
 
-def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _ReduceScatterCall:
+def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning, staged_steps=None) -> _ReduceScatterCall:
+    """``staged_steps``: how many steps push from ``staging`` (default: all n - 1)."""
     rows, out_cols = x3.shape[1], weight.shape[0]
     c = tuning.rs_subchunks if rows % tuning.rs_subchunks == 0 else 1
     sub = rows // c
@@ -385,9 +386,10 @@ def _reduce_scatter_call(kind: str, x3, weight, residual, pg, tuning) -> _Reduce
     box.start_call()
     main, comm = symm.current_stream(x3.device), symm.comm_stream(x3.device)
     symm.stream_wait(comm, main)  # forks comm from main even where no push follows (a capture joins it)
+    staged = box.n - 1 if staged_steps is None else staged_steps
     return _ReduceScatterCall(
         box, c, x3.view(box.n, c, sub, -1),
-        None if tuning.rs_remote_store else x3.new_empty((box.n - 1, c, sub, out_cols)),
+        None if tuning.rs_remote_store else x3.new_empty((staged, c, sub, out_cols)),
         x3.new_empty((c, sub, out_cols)), None if residual is None else residual.view(c, sub, out_cols),
         main, comm)
 
@@ -399,13 +401,15 @@ def _pushed_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> tor
     pass (``rs_reduce="sum"``; "ring" is ``_ring_linear_reduce_scatter``). With ``rs_split_rows``, the
     GEMM of r+1's partial takes some own rows along (``_own_split``), and every rank adds the bias to
     its own rows instead."""
-    call = _reduce_scatter_call("linear_reduce_scatter", x3, weight, residual, pg, tuning)
+    n, r, m = dist.group_size(pg), dist.group_rank(pg), x3.shape[1]
+    split = _own_split(r, n, m, tuning.rs_split_rows)
+    # A split's first step pushes from the joined GEMM's own output, not from staging.
+    call = _reduce_scatter_call("linear_reduce_scatter", x3, weight, residual, pg, tuning,
+                                staged_steps=n - 1 - (split is not None))
     box, main, comm, staging = call.box, call.main, call.comm, call.staging
-    n, r, m = box.n, box.rank, x3.shape[1]
     side = symm.side_stream(x3.device) if tuning.rs_streams == 2 else main
     if side is not main:
         symm.stream_wait(side, main)  # the inputs are ready; the own-rows GEMM needs nothing else
-    split = _own_split(r, n, m, tuning.rs_split_rows)
     done = None  # (own rows, their partial) from the joined GEMM
     for step in range(1, n):
         dst = (r + step) % n
@@ -424,7 +428,7 @@ def _pushed_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> tor
                 theirs = _shift(slice(dst * m, (dst + 1) * m), -joined.start)
                 done, piece = (shared, partial[mine]), partial[theirs]
             else:
-                piece = staging[step - 1, k]
+                piece = staging[step - 1 - (split is not None), k]
                 _linear(call.xs[dst, k], weight, b, None, out=piece)
             symm.stream_wait(comm, main)
             box.push(comm, dst, k, piece)
