@@ -66,6 +66,7 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
                               strategy=Strategy(st.mesh, (bias_target,), (wide,))))
                 bias_arg = len(tensors) - 1
             add_in = (target, tensors[bias_arg].sharding)
+            tensors[out] = _no_longer_reduced(tensors[out])
             ops.append(Op("add", (summed, bias_arg), (out,), strategy=Strategy(st.mesh, add_in, (target,))))
             continue
         outs, after = [], []
@@ -75,11 +76,21 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
             else:
                 tmp = new_tensor(o, natural)
                 outs.append(tmp)
+                tensors[o] = _no_longer_reduced(tensors[o])
                 after.append(Op("set", (tmp,), (o,)))
         ops.append(op.replace(inputs=args, outputs=tuple(outs)))
         ops.extend(after)
     outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)
+
+
+def _no_longer_reduced(t: Tensor) -> Tensor:
+    """``t`` once a copy or an add produces it instead of its reduction (which now writes a new tensor):
+    its loop domain without the reduction's serial axes (``r{K}``), which belong to that reduction. A
+    device-parallel one stays: it says that ``t`` is a pending sum."""
+    if t.loop is None:
+        return t
+    return t.replace(loop=tuple(a for a in t.loop if not a.reduction or a.ptype.is_device))
 
 
 def _bias_placement(p: Placement, lead: int, ndim: int) -> Placement:

@@ -102,6 +102,9 @@ class Sharding:
 
     def axis_sharded_on(self, ptype: ParallelType) -> int:
         """The tensor dim sharded on ``ptype``'s mesh axis, or -1 (replicated, partial or absent)."""
+        if not ptype.is_device:
+            raise ShardingError(f"axis_sharded_on({ptype}): pass a device type (mesh_x, mesh_y or mesh_z); "
+                                "no dim is sharded on a serial axis")
         axis = -1 if self.mesh is None else ptype.mesh_axis(self.mesh.ndim)
         if axis < 0 or not isinstance(self.placements[axis], Shard):
             return -1
@@ -220,6 +223,8 @@ class Sharding:
         return f" partial(sum: {', '.join(axes)})" if axes else ""
 
     def __str__(self) -> str:
+        if self.mesh is None:
+            return "unsharded"
         return f"{self.mesh.short()}({', '.join(map(str, self.placements))})"
 
 

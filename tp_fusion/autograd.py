@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tp_fusion.compile import as_declared
 from tp_fusion.errors import DefinitionError, InputError, ShardingError
 from tp_fusion.fusion_definition import FusionDefinition
 
@@ -127,10 +128,13 @@ class _Meta:
         self.mesh, self.placements = (t.device_mesh, tuple(t.placements)) if _is_dtensor(t) else (None, None)
 
     def redistribute(self, grad):
-        """``grad`` with these placements (a no-op unless both are DTensors and they differ)."""
-        if self.mesh is not None and _is_dtensor(grad) and tuple(grad.placements) != self.placements:
-            return grad.redistribute(self.mesh, self.placements)
-        return grad
+        """``grad`` as this tensor is: with its placements if it is a DTensor, else this rank's local
+        shard (a backward that ran on DTensors gives DTensors for the plain inputs too)."""
+        if not _is_dtensor(grad):
+            return grad
+        if self.mesh is None:
+            return grad.to_local()
+        return grad.redistribute(self.mesh, self.placements) if tuple(grad.placements) != self.placements else grad
 
 
 class _FusionFunction(torch.autograd.Function):
@@ -156,8 +160,11 @@ class _FusionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         spec = _spec_of(ctx)
         by_output = dict(zip(spec.outputs, grads))
-        out_grads = [meta.redistribute(by_output[i]) for i, meta in zip(spec.differentiable, ctx.output_meta)]
-        results = _run(spec.backward, [*ctx.saved_tensors, *out_grads])
+        saved = ctx.saved_tensors
+        # torch makes the incoming gradients (y.sum() gives a stride-0 one): lay them out as declared
+        out_grads = [as_declared(spec.backward.fusion, len(saved) + j, meta.redistribute(by_output[i]))
+                     for j, (i, meta) in enumerate(zip(spec.differentiable, ctx.output_meta))]
+        results = _run(spec.backward, [*saved, *out_grads])
         input_grads: list = [None] * len(ctx.input_meta)
         for i, grad in zip(spec.grad_inputs, results):
             if not ctx.needs_input_grad[i]:

@@ -17,7 +17,7 @@ import torch
 from tp_fusion import loop as loops
 from tp_fusion.errors import DefinitionError, InputError, ShardingError
 from tp_fusion.ir import Fusion, Tensor, resolve_sizes
-from tp_fusion.ops import TensorType, opdef
+from tp_fusion.ops import TensorType, opdef, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
 
@@ -66,6 +66,15 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
 def declared_layouts(fusion: Fusion) -> dict:
     """The inputs' layouts declared by ``define_tensor`` (``fusion_definition.Layout``), by name."""
     return getattr(fusion.inputs, "layouts", {})
+
+
+def as_declared(fusion: Fusion, index: int, x):
+    """Input ``index``'s value ``x`` in the layout ``define_tensor`` declared for it: ``x`` itself when
+    nothing is declared or when it is laid out so already (no copy)."""
+    layout = declared_layouts(fusion).get(fusion.inputs[index])
+    if layout is None or not layout.constrains:
+        return x
+    return x.contiguous() if layout.stride_order is None else with_stride_order(x, layout.stride_order)
 
 
 def check_unheld(name: int, t: Tensor, x, rank: int) -> None:

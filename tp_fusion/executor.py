@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from tp_fusion.compile import (
+    as_declared,
     check_layout,
     check_mesh_sizes,
     check_unheld,
@@ -43,7 +44,6 @@ from tp_fusion.errors import (
     TPFusionError,
 )
 from tp_fusion.ir import Fusion
-from tp_fusion.ops import with_stride_order
 from tp_fusion.program import Program
 from tp_fusion.runtime import dist, faults, symm, tuning
 from tp_fusion.runtime.runner import Runner
@@ -136,7 +136,7 @@ class Executor:
                 raise
             error = e
         if multi and (cached is None or every_call):
-            _agree(error, 0 if error is not None else fingerprint, detail if error is None else "")
+            _agree(error, 0 if error is not None else fingerprint, detail if error is None else None)
         deferred = None
         if error is not None:
             if cached is None or not multi or every_call:
@@ -163,8 +163,9 @@ class Executor:
             raise deferred
         return outputs, program
 
-    def _compile(self, inputs: list, known: dict[int, tuple[int, ...]]) -> tuple[Program, int, str]:
-        """This rank's program for these inputs, its fingerprint and a description of the shapes.
+    def _compile(self, inputs: list, known: dict[int, tuple[int, ...]]) -> tuple[Program, int, tuple[int, str]]:
+        """This rank's program for these inputs, its fingerprint, and (the fusion's fingerprint, a
+        description of the shapes): what the agreement reports when the ranks differ.
         ``known``: the exchanged global shapes of inputs this rank may hold no part of."""
         rank = dist.rank()
         if dist.is_initialized():
@@ -175,7 +176,8 @@ class Executor:
         device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
         _check_backend(self.fusion, inputs)
         program = compile_program(self.fusion, shapes, rank, device)
-        detail = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
+        described = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
+        detail = (_fingerprint(self.serial, self._text), described)  # which fusion, and its input shapes
         return program, _fingerprint(self.serial, self._text, tuple(map(tuple, shapes))), detail
 
 
@@ -232,14 +234,12 @@ def agrees_every_call(backend: str) -> bool:
 def _stand_ins(fusion: Fusion, inputs: list, refused: dict, view: _InputView, device: torch.device) -> list:
     """``inputs`` with the ``refused`` ones replaced by what the checks accept: the same values laid out
     as declared, or an empty tensor for an input this rank holds no part of (its values are never read)."""
-    layouts, fixed = declared_layouts(fusion), list(inputs)
+    fixed = list(inputs)
     for i in refused:
-        name = fusion.inputs[i]
         if view.held[i]:  # refused for its layout
-            order = layouts[name].stride_order
-            fixed[i] = inputs[i].contiguous() if order is None else with_stride_order(inputs[i], order)
+            fixed[i] = as_declared(fusion, i, inputs[i])
         else:
-            fixed[i] = torch.empty(0, dtype=fusion.tensor(name).dtype.torch, device=device)
+            fixed[i] = torch.empty(0, dtype=fusion.tensor(fusion.inputs[i]).dtype.torch, device=device)
     return fixed
 
 
@@ -251,9 +251,9 @@ def _fingerprint(*parts) -> int:
 def _check_process_group(fusion: Fusion) -> None:
     meshes = {t.sharding.mesh for t in fusion.tensors if t.sharding is not None}
     if meshes and not dist.is_initialized() and any(m.devices != (0,) for m in meshes):
-        raise InputError("execute: the fusion is sharded across devices, but no torch.distributed process "
-                         "group is initialized; start it under torchrun (or tp_fusion.launch.run_on_ranks) "
-                         "and call init_process_group first")
+        raise InputError("execute: the fusion's meshes span several ranks, but no torch.distributed process "
+                         "group is initialized; under torchrun call torch.distributed.init_process_group first, "
+                         "or start the ranks with tp_fusion.launch.run_on_ranks, which initializes it")
 
 
 def _check_backend(fusion: Fusion, inputs: list) -> None:
@@ -267,7 +267,7 @@ def _check_backend(fusion: Fusion, inputs: list) -> None:
                              "CUDA tensors with NCCL and CPU tensors with gloo")
 
 
-def _agree(error: Exception | None, fingerprint: int, detail: str) -> None:
+def _agree(error: Exception | None, fingerprint: int, detail: tuple[int, str] | None) -> None:
     """Raise on every rank if any rank's inputs were rejected, or if the ranks compiled different
     fusions, global shapes or calls (one host-side all_reduce; a gather only when something is wrong)."""
     rank = dist.rank()
@@ -295,12 +295,12 @@ def _agree(error: Exception | None, fingerprint: int, detail: str) -> None:
     common = max(counts, key=lambda fp: (counts[fp], -next(r for r, v in enumerate(views) if v[0] == fp)))
     ref = next(r for r, v in enumerate(views) if v[0] == common)
     odd = [r for r, v in enumerate(views) if v[0] != common]
-    if all(v[1] == views[ref][1] for v in views):
+    if any(v[1][0] != views[ref][1][0] for v in views):
         raise DefinitionError(
             f"execute: rank(s) {odd} executed another fusion than rank {ref} did (different ops or shardings, "
             "or another of its fusions: ranks tell fusions apart by the order they created them); every rank "
             "must create the same FusionDefinitions in the same order and execute them in the same order")
-    lines = "; ".join(f"rank {r}: {views[r][1]}" for r in [ref, *odd])
+    lines = "; ".join(f"rank {r}: {views[r][1][1]}" for r in [ref, *odd])
     raise InputError(
         f"execute: the ranks' inputs imply different global shapes ({lines}); rank(s) {odd} differ from "
         f"rank {ref}. Pass every rank its shard (shard_tensor) of the same global tensors")

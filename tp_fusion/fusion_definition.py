@@ -224,6 +224,10 @@ class TensorView:
     def bound_sharding(self, shape: Sequence[int]) -> Sharding | None:
         """The sharding of a full value of global ``shape`` under this schedule: symbolic extents bound,
         and any pending sum done (what ``execute`` returns for it as an output; ``shard_tensor``)."""
+        if len(shape) != len(self._ir.shape):
+            n = len(self._ir.shape)
+            raise ShardingError(f"T{self.name} {self._ir.type_str()} has {n} dims, got a full value of shape "
+                                f"{list(shape)}; pass the whole (unsharded) tensor, of {n} dims")
         if self.sharding is None or self._ir.loop is None:
             return self.sharding and self.sharding.materialized()
         loop = loops.bind(self._ir.loop, tuple(shape), f"T{self.name} {self._ir.type_str()}", "")
@@ -541,11 +545,11 @@ class FusionDefinition:
         Forward only: it runs under ``torch.no_grad``, accepts inputs that require grad and returns
         outputs that do not (``tp_fusion.autograd.function`` trains). Inputs are never modified. The first
         call for a new input signature compiles (and, on GPUs, times the fused segments); ``fd.plan``
-        is then the program it runs.
+        is then the program it runs. A single tensor stands for the list of it.
         """
         from tp_fusion.executor import Executor
 
-        inputs = list(inputs)
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)  # not its rows
         if self._executor is None:
             self._executor = Executor(self.fusion, self._serial)
         outputs, self._plan = self._executor.run(inputs)
@@ -574,7 +578,8 @@ class FusionDefinition:
     def output_shardings(self) -> list:
         """One Sharding per output, from the plan of the last ``execute``."""
         if self.plan is None:
-            raise DefinitionError("output_shardings: run execute() first; shardings depend on the inputs' sizes")
+            raise DefinitionError("output_shardings: run execute() first, or ask the plan of given global "
+                                  "shapes: fd.compile(shapes).output_shardings(); shardings depend on the sizes")
         return self.plan.output_shardings()
 
 

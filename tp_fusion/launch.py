@@ -166,7 +166,16 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
             print(f"rank {rank} of {world}")
 
         run_on_ranks(hello, 2)
+
+    Under torchrun, whose ranks exist already, it raises instead of spawning ranks of its own on
+    every one of them: there, join the group (``init_from_env``) and call ``fn`` directly, or use
+    ``run_program``, which does either.
     """
+    if under_torchrun():
+        raise RuntimeError(
+            f"run_on_ranks: running under torchrun (rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}), "
+            f"each torchrun rank would spawn {nproc} ranks of its own; run the script with python, or under "
+            "torchrun join its group (tp_fusion.launch.init_from_env()) and call the function on each rank")
     with tempfile.TemporaryDirectory(prefix="tp_fusion_ranks_") as workdir:
         ctx = mp.start_processes(_rank_main, (nproc, workdir, fn, args, timeout_s), nprocs=nproc, join=False,
                                  start_method=_start_method())

@@ -113,11 +113,16 @@ def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str) -> Loop:
         symbolic = [i for i in pieces if loop[i].extent < 0]
         if n < 0 or (not symbolic and k == n):
             continue
-        if not symbolic or n % k != 0:
-            fits = f"splits it by {' x '.join(map(str, known))} = {k}, which does not divide {n}" if symbolic else \
-                f"gives it {' x '.join(map(str, known))} = {k}"
-            raise ShardingError(f"{what}: dim {d} is symbolic and bound to {n}{when}, but its schedule {fits}; "
-                                f"pass a size that is a multiple of {k} or change the split")
+        product = f" ({' x '.join(map(str, known))})" if len(known) > 1 else ""
+        if not symbolic:
+            direct = " (a dim parallelized without a split spans the mesh axis)" \
+                if len(pieces) == 1 and loop[pieces[0]].ptype.is_device else ""
+            raise ShardingError(f"{what}: dim {d}'s schedule gives it extent {k}{product}{direct}, but it is "
+                                f"{n}{when}; pass a tensor whose dim {d} is {k}")
+        if n % k != 0:
+            raise ShardingError(f"{what}: dim {d} is symbolic and bound to {n}{when}, but its schedule splits it by "
+                                f"{k}{product}, which does not divide {n}; pass a size that is a multiple of {k} "
+                                "or change the split")
         (i,) = symbolic
         out[i] = LoopAxis(loop[i].dim, n // k, loop[i].ptype, loop[i].reduction, loop[i].piece)
     return tuple(out)

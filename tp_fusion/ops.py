@@ -577,8 +577,9 @@ def _linear(x, w, b=None):
 def _linear_weight_msg(x: str, w: str, w_ndim: int) -> str:
     if w_ndim > 2:
         return f"the in extent of {x} (last dim) must match the last dim of the weight {w} [*lead, out, in]"
-    msg = f"the in extent of {x} (last dim) must match dim 1 of the weight {w}, which must be 2-D [out, in]"
-    return msg if w_ndim == 2 else msg + " (or [*lead, out, in] with leading dims: nvFuser's logical split)"
+    if w_ndim == 0:
+        return f"the weight {w} must have a dim: [out, in], [in] or [*lead, out, in]"
+    return f"the in extent of {x} (last dim) must match the last dim of the weight {w} ([out, in] or [in])"
 
 
 def _linear_bias_msg(b: str, w: str, w_shape: tuple[int, ...]) -> str:
@@ -610,10 +611,15 @@ def _linear_front(rec, x, w, b=None):
     A weight with leading dims, ``w[*lead, out, in]`` with ``b[*lead, out]`` (nvFuser's logical-split
     linear), gives ``[*lead, ..., out]``: ``F.linear(x, w.reshape(-1, in), b.reshape(-1))`` with the
     leading dims moved first. Sharding a leading dim of the weight shards that dim of the output, with
-    no communication."""
+    no communication. A 1-D weight ``w[in]`` (no bias, as in torch) drops the out dim: it is recorded
+    as ``matmul(x, w)``."""
     x, w = rec.tv(x, "x"), rec.tv(w, "w")
-    if w.ndim < 2 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[-1] >= 0 and x.shape[-1] != w.shape[-1]):
+    if w.ndim < 1 or x.ndim < 1 or (x.shape[-1] >= 0 and w.shape[-1] >= 0 and x.shape[-1] != w.shape[-1]):
         _fail("linear", _linear_weight_msg(f"T{x.name} {x._ir.type_str()}", f"T{w.name} {w._ir.type_str()}", w.ndim))
+    if w.ndim == 1:
+        if b is not None:
+            _fail("linear", f"a 1-D weight T{w.name} {w._ir.type_str()} takes no bias, as in torch")
+        return rec.other("matmul", x, w)
     if b is not None:
         b = rec.tv(b, "b")
         if b.ndim != w.ndim - 1 or any(e >= 0 and f >= 0 and e != f for e, f in zip(b.shape, w.shape)):
@@ -1235,22 +1241,34 @@ def _rng_attrs(op: str, rng_seed, rng_offset) -> dict:
     return {"rng_seed": seed, "rng_offset": offset}
 
 
-def _uniform_front(rec, minval, maxval, shape, *, rng_seed=None, rng_offset=None, dtype: DataType = DataType.Float):
+def _uniform_front(rec, low=None, high=None, shape=None, *, minval=None, maxval=None, rng_seed=None,
+                   rng_offset=None, dtype: DataType = DataType.Float):
     """nvFuser's ``uniform``: a tensor of GLOBAL ``shape`` and floating ``dtype`` drawn uniformly from
-    [minval, maxval).
+    [low, high) (nvFuser names them ``minval`` and ``maxval``; either name works).
 
     The draw is a function of (``rng_seed``, ``rng_offset``) alone: the same on every rank and in
     every run, so a backward fusion redraws a forward's dropout mask. A sharded result is the matching
     slice of the unsharded draw (each rank draws the whole tensor and keeps its slice). Without a
     seed and offset (give both or neither), every execute draws anew, alike on every rank.
     """
+    low, high = (_either_name("uniform", *names) for names in ((low, "low", minval, "minval"),
+                                                                (high, "high", maxval, "maxval")))
+    if shape is None:
+        _fail("uniform", "missing its shape")
     shape = _int_list("uniform", shape, "shape")
     if any(e < 0 for e in shape):
         _fail("uniform", f"shape {list(shape)} must be concrete")
     if not rec.dtype(dtype).is_floating:
         _fail("uniform", f"dtype must be a floating DataType, got {dtype!r}")
-    low, high = _number("uniform", minval, "minval"), _number("uniform", maxval, "maxval")
+    low, high = _number("uniform", low, "low"), _number("uniform", high, "high")
     return rec(shape=shape, dtype=dtype, minval=low, maxval=high, **_rng_attrs("uniform", rng_seed, rng_offset))
+
+
+def _either_name(op: str, value, name: str, alias_value, alias: str):
+    """The argument given as ``name`` or as its alias ``alias`` (exactly one of them)."""
+    if (value is None) == (alias_value is None):
+        _fail(op, f"give {name} or {alias} (one of them)")
+    return alias_value if value is None else value
 
 
 register("uniform", impl=_uniform, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],

@@ -89,7 +89,7 @@ class ProgramSegment:
 
 @dataclass(frozen=True)
 class Program:
-    """What one rank runs for one input signature; ``fd.plan`` after ``execute`` or ``compile``."""
+    """What one rank runs for one input signature: ``fd.plan`` after ``execute``; ``fd.compile`` returns one."""
 
     fusion: Fusion
     rank: int

@@ -247,3 +247,46 @@ def test_gradient_of_the_wrong_shape_is_a_clear_error():
     with pytest.raises(ShardingError, match=r"gradient of forward input 0, which has local shape \[8, 4\], but it "
                                              r"came out \[16, 4\]"):
         z.sum().backward()
+
+
+@pytest.mark.ranks(2)
+def test_dtensor_activation_with_local_shard_parameters(multidevice_test):
+    """x a DTensor, the weights plain nn.Parameters holding this rank's shards: the backward runs on
+    DTensors, and the plain parameters get plain local gradients that an optimizer steps with."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    rank, d = multidevice_test.rank, multidevice_test.size
+    x_full, *weights, target = _full()
+    reference = MLP(weights)
+    x_ref = x_full.clone().requires_grad_()
+    (reference(x_ref) * target).sum().backward()
+    params = [torch.nn.Parameter(w.clone() if dim is None else w.chunk(d, dim)[rank].clone())
+              for w, dim in zip(weights, SHARD_DIM.values())]
+    mlp = tp_fusion.autograd.function(define_forward(d, False), define_backward(d, False), saved_inputs=[0, 1, 2, 3])
+    mesh = init_device_mesh("cpu", (d,))
+    x = distribute_tensor(x_full.clone(), mesh, [Replicate()]).requires_grad_()
+    z = mlp.apply(x, *params)
+    (z * distribute_tensor(target, mesh, [Replicate()])).sum().backward()
+    for (name, dim), p, want in zip(SHARD_DIM.items(), params, reference.parameters()):
+        assert type(p.grad) is torch.Tensor, name
+        torch.testing.assert_close(p.grad, want.grad if dim is None else want.grad.chunk(d, dim)[rank], msg=name)
+    assert isinstance(x.grad, DTensor)
+    torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad)
+    torch.optim.SGD(params, lr=LR).step()
+
+
+@pytest.mark.parametrize("stride_order", [None, [0, 1]], ids=["row_major", "column_major"])
+def test_incoming_gradient_is_laid_out_as_the_backward_declares(stride_order):
+    """torch hands backward the gradient it makes (y.sum() gives strides [0, 0]); a backward fusion that
+    declares its gradient input's layout gets it so."""
+    with FusionDefinition() as fwd:
+        x = fwd.define_tensor([4, 3])
+        fwd.add_output(fwd.ops.mul(x, 2.0))
+    with FusionDefinition() as bwd:
+        gy = bwd.define_tensor([4, 3], contiguity=[True, True], stride_order=stride_order)
+        bwd.add_output(bwd.ops.mul(gy, 2.0))
+    double = tp_fusion.autograd.function(fwd, bwd)
+    x = torch.randn(4, 3, requires_grad=True)
+    double.apply(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((4, 3), 2.0))

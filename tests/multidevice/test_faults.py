@@ -82,6 +82,14 @@ def _fault_in_segment_0(rank: int, world: int, fail_rank: int, how: str) -> None
     assert not dist.is_initialized()  # the failure aborted this rank's process group
 
 
+def test_run_on_ranks_under_torchrun_spawns_nothing(monkeypatch):
+    """Every torchrun rank would spawn ranks of its own: a clear error instead, before any process starts."""
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match=r"under torchrun \(rank 1 of 2\), each torchrun rank would spawn 2"):
+        run_on_ranks(_fault_in_segment_0, 2, 0, "raise")
+
+
 def test_compute_fault_fails_every_rank():
     run_on_ranks(_fault_in_segment_0, 4, 2, "raise", timeout_s=PG_TIMEOUT_S)
 

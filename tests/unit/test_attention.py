@@ -268,6 +268,21 @@ def test_uniform_range_dtype_and_unseeded_draws():
     assert not torch.equal(first, second)  # each execute draws anew without a seed
 
 
+def test_uniform_bounds_by_either_name():
+    """API.md's names (low, high) and nvFuser's (minval, maxval) give the same draw; one of each pair."""
+    def draw(**bounds):
+        with FusionDefinition() as fd:
+            fd.add_output(fd.ops.uniform(shape=[256], rng_seed=5, rng_offset=0, **bounds))
+        return fd.execute([])[0]
+    ours, nvfusers = draw(low=2.0, high=3.0), draw(minval=2.0, maxval=3.0)
+    torch.testing.assert_close(ours, nvfusers, rtol=0, atol=0)
+    assert 2 <= ours.min() and ours.max() < 3
+    with pytest.raises(DefinitionError, match="give low or minval"):
+        draw(low=0.0, minval=0.0, high=1.0)
+    with pytest.raises(DefinitionError, match="give high or maxval"):
+        draw(low=0.0)
+
+
 def test_rand_like_and_dropout_as_nvfuser_writes_it():
     """uniform + lt + mul (nvFuser's dropout): the same seed and offset give the same mask in a
     forward and a backward fusion."""

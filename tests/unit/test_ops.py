@@ -293,6 +293,20 @@ def test_linear(bias, dtype, dt):
     assert out.shape == (2, 3, 5)
 
 
+@pytest.mark.parametrize("x_shape", [(8,), (5, 8), (2, 3, 8)])
+def test_linear_of_a_1d_weight_drops_the_out_dim(x_shape):
+    """torch's F.linear takes a weight [in] (no bias): the result drops the out dim."""
+    x, w = _rand(18, *x_shape), _rand(19, 8)
+    _, (out,) = _run(lambda fd, *t: fd.ops.linear(*t), [x, w])
+    _check(out, F.linear(x, w))
+    with FusionDefinition() as fd:
+        t, v, b = fd.define_tensor([5, 8]), fd.define_tensor([8]), fd.define_tensor([])
+        with pytest.raises(DefinitionError, match="1-D weight .* takes no bias"):
+            fd.ops.linear(t, v, b)
+        with pytest.raises(DefinitionError, match="must have a dim"):
+            fd.ops.linear(t, b)
+
+
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("sa,sb", [((4, 6), (6, 3)), ((2, 4, 6), (6, 3)), ((2, 4, 6), (1, 6, 3)),
                                    ((6,), (6, 3)), ((4, 6), (6,))])

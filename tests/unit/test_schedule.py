@@ -153,8 +153,9 @@ def test_symbolic_unsplit_axis_parallelized_has_the_mesh_size():
     assert x.sharding.local_shape((2, 4)) == (1, 4)
     plan = fd.compile([[2, 4]])
     assert plan.collectives() == [] and plan.output_shardings()[0].placements == (Shard(0),)  # relu keeps it
-    with pytest.raises(ShardingError, match=r"T0 f32\[\?, 4\]: dim 0 is symbolic and bound to 6 at execute, but its "
-                                            r"schedule gives it 2"):
+    with pytest.raises(ShardingError, match=r"T0 f32\[\?, 4\]: dim 0's schedule gives it extent 2 \(a dim "
+                                            r"parallelized without a split spans the mesh axis\), but it is 6 at "
+                                            r"execute; pass a tensor whose dim 0 is 2"):
         fd.compile([[6, 4]])
 
 

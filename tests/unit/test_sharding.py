@@ -402,7 +402,7 @@ Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
   T6 = gelu(T5, approximate='tanh') : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
   T8 = linear(T6, T3) : f32[8, 4] @mesh(0 1)[8, 4] partial(sum: mesh_x)
   T9 = allreduce(T8, mesh_axis=0) : f32[8, 4] @mesh(0 1)[8, 4]
-  T7 = add(T9, T4) : f32[8, 4] @mesh(0 1)[8, 4, r{16}]"""
+  T7 = add(T9, T4) : f32[8, 4] @mesh(0 1)[8, 4]"""
 
 SP_MLP_GOLDEN = """\
 Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
@@ -416,7 +416,7 @@ Fusion(inputs=[T0, T1, T2, T3, T4], outputs=[T7])
   T6 = gelu(T5, approximate='tanh') : f32[8, 16] @mesh(0 1)[8, mesh_x{2}, 8]
   T9 = linear(T6, T3) : f32[8, 4] @mesh(0 1)[8, 4] partial(sum: mesh_x)
   T10 = reduce_scatter(T9, mesh_axis=0, dim=0) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]
-  T7 = add(T10, T4) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4, r{16}]"""
+  T7 = add(T10, T4) : f32[8, 4] @mesh(0 1)[mesh_x{2}, 4, 4]"""
 
 
 def test_tp_mlp_golden_ir():
@@ -619,7 +619,11 @@ def test_annotated_tensors_are_never_changed_by_propagation():
     lowered = lower(fd)
     for name, t in before.items():
         assert propagated.tensor(name) == t
-        assert lowered.tensor(name) == t
+        # Lowering keeps its sharding; where a copy or an add now produces it, its loop drops the serial
+        # reduction axis r{K} of the linear it came from (that linear writes a new, partial tensor).
+        after = lowered.tensor(name)
+        assert after.sharding == t.sharding and after.shape == t.shape
+        assert after.loop == tuple(a for a in t.loop if not a.reduction), name
     # an annotated intermediate is honoured too, even where propagation would choose otherwise
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6])
@@ -917,6 +921,47 @@ def test_partial_shard_sums_to_the_full_value():
     pieces = {r: shard_tensor(full, s, rank=r) for r in (0, 1)}
     torch.testing.assert_close(pieces[0] + pieces[1], full)
     torch.testing.assert_close(unshard_tensor(pieces, s), full)
+
+
+def _sharded_4x6():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        fd.add_output(x)
+    x.set_device_mesh(MESH2)
+    x.outer_split(1, 2)
+    x.axis(1).parallelize(X)
+    return x
+
+
+@pytest.mark.parametrize("full,match", [
+    ((4, 6, 1), r"T0 f32\[4, 6\] has 2 dims, got a full value of shape \[4, 6, 1\]"),
+    ((24,), r"has 2 dims, got a full value of shape \[24\]"),
+    ((4, 8), r"dim 1's schedule gives it extent 6 \(2 x 3\), but it is 8; pass a tensor whose dim 1 is 6"),
+])
+def test_shard_tensor_of_a_full_value_that_does_not_fit(full, match):
+    with pytest.raises(ShardingError, match=match):
+        shard_tensor(torch.zeros(full), _sharded_4x6(), rank=0)
+
+
+def test_shard_tensor_of_a_symbolic_dim_parallelized_without_a_split():
+    """Its extent is the mesh axis' size, whatever multiple of it the value has."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        fd.add_output(x)
+    x.set_device_mesh(MESH2)
+    x.axis(0).parallelize(X)
+    with pytest.raises(ShardingError, match="dim 0's schedule gives it extent 2 .*spans the mesh axis.*is 6"):
+        shard_tensor(torch.zeros(6, 4), x, rank=0)
+    assert shard_tensor(torch.arange(8.0).view(2, 4), x, rank=1).tolist() == [[4.0, 5.0, 6.0, 7.0]]
+
+
+def test_sharding_printing_and_axis_sharded_on():
+    assert str(Sharding.unsharded()) == "unsharded"
+    assert Sharding.unsharded().axis_sharded_on(X) == -1
+    s = _sharded_4x6().sharding
+    assert (s.axis_sharded_on(X), s.axis_sharded_on(Y)) == (1, -1)
+    with pytest.raises(ShardingError, match="pass a device type"):
+        s.axis_sharded_on(ParallelType.serial)
 
 
 def test_segments_never_mix_communication_and_compute():

@@ -131,6 +131,30 @@ def test_fusion_inputs_called_and_as_tuple():
     assert [tv.name for tv in tvs] == [a.name, b.name] and tvs[0].shape == (2,)
 
 
+def test_execute_takes_a_single_tensor_for_its_list():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        fd.add_output(fd.ops.relu(x))
+    t = torch.randn(4, 8)
+    torch.testing.assert_close(fd.execute(t)[0], t.relu())  # not its 4 rows as 4 inputs
+    with FusionDefinition() as fd:
+        a, b = fd.define_tensor([4]), fd.define_tensor([4])
+        fd.add_output(fd.ops.add(a, b))
+    with pytest.raises(InputError, match=r"takes 2 inputs \(T0, T1\), got 1"):
+        fd.execute(torch.zeros(4))
+
+
+def test_an_output_added_twice_comes_back_as_two_tensors():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4])
+        y = fd.ops.relu(x)
+        fd.add_output(y)
+        fd.add_output(y)
+    first, second = fd.execute([torch.ones(4)])
+    first.add_(1)
+    assert second.tolist() == [1.0] * 4
+
+
 def test_null_dtype_means_no_dtype():
     with FusionDefinition() as fd:
         x = fd.define_tensor([3, 4], dtype=DataType.Half)

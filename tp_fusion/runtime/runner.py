@@ -154,8 +154,8 @@ class Runner:
                 continue
             x, order = env[o], program.fusion.tensor(o).stride_order  # its layout (compile.resolve_layouts)
             laid_out = x.contiguous() if order is None else with_stride_order(x, order)
-            if laid_out.untyped_storage().data_ptr() in input_storages:
-                laid_out = laid_out.clone()  # keeps the layout
+            if laid_out.untyped_storage().data_ptr() in input_storages or any(laid_out is y for y in outs):
+                laid_out = laid_out.clone()  # keeps the layout; an output added twice comes back twice
             outs.append(laid_out)
         return outs
 
