@@ -18,7 +18,9 @@ afterwards), then the rest; a step that would shard a piece of a dim that anothe
 waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no step at all: every
 placement on it holds the whole value. A change of mesh moves the data with ``SEND_RECV`` (meshes of
 one shape, placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device,
-replicated), with same-mesh steps before and after.
+replicated), with same-mesh steps before and after; between a 1-D mesh and one of its devices, only
+that device's share moves: ``GATHER`` (shards into it), ``REDUCE`` (partial sums into it) or
+``SCATTER`` (shards out of it).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Collective(enum.Enum):
     ALL_TO_ALL = "all_to_all"
     SEND_RECV = "send_recv"
     BROADCAST = "broadcast"
+    GATHER = "gather"
+    REDUCE = "reduce"
+    SCATTER = "scatter"
     LOCAL_SLICE = "local_slice"
     TO_PARTIAL = "to_partial"
 
@@ -68,8 +73,12 @@ class ReshardStep:
     def attrs(self) -> dict:
         """The attributes of the op this step lowers to; ``outer``/``src_outer`` (a strided shard: the
         collective chunks the dim viewed as [outer, devices, rest]) only where they are not 1."""
-        if self.mesh_axis is None:
-            return {"src_mesh": self.src_mesh, "dst_mesh": self.dst_mesh}
+        if self.mesh_axis is None:  # a move between meshes; GATHER and SCATTER also chunk a dim
+            out = {"src_mesh": self.src_mesh, "dst_mesh": self.dst_mesh}
+            shard, outer = (self.src, self.src_outer) if isinstance(self.src, Shard) else (self.dst, self.dst_outer)
+            if isinstance(shard, Shard):
+                out |= {"dim": shard.dim} | ({"outer": outer} if outer != 1 else {})
+            return out
         out = {"mesh_axis": self.mesh_axis}
         match self.src, self.dst:
             case Shard(), Shard():
@@ -162,10 +171,33 @@ def reshard_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:
         moved = Sharding(dst.mesh, kept)
         move = ReshardStep(Collective.SEND_RECV, None, None, None, moved, src.mesh, dst.mesh)
         return same_mesh_steps(src, Sharding(src.mesh, kept), what) + [move] + same_mesh_steps(moved, dst, what)
+    one = _one_device_move(src, dst)
+    if one is not None:
+        return [one]
     replicated_dst = Sharding.replicated(dst.mesh)
     move = ReshardStep(Collective.BROADCAST, None, None, None, replicated_dst, src.mesh, dst.mesh)
     return (same_mesh_steps(src, Sharding.replicated(src.mesh), what) + [move]
             + same_mesh_steps(replicated_dst, dst, what))
+
+
+def _one_device_move(src: Sharding, dst: Sharding) -> ReshardStep | None:
+    """The one step between a 1-D mesh and one of its devices (nvFuser's Gather, Reduce and Scatter):
+    that device gathers the shards or reduces the partial sums, or scatters the shards; None elsewhere."""
+    if dst.mesh.size == 1 and src.mesh.ndim == 1 and dst.mesh.devices[0] in src.mesh:
+        p, outer = src.placements[0], 1
+        if isinstance(p, Shard):
+            collective, outer = Collective.GATHER, src.local_outer(0)
+        elif isinstance(p, Partial):
+            collective = Collective.REDUCE
+        else:
+            return None
+        return ReshardStep(collective, None, p, REPLICATE, Sharding.replicated(dst.mesh), src.mesh, dst.mesh,
+                           src_outer=outer)
+    if src.mesh.size == 1 and dst.mesh.ndim == 1 and src.mesh.devices[0] in dst.mesh \
+            and isinstance(dst.placements[0], Shard):
+        return ReshardStep(Collective.SCATTER, None, REPLICATE, dst.placements[0], dst, src.mesh, dst.mesh,
+                           dst_outer=dst.local_outer(0))
+    return None
 
 
 def can_reshard(src: Sharding, dst: Sharding) -> bool:

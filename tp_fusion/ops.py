@@ -1542,6 +1542,7 @@ SPELLINGS["scaled_dot_product_attention"] = _sdpa_front
 for _name, _traits in (("allgather", Trait.COLLECTIVE), ("reduce_scatter", Trait.COLLECTIVE),
                        ("allreduce", Trait.COLLECTIVE), ("all_to_all", Trait.COLLECTIVE),
                        ("send_recv", Trait.COLLECTIVE), ("broadcast", Trait.COLLECTIVE),
+                       ("gather", Trait.COLLECTIVE), ("reduce", Trait.COLLECTIVE), ("scatter", Trait.COLLECTIVE),
                        ("local_slice", Trait.LOCAL_RESHARD | Trait.VIEW),
                        ("to_partial", Trait.LOCAL_RESHARD | Trait.VIEW)):
     register(_name, impl=None, infer=_same_as_input, traits=_traits)

@@ -237,9 +237,15 @@ def local_shape(fusion: Fusion, name: int) -> tuple[int, ...]:
     return t.sharding.local_shape(t.shape) if t.sharding else t.shape
 
 
-def _broadcast_group(op: Op) -> tuple[int, ...]:
+_MOVES = (Collective.BROADCAST, Collective.GATHER, Collective.REDUCE, Collective.SCATTER)
+
+
+def _move_group(op: Op) -> tuple[int, ...]:
+    """The ranks of a move between meshes that runs as one collective (one of ``_MOVES``), in increasing
+    order: a broadcast's source is the first device of its mesh."""
     src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
-    return tuple(sorted({src.devices[0], *dst.devices}))
+    senders = src.devices[:1] if Collective(op.kind) is Collective.BROADCAST else src.devices
+    return tuple(sorted({*senders, *dst.devices}))
 
 
 def _check_increasing(mesh, op: Op) -> None:
@@ -257,8 +263,8 @@ def _check_increasing(mesh, op: Op) -> None:
 def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
     """Every group ``op`` uses on any rank."""
     c = Collective(op.kind)
-    if c is Collective.BROADCAST:
-        return [_broadcast_group(op)]
+    if c in _MOVES:
+        return [_move_group(op)]
     if c in (Collective.SEND_RECV, Collective.LOCAL_SLICE, Collective.TO_PARTIAL):
         return []
     return fusion.tensor(op.inputs[0]).sharding.mesh.all_axis_groups(op.attr("mesh_axis"))
@@ -274,8 +280,8 @@ def _communicate(fusion: Fusion, op: Op, rank: int, donate: bool) -> Communicate
     if c is Collective.SEND_RECV:
         src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
         runs_here, group = rank in set(src.devices) | set(dst.devices), None
-    elif c is Collective.BROADCAST:  # from the source's first rank to the destination mesh, no one else
-        group = _broadcast_group(op)
+    elif c in _MOVES:
+        group = _move_group(op)
         runs_here = rank in group
     else:
         mesh = fusion.tensor(op.inputs[0]).sharding.mesh

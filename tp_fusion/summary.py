@@ -153,6 +153,12 @@ def comm_cost(fusion: Fusion, op: Op) -> CommCost:
         group = f"{a.short()}->{b.short()}"
         n = len(set(a.devices) | set(b.devices)) if collective is Collective.BROADCAST else 2
         return CommCost(op.kind, group, n, payload, payload if moves else 0, payload if moves else 0)
+    if collective in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):  # a 1-D mesh and one device
+        a, b = op.attr("src_mesh"), op.attr("dst_mesh")
+        n = max(a.size, b.size)
+        payload = _bytes(fusion, src if collective is Collective.SCATTER else out)  # the whole value
+        share = payload * (n - 1) // n  # what the one device receives (gather, reduce) or sends (scatter)
+        return CommCost(op.kind, f"{a.short()}->{b.short()}", n, payload, share, share)
     mesh = fusion.tensor(src).sharding.mesh
     axis = op.attr("mesh_axis")
     n = mesh.shape[axis]

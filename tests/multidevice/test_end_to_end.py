@@ -496,10 +496,61 @@ def broadcast_case(world: int) -> Case:
     return Case(fd, [x], [_rand(71, (6, 4))], lambda t: [t], expected)
 
 
-CASES_MESHES = {  # world >= 2: two disjoint meshes
+def _reversed_mesh(world: int) -> DeviceMesh:
+    """Every rank, listed out of increasing order: the pieces must land by mesh position, not rank."""
+    return DeviceMesh(list(reversed(range(world))))
+
+
+def gather_case(world: int, dim: int) -> Case:
+    """Shards on a 1-D mesh gathered into one of its devices (not its first): only that device's share
+    moves, with one gather (nvFuser's Gather), instead of an allgather and a broadcast."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2 * world, 3 * world], dtype=F64)
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, _reversed_mesh(world), {dim: X})
+        shard(z, DeviceMesh([world // 2]))
+    return Case(fd, [x], [_rand(72, (2 * world, 3 * world))], lambda t: [t], ["gather"])
+
+
+def reduce_case(world: int) -> Case:
+    """A row-parallel linear's partial sums reduced into one device (nvFuser's Reduce)."""
+    mesh = _reversed_mesh(world)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4 * world], dtype=F64)
+        w = fd.define_tensor([5, 4 * world], dtype=F64)
+        y = fd.ops.linear(x, w)
+        z = fd.ops.set(y)
+        fd.add_output(z)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        y.set_device_mesh(mesh)
+        y.outer_split(-1, world)  # r{K} on mesh_x: a pending sum
+        y.axis(-2).parallelize(X)
+        shard(z, DeviceMesh([world - 1]))
+    full = [_rand(73, (6, 4 * world)), _rand(74, (5, 4 * world))]
+    return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b)], ["reduce"])
+
+
+def scatter_case(world: int) -> Case:
+    """One device's value scattered in shards over a 1-D mesh that holds it (nvFuser's Scatter)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 2 * world], dtype=F64)
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, DeviceMesh([world - 1]))
+        shard(z, _reversed_mesh(world), {1: X})
+    return Case(fd, [x], [_rand(75, (3, 2 * world))], lambda t: [t], ["scatter"])
+
+
+CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its devices
     "send_recv_between_meshes": lambda w: move_case(w, {0: X}),
     "send_recv_then_all_to_all": lambda w: move_case(w, {1: X}),
     "broadcast_to_other_mesh": broadcast_case,
+    "gather_rows_into_one_device": lambda w: gather_case(w, 0),
+    "gather_columns_into_one_device": lambda w: gather_case(w, 1),
+    "reduce_into_one_device": reduce_case,
+    "scatter_from_one_device": scatter_case,
 }
 
 

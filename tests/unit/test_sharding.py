@@ -23,6 +23,7 @@ from tp_fusion import (
 )
 from tp_fusion.ops import OPS, Trait, traits
 from tp_fusion.program import build_program
+from tp_fusion.summary import summarize
 
 X, Y = ParallelType.mesh_x, ParallelType.mesh_y
 R = Replicate()
@@ -493,6 +494,48 @@ def test_set_lowering_1d(src, dst, expected, attrs):
     for k, v in attrs.items():
         assert op.attr(k) == v
     assert [s.kind for s in f.segments] == ["communication" if traits(expected[0]) & Trait.COLLECTIVE else "compute"]
+
+
+MESH_10 = DeviceMesh([1, 0])
+
+
+@pytest.mark.parametrize("src,src_mesh,dst_mesh,expected,attrs", [
+    ({0: X}, MESH_10, DeviceMesh([0]), ["gather"], {"dim": 0}),  # into one of its devices, not the first
+    ({1: X}, MESH4, DeviceMesh([2]), ["gather"], {"dim": 1}),
+    ({}, DeviceMesh([1]), MESH4, ["scatter"], {"dim": 0}),  # the destination is sharded on dim 0 below
+    ({0: X}, MESH2, DeviceMesh([2]), ["allgather", "broadcast"], {}),  # a device outside the mesh
+    ({0: X, 1: Y}, MESH22, DeviceMesh([0]), ["allgather", "allgather", "broadcast"], {}),  # a 2-D mesh
+])
+def test_moves_between_a_mesh_and_one_of_its_devices(src, src_mesh, dst_mesh, expected, attrs):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 8])
+        z = fd.ops.set(x)
+        fd.add_output(z)
+        shard(x, src_mesh, src)
+        shard(z, dst_mesh, {0: X} if dst_mesh.size > 1 else {})
+    f = lower(fd)
+    assert comms(f) == expected
+    for k, v in attrs.items():
+        assert f.ops[0].attr(k) == v
+    cost = summarize(f).segments[0].comms[0]
+    if expected == ["gather"]:  # the whole [8, 8] float32 value, (n-1)/n of it into the one device
+        assert (cost.kind, cost.sent) == ("gather", 256 * (src_mesh.size - 1) // src_mesh.size)
+
+
+def test_partial_sum_into_one_device_is_a_reduce():
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([4, 8]), fd.define_tensor([6, 8])
+        y = fd.ops.linear(x, w)
+        z = fd.ops.set(y)
+        fd.add_output(z)
+        shard(x, MESH_10, {1: X})
+        shard(w, MESH_10, {1: X})
+        y.set_device_mesh(MESH_10)
+        y.outer_split(-1, 2)
+        y.axis(-2).parallelize(X)
+        shard(z, DeviceMesh([1]))
+    f = lower(fd)
+    assert comms(f) == ["reduce"] and placements(f, z) == (R,)
 
 
 def test_sum_over_sharded_dim_to_replicated_is_allreduce():

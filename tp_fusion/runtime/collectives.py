@@ -110,6 +110,37 @@ def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
     return buf if rank in dst.devices else None
 
 
+def gather(x: torch.Tensor, src: DeviceMesh, root: int, rank: int, pg, dim: int, outer: int = 1):
+    """The shards of mesh ``src`` gathered into ``root`` (one of its devices), which returns the whole;
+    the others return None. torch's group lists them in increasing order: reassembled in mesh order."""
+    ranked = sorted(src.devices)
+    pieces = [torch.empty_like(x) for _ in ranked] if rank == root else None
+    dist.gather(x.contiguous(), pieces, root, pg)
+    if rank != root:
+        return None
+    return _unstack(torch.stack([pieces[ranked.index(r)] for r in src.devices]), dim, outer)
+
+
+def reduce(x: torch.Tensor, root: int, rank: int, pg):
+    """The sum of the partial values into ``root``, which returns it; the others return None."""
+    out = x.contiguous().clone()
+    dist.reduce(out, root, pg)
+    return out if rank == root else None
+
+
+def scatter(x: torch.Tensor | None, dst: DeviceMesh, root: int, rank: int, pg, dim: int, outer: int,
+            shape, dtype, device):
+    """``root``'s whole value cut into the shards of mesh ``dst`` (which holds ``root``), one to each."""
+    ranked = sorted(dst.devices)
+    pieces = None
+    if rank == root:
+        chunks = _stack_chunks(x, dst.size, dim, outer)
+        pieces = [chunks[dst.devices.index(r)] for r in ranked]
+    out = torch.empty(shape, dtype=dtype, device=device)
+    dist.scatter(out, pieces, root, pg)
+    return out
+
+
 def step_fn(s: Communicate, program: Program, async_op: bool = False):
     """``fn(x) -> local result (None where this rank holds none)`` running one resharding step on
     this rank; groups, indices and shapes are looked up once, here. ``s.donate``: ``x`` may be
@@ -123,6 +154,14 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
     if c is Collective.BROADCAST:
         src, dst, pg = op.attr("src_mesh"), op.attr("dst_mesh"), dist.group(s.group)
         return lambda x: broadcast(x, src, dst, rank, pg, shape, dtype, device)
+    if c in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):
+        src, dst, pg, dim, outer = op.attr("src_mesh"), op.attr("dst_mesh"), dist.group(s.group), \
+            op.attr("dim", 0), op.attr("outer", 1)
+        if c is Collective.GATHER:
+            return lambda x: gather(x, src, dst.devices[0], rank, pg, dim, outer)
+        if c is Collective.REDUCE:
+            return lambda x: reduce(x, dst.devices[0], rank, pg)
+        return lambda x: scatter(x, dst, src.devices[0], rank, pg, dim, outer, shape, dtype, device)
     n, index, dim, outer = len(s.group), s.group.index(rank), op.attr("dim"), op.attr("outer", 1)
     if c is Collective.LOCAL_SLICE:
         return lambda x: local_slice(x, n, dim, index, outer)

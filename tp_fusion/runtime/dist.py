@@ -143,6 +143,22 @@ def broadcast(t: torch.Tensor, src: int, pg: ProcessGroup | None) -> None:
     _dist.broadcast(t, src=src, group=pg)
 
 
+def gather(t: torch.Tensor, pieces: list[torch.Tensor] | None, dst: int, pg: ProcessGroup | None) -> None:
+    """World rank ``dst`` receives every group rank's ``t`` into ``pieces`` (group rank order); the
+    others pass None."""
+    _dist.gather(t, pieces, dst=dst, group=pg)
+
+
+def reduce(t: torch.Tensor, dst: int, pg: ProcessGroup | None) -> None:
+    """World rank ``dst``'s ``t`` becomes the sum of the group's ``t``s."""
+    _dist.reduce(t, dst=dst, group=pg)
+
+
+def scatter(out: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, pg: ProcessGroup | None) -> None:
+    """Group rank i's ``out`` = world rank ``src``'s ``pieces[i]``; the others pass None."""
+    _dist.scatter(out, pieces, src=src, group=pg)
+
+
 def isend(t: torch.Tensor, dst: int, tag: int = 0, pg: ProcessGroup | None = None):
     """To world rank ``dst``, over ``pg`` (None: the world)."""
     return _dist.isend(t, dst=dst, group=pg, tag=tag)
