@@ -351,6 +351,8 @@ class _Spawner:
             "-o", "timeout_method=thread", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
         if self.config.inipath is not None:
             args += ["-c", str(self.config.inipath)]
+        if not self.config.pluginmanager.has_plugin("tp_fusion"):  # loaded by -p, not as installed: pass it on
+            args += ["-p", "no:tp_fusion", "-p", "tp_fusion.testing"]
         deadline = float(self.config.getini("multidevice_timeout"))
         with tempfile.TemporaryDirectory(prefix="tp_fusion_pytest_") as out:
             error = None
