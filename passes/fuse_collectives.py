@@ -26,6 +26,12 @@ def _collective(op: Op) -> Collective | None:
     return Collective(op.kind) if traits(op.kind) & Trait.COLLECTIVE else None
 
 
+def _in_rank_order(fusion: Fusion, comm: Op) -> bool:
+    """Whether every group of ``comm``'s mesh axis lists its ranks in increasing order, as the fused
+    kernels need: they take a rank's chunk by its process-group rank (the plain collectives reorder)."""
+    return fusion.tensor(comm.inputs[0]).sharding.mesh.unordered_group(comm.attr("mesh_axis")) is None
+
+
 def _gathers_rows(fusion: Fusion, ag: Op, gemm: Op) -> bool:
     if not is_plain_gemm(gemm, fusion) or gemm.inputs[0] != ag.outputs[0] or ag.outputs[0] in gemm.inputs[1:]:
         return False
@@ -91,7 +97,7 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
         if seg.kind == "communication" and nxt is not None and nxt.kind == "compute":
             ag, gemm = fusion.ops[seg.ops[0]], fusion.ops[nxt.ops[0]]
             if (_collective(ag) is Collective.ALLGATHER and _single_use(fusion, ag.outputs[0])
-                    and _gathers_rows(fusion, ag, gemm)):
+                    and _gathers_rows(fusion, ag, gemm) and _in_rank_order(fusion, ag)):
                 epi = _epilogue(fusion, nxt.ops[1:], gemm.outputs[0])
                 taken = (seg.ops[0], nxt.ops[0], *epi)
                 out.append(Segment("fused", taken, "+".join(fusion.ops[k].kind for k in taken)))
@@ -107,7 +113,7 @@ def fuse_collectives(fusion: Fusion) -> Fusion:
                     and _single_use(fusion, gemm.outputs[0])
                     and (kind is Collective.ALLREDUCE
                          or (kind is Collective.REDUCE_SCATTER and comm.attr("dim") < result.ndim - 1
-                             and comm.attr("outer", 1) == 1))):
+                             and comm.attr("outer", 1) == 1 and _in_rank_order(fusion, comm)))):
                 if len(seg.ops) > 1:
                     out.append(Segment("compute", seg.ops[:-1]))
                 taken = [seg.ops[-1], nxt.ops[0]]

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.ops import Localize, Trait, is_biased_gemm, is_plain_gemm, is_tanh_gelu, opdef, traits
 from tp_fusion.passes.fuse_collectives import reduction_addends
@@ -248,18 +247,6 @@ def _move_group(op: Op) -> tuple[int, ...]:
     return tuple(sorted({*senders, *dst.devices}))
 
 
-def _check_increasing(mesh, op: Op) -> None:
-    """A collective that places pieces by position runs along a mesh axis whose ranks increase (else
-    torch's process group, which numbers its ranks increasingly, puts the pieces out of place)."""
-    axis = op.attr("mesh_axis")
-    bad = mesh.unordered_group(axis)
-    if bad is not None:
-        raise LoweringError(
-            f"{op.kind} over mesh axis {axis} of {mesh}: its ranks {list(bad)} are not in increasing order, "
-            "and torch's process groups order their ranks by number, so the pieces would land out of place; "
-            "list the ranks along each mesh axis in increasing order")
-
-
 def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
     """Every group ``op`` uses on any rank."""
     c = Collective(op.kind)
@@ -268,10 +255,6 @@ def _all_groups(fusion: Fusion, op: Op) -> list[tuple[int, ...]]:
     if c in (Collective.SEND_RECV, Collective.LOCAL_SLICE, Collective.TO_PARTIAL):
         return []
     return fusion.tensor(op.inputs[0]).sharding.mesh.all_axis_groups(op.attr("mesh_axis"))
-
-
-# Collectives that place pieces by their rank's position in the group.
-_POSITIONAL = (Collective.ALLGATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)
 
 
 def _communicate(fusion: Fusion, op: Op, rank: int, donate: bool) -> Communicate:
@@ -285,8 +268,6 @@ def _communicate(fusion: Fusion, op: Op, rank: int, donate: bool) -> Communicate
         runs_here = rank in group
     else:
         mesh = fusion.tensor(op.inputs[0]).sharding.mesh
-        if c in _POSITIONAL:
-            _check_increasing(mesh, op)
         runs_here = rank in mesh
         group = mesh.axis_group(op.attr("mesh_axis"), rank) if runs_here else None
     return Communicate(op, c, group, local_shape(fusion, out.name), out.dtype, donate, runs_here)

@@ -554,6 +554,19 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
 }
 
 
+# Cases run again on meshes that list their ranks out of increasing order: torch's process groups number
+# the ranks increasingly, so the collectives reorder the pieces by mesh position; the fused GEMM kernels
+# need rank order, so these plans run their collectives plain.
+SHUFFLED_1D = ["sp_mlp", "tp_mlp", "linear_reduce_scatter_bias", "sp_linear_allgather", "set_all_to_all",
+               "set_all_to_all_back"]
+SHUFFLED_2D = ["dp_tp_mlp", "set_two_axes_swap", "set_mesh_x_to_mesh_y_other_dim"]
+
+
+def shuffled_mesh(world: int) -> DeviceMesh:
+    """Every rank, in an order that is neither increasing nor reversed where the world allows."""
+    return DeviceMesh({1: [0], 2: [1, 0], 4: [2, 0, 3, 1]}[world])
+
+
 def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=True) -> dict:
     """Run the cases on this rank; every rank gets {case: None or the failing ranks' tracebacks}.
     ``device`` is where the local shards live (CUDA with NCCL: tests/gpu/nccl_end_to_end.py)."""
@@ -565,6 +578,10 @@ def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=T
     todo += [(f"2x2/{n}", lambda n=n: _check(CASES_2D[n](mesh2), device)) for n in names_2d]
     if world >= 2:
         todo += [(n, lambda n=n: _check(CASES_MESHES[n](world), device)) for n in CASES_MESHES]
+        todo += [(f"shuffled/{n}", lambda n=n: _check(CASES_1D[n](shuffled_mesh(world)), device)) for n in SHUFFLED_1D]
+    if world == 4:
+        todo += [(f"shuffled 2x2/{n}", lambda n=n: _check(CASES_2D[n](DeviceMesh([[3, 1], [0, 2]])), device))
+                 for n in SHUFFLED_2D]
     results = {}
     for name, run in todo:
         try:
@@ -588,6 +605,18 @@ def test_case(multidevice_test, name):
         SPECIAL[name](mesh)
     else:
         _check(CASES_1D[name](mesh))
+
+
+@pytest.mark.ranks(2, 4)
+@pytest.mark.parametrize("name", SHUFFLED_1D)
+def test_case_on_a_shuffled_mesh(multidevice_test, name):
+    _check(CASES_1D[name](shuffled_mesh(multidevice_test.size)))
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("name", SHUFFLED_2D)
+def test_case_on_a_shuffled_2x2_mesh(multidevice_test, name):
+    _check(CASES_2D[name](DeviceMesh([[3, 1], [0, 2]])))
 
 
 @pytest.mark.ranks(4)

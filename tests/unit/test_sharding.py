@@ -436,6 +436,15 @@ def test_sp_mlp_golden_ir():
                               ("fused", "linear+reduce_scatter+add", ["linear", "reduce_scatter", "add"])]
 
 
+def test_sp_mlp_on_a_mesh_out_of_rank_order_is_not_fused():
+    """The fused kernels take a rank's chunk by its process-group rank, which a mesh listing its ranks
+    out of increasing order does not give; the plain collectives reorder the pieces instead."""
+    fd, _ = _mlp(DeviceMesh([1, 0]), 2, "sp")
+    f = lower(fd)
+    assert comms(f) == ["allgather", "reduce_scatter"]
+    assert [kind for kind, _, _ in seg_summary(f)] == ["communication", "compute", "communication", "compute"]
+
+
 @pytest.mark.parametrize("mode", ["tp", "sp"])
 def test_mlp_on_four_devices(mode):
     fd, (x, w1, b1, w2, b2, y, z) = _mlp(MESH4, 4, mode, shape=(8, 8))

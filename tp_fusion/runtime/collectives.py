@@ -7,6 +7,7 @@ data is restacked here (a local copy), as nvFuser's reorder pass does.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tp_fusion.sharding.reshard import Collective
@@ -55,15 +56,39 @@ def _result(work, result: Callable[[], torch.Tensor]):
     return finish
 
 
-def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False):
+@dataclass(frozen=True)
+class GroupOrder:
+    """How a mesh axis' group lists its ranks against torch's process group over them, which numbers
+    them in increasing order: ``to_mesh[p]`` is the process-group rank of mesh position ``p``,
+    ``to_group[g]`` the mesh position of process-group rank ``g``. None where both orders agree."""
+
+    to_mesh: list[int]
+    to_group: list[int]
+
+    @staticmethod
+    def of(group: tuple[int, ...]) -> GroupOrder | None:
+        ranked = sorted(group)
+        if list(group) == ranked:
+            return None
+        return GroupOrder([ranked.index(r) for r in group], [group.index(r) for r in ranked])
+
+
+def _rows(buf: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    """``buf``'s dim-0 rows in ``order`` (all of them, unchanged, without one)."""
+    return buf if order is None else buf[order]
+
+
+def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False,
+              order: GroupOrder | None = None):
     buf = x.new_empty((n, *x.shape))
     work = dist.all_gather(buf.view(n * x.shape[0], *x.shape[1:]) if x.dim() else buf, x.contiguous(), pg,
                            async_op=async_op)
-    return _result(work, lambda: _unstack(buf, dim, outer))
+    return _result(work, lambda: _unstack(_rows(buf, order and order.to_mesh), dim, outer))
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False):
-    stacked = _stack_chunks(x, n, dim, outer)
+def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False,
+                   order: GroupOrder | None = None):
+    stacked = _rows(_stack_chunks(x, n, dim, outer), order and order.to_group)
     out = x.new_empty(stacked.shape[1:])
     work = dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg,
                                async_op=async_op)
@@ -76,12 +101,12 @@ def allreduce(x: torch.Tensor, pg, donate: bool, async_op: bool = False):
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, dim: int, pg, n: int, src_outer: int = 1,
-               outer: int = 1) -> torch.Tensor:
-    """Sharded on ``src_dim`` in, sharded on ``dim`` out: chunk j along ``dim`` goes to rank j."""
-    inp = _stack_chunks(x, n, dim, outer)
+               outer: int = 1, order: GroupOrder | None = None) -> torch.Tensor:
+    """Sharded on ``src_dim`` in, sharded on ``dim`` out: chunk j along ``dim`` goes to mesh position j."""
+    inp = _rows(_stack_chunks(x, n, dim, outer), order and order.to_group).contiguous()
     out = torch.empty_like(inp)
     dist.all_to_all(out, inp, pg)
-    return _unstack(out, src_dim, src_outer)
+    return _unstack(_rows(out, order and order.to_mesh), src_dim, src_outer)
 
 
 def send_recv(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: int, local_shape, dtype, device):
@@ -113,12 +138,12 @@ def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
 def gather(x: torch.Tensor, src: DeviceMesh, root: int, rank: int, pg, dim: int, outer: int = 1):
     """The shards of mesh ``src`` gathered into ``root`` (one of its devices), which returns the whole;
     the others return None. torch's group lists them in increasing order: reassembled in mesh order."""
-    ranked = sorted(src.devices)
-    pieces = [torch.empty_like(x) for _ in ranked] if rank == root else None
+    pieces = [torch.empty_like(x) for _ in src.devices] if rank == root else None
     dist.gather(x.contiguous(), pieces, root, pg)
     if rank != root:
         return None
-    return _unstack(torch.stack([pieces[ranked.index(r)] for r in src.devices]), dim, outer)
+    order = GroupOrder.of(src.devices)
+    return _unstack(_rows(torch.stack(pieces), order and order.to_mesh), dim, outer)
 
 
 def reduce(x: torch.Tensor, root: int, rank: int, pg):
@@ -131,11 +156,10 @@ def reduce(x: torch.Tensor, root: int, rank: int, pg):
 def scatter(x: torch.Tensor | None, dst: DeviceMesh, root: int, rank: int, pg, dim: int, outer: int,
             shape, dtype, device):
     """``root``'s whole value cut into the shards of mesh ``dst`` (which holds ``root``), one to each."""
-    ranked = sorted(dst.devices)
     pieces = None
     if rank == root:
-        chunks = _stack_chunks(x, dst.size, dim, outer)
-        pieces = [chunks[dst.devices.index(r)] for r in ranked]
+        order = GroupOrder.of(dst.devices)
+        pieces = list(_rows(_stack_chunks(x, dst.size, dim, outer), order and order.to_group))
     out = torch.empty(shape, dtype=dtype, device=device)
     dist.scatter(out, pieces, root, pg)
     return out
@@ -167,13 +191,13 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
         return lambda x: local_slice(x, n, dim, index, outer)
     if c is Collective.TO_PARTIAL:  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
         return (lambda x: x) if index == 0 else torch.zeros_like
-    pg = dist.group(s.group)
+    pg, order = dist.group(s.group), GroupOrder.of(s.group)
     if c is Collective.ALLGATHER:
-        return lambda x: allgather(x, dim, pg, n, outer, async_op)
+        return lambda x: allgather(x, dim, pg, n, outer, async_op, order)
     if c is Collective.REDUCE_SCATTER:
-        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op)
+        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op, order)
     if c is Collective.ALLREDUCE:
         donate = s.donate
         return lambda x: allreduce(x, pg, donate, async_op)
     src_dim, src_outer = op.attr("src_dim"), op.attr("src_outer", 1)
-    return lambda x: all_to_all(x, src_dim, dim, pg, n, src_outer, outer)
+    return lambda x: all_to_all(x, src_dim, dim, pg, n, src_outer, outer, order)
