@@ -251,7 +251,7 @@ def _fingerprint(*parts) -> int:
 def _check_process_group(fusion: Fusion) -> None:
     meshes = {t.sharding.mesh for t in fusion.tensors if t.sharding is not None}
     if meshes and not dist.is_initialized() and any(m.devices != (0,) for m in meshes):
-        raise InputError("execute: the fusion's meshes span several ranks, but no torch.distributed process "
+        raise InputError("execute: the fusion's meshes name ranks other than 0, but no torch.distributed process "
                          "group is initialized; under torchrun call torch.distributed.init_process_group first, "
                          "or start the ranks with tp_fusion.launch.run_on_ranks, which initializes it")
 

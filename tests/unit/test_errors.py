@@ -400,7 +400,7 @@ def _sharded_on_two():
 def test_sharded_fusion_without_a_process_group_is_an_input_error():
     """Rejected before anything runs, as an InputError that says to start a process group."""
     fd = _sharded_on_two()
-    _raises(InputError, re.escape("the fusion's meshes span several ranks, but no torch.distributed process "
+    _raises(InputError, re.escape("the fusion's meshes name ranks other than 0, but no torch.distributed process "
                                   "group is initialized"),
             lambda: fd.execute([torch.ones(2, 8)]))
     assert fd.plan is None
