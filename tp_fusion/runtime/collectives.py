@@ -74,7 +74,8 @@ class GroupOrder:
 
 
 def _rows(buf: torch.Tensor, order: list[int] | None) -> torch.Tensor:
-    """``buf``'s dim-0 rows in ``order`` (all of them, unchanged, without one)."""
+    """``buf``'s dim-0 rows permuted by ``order`` (row i of the result is row ``order[i]``); ``buf``
+    itself for None."""
     return buf if order is None else buf[order]
 
 
