@@ -98,7 +98,8 @@ def sharding(loop: Loop, mesh: DeviceMesh, what: str) -> Sharding:
                     placements[mesh_axis] = PARTIAL_SUM
                 continue
             before = [a.extent for a in loop if a.dim == ax.dim and not a.reduction and a.piece < ax.piece]
-            placements[mesh_axis] = Shard(ax.dim, -1 if -1 in before else math.prod(before))
+            # An empty dim (a symbolic extent bound to 0) has empty pieces wherever they lie: a block shard.
+            placements[mesh_axis] = Shard(ax.dim, -1 if -1 in before else math.prod(before) or 1)
     return Sharding(mesh, tuple(placements))
 
 

@@ -142,8 +142,8 @@ def _bytes(fusion: Fusion, name: int) -> int:
     return math.prod(_local_shape(fusion, name)) * fusion.tensor(name).dtype.torch.itemsize
 
 
-def comm_cost(fusion: Fusion, op: Op) -> CommCost:
-    """This model's bytes per rank for one communication op of a lowered fusion."""
+def comm_cost(fusion: Fusion, op: Op, rank: int = 0) -> CommCost:
+    """This model's bytes on ``rank`` for one communication op of a lowered fusion."""
     src, out = op.inputs[0], op.outputs[0]
     collective = Collective(op.kind)
     if collective in (Collective.SEND_RECV, Collective.BROADCAST):
@@ -155,10 +155,20 @@ def comm_cost(fusion: Fusion, op: Op) -> CommCost:
         return CommCost(op.kind, group, n, payload, payload if moves else 0, payload if moves else 0)
     if collective in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):  # a 1-D mesh and one device
         a, b = op.attr("src_mesh"), op.attr("dst_mesh")
-        n = max(a.size, b.size)
-        payload = _bytes(fusion, src if collective is Collective.SCATTER else out)  # the whole value
-        share = payload * (n - 1) // n  # what the one device receives (gather, reduce) or sends (scatter)
-        return CommCost(op.kind, f"{a.short()}->{b.short()}", n, payload, share, share)
+        group, root = (a, b.devices[0]) if collective is not Collective.SCATTER else (b, a.devices[0])
+        n, whole = group.size, fusion.tensor(src if collective is Collective.SCATTER else out)
+        payload = math.prod(whole.shape) * whole.dtype.torch.itemsize
+        sent = received = 0
+        if rank in group:
+            if collective is Collective.REDUCE:  # a ring into the root: P on each link
+                mine = payload
+            else:  # a piece of P/n between the root and each other rank
+                mine = payload * (n - 1) // n if rank == root else payload // n
+            if (rank == root) == (collective is not Collective.SCATTER):  # the data flows into this rank
+                received = mine
+            else:
+                sent = mine
+        return CommCost(op.kind, f"{a.short()}->{b.short()}", n, payload, sent, received)
     mesh = fusion.tensor(src).sharding.mesh
     axis = op.attr("mesh_axis")
     n = mesh.shape[axis]
@@ -191,6 +201,6 @@ def summarize(plan, rank: int = 0) -> PlanSummary:
         rows.append(SegmentSummary(
             index=i, kind=seg.kind, ops="+".join(op.kind for op in ops), fused=fused,
             choice=choice if fused else None,
-            comms=tuple(comm_cost(fusion, op) for op in ops if traits(op.kind) & Trait.COLLECTIVE),
+            comms=tuple(comm_cost(fusion, op, rank) for op in ops if traits(op.kind) & Trait.COLLECTIVE),
             flops=sum(op_flops(fusion, op) for op in ops)))
     return PlanSummary(rank, tuple(rows))

@@ -170,6 +170,25 @@ def test_slice_bounds_normalized_at_execute_keep_a_sharded_dim(multidevice_test)
     assert fd.plan.collectives() == []
 
 
+@pytest.mark.parametrize("to_one_device", [False, True], ids=["allgather", "gather"])
+def test_a_strided_shard_of_a_symbolic_dim_bound_to_zero(multidevice_test, to_one_device):
+    """An empty dim's pieces are empty wherever they lie: its strided shard works as a block one (its
+    ``outer`` was 0, which shard_tensor and the collectives divided by); then the same plan on rows."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, -1], dtype=DataType.Double)
+        y = fd.ops.set(x)
+        fd.add_output(y)
+    x.set_device_mesh(DeviceMesh(range(d)))
+    x.inner_split(1, d).axis(2).parallelize(X)
+    y.set_device_mesh(DeviceMesh([d - 1]) if to_one_device else DeviceMesh(range(d)))
+    for width in (0, 3 * d):
+        full = rand(14, 2, width)
+        (got,) = fd.execute([shard_tensor(full, x)])
+        torch.testing.assert_close(got, shard_tensor(full, fd.output_shardings()[0]))
+        assert fd.plan.collectives() == ([] if d == 1 else ["gather" if to_one_device else "allgather"])
+
+
 # case: (the output, the collectives on more than one rank)
 _BIASED_CASES = {
     "strided out dim": (lambda y, fd: fd.ops.mul(y, 2.0), lambda t: t * 2.0, ["reduce_scatter"]),

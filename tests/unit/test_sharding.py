@@ -526,9 +526,12 @@ def test_moves_between_a_mesh_and_one_of_its_devices(src, src_mesh, dst_mesh, ex
     assert comms(f) == expected
     for k, v in attrs.items():
         assert f.ops[0].attr(k) == v
-    cost = summarize(f).segments[0].comms[0]
-    if expected == ["gather"]:  # the whole [8, 8] float32 value, (n-1)/n of it into the one device
-        assert (cost.kind, cost.sent) == ("gather", 256 * (src_mesh.size - 1) // src_mesh.size)
+    if expected == ["gather"]:  # the [8, 8] float32 value: 256 B, a piece of 256/n from each other rank
+        n, root = src_mesh.size, dst_mesh.devices[0]
+        other = next(r for r in src_mesh.devices if r != root)
+        for rank, moved in ((root, (0, 256 * (n - 1) // n)), (other, (256 // n, 0)), (5, (0, 0))):
+            cost = summarize(f, rank).segments[0].comms[0]
+            assert (cost.kind, cost.sent, cost.received) == ("gather", *moved), rank
 
 
 def test_partial_sum_into_one_device_is_a_reduce():

@@ -317,6 +317,7 @@ def _pushed_allgather_linear(x2, weight, bias, epilogue, pg, tuning) -> torch.Te
         with _on(stream, main):
             gemm(rows, gathered[rows])
     symm.stream_wait(main, comm)
+    box.end_call()
     if side is not main:
         symm.stream_wait(main, side)
     return out
@@ -437,6 +438,7 @@ def _pushed_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> tor
         _reduce_part(box, k, call.xs[r, k], weight, None if call.res is None else call.res[k], side, main,
                      call.out[k], bias=own_bias, done=done)
     symm.stream_wait(main, comm)
+    box.end_call()
     return call.out.view(-1, weight.shape[0])
 
 
@@ -472,6 +474,7 @@ def _ring_linear_reduce_scatter(x3, weight, bias, residual, pg, tuning) -> torch
             received.add_(call.res[k])
         cublaslt.addmm_into(received, xs[r, k], weight, call.out[k])
     symm.stream_wait(main, comm)
+    box.end_call()
     return call.out.view(-1, weight.shape[0])
 
 
@@ -570,4 +573,6 @@ def _pushed_linear_allreduce(x2, weight, bias, residual, pg, tuning) -> torch.Te
             symm.copy(recv, out[src, k], sums.slot(src, k))
     symm.stream_wait(main, comm)
     symm.stream_wait(main, recv)
+    partials.end_call()
+    sums.end_call()
     return out.view(rows, out_cols)

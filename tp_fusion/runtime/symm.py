@@ -216,6 +216,9 @@ class Mailbox:
     def start_call(self) -> None:
         self.phase = (self.phase + 1) % self.PHASES
 
+    def end_call(self) -> None:
+        """Nothing: the streams' joins order this call's pushes before what follows."""
+
     def slot(self, src: int, part: int) -> torch.Tensor:
         """This call's piece ``part`` pushed here by ``src`` (``src`` = this rank: a scratch slot)."""
         return self.slots[self.phase % 2, src, part]
@@ -265,7 +268,8 @@ class HostMailbox:
     slot from whichever group rank sent it (the ring's slots are all pushed by the left neighbour).
     Each push of a call is waited for by its receiver in the same call, and every rank makes the same
     calls in the same order, so the messages of one tag match in order. A call's sends are completed
-    when the next call starts: the peers received them in the call before. ``peer_slot`` (a remote
+    at its end (``end_call``): a rank that returns, and may exit, has delivered its pieces (a send left
+    pending when the process group went down once reset the peer's receive). ``peer_slot`` (a remote
     store) is a local buffer that ``mark_ready`` sends. Host order needs no double buffering."""
 
     def __init__(self, kind: str, parts: int, part_shape, dtype, pg, device):
@@ -276,6 +280,9 @@ class HostMailbox:
         self._sends: list = []
 
     def start_call(self) -> None:
+        self.end_call()  # none are left unless a call failed midway
+
+    def end_call(self) -> None:
         for work in self._sends:
             work.wait()
         self._sends.clear()
