@@ -156,8 +156,8 @@ def comm_cost(fusion: Fusion, op: Op, rank: int = 0) -> CommCost:
     if collective in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):  # a 1-D mesh and one device
         a, b = op.attr("src_mesh"), op.attr("dst_mesh")
         group, root = (a, b.devices[0]) if collective is not Collective.SCATTER else (b, a.devices[0])
-        n, whole = group.size, fusion.tensor(src if collective is Collective.SCATTER else out)
-        payload = math.prod(whole.shape) * whole.dtype.torch.itemsize
+        n = group.size
+        payload = _bytes(fusion, src if collective is Collective.SCATTER else out)  # whole on the one device
         sent = received = 0
         if rank in group:
             if collective is Collective.REDUCE:  # a ring into the root: P on each link

@@ -136,14 +136,14 @@ def broadcast(x: torch.Tensor | None, src: DeviceMesh, dst: DeviceMesh, rank: in
     return buf if rank in dst.devices else None
 
 
-def gather(x: torch.Tensor, src: DeviceMesh, root: int, rank: int, pg, dim: int, outer: int = 1):
-    """The shards of mesh ``src`` gathered into ``root`` (one of its devices), which returns the whole;
-    the others return None. torch's group lists them in increasing order: reassembled in mesh order."""
-    pieces = [torch.empty_like(x) for _ in src.devices] if rank == root else None
+def gather(x: torch.Tensor, root: int, rank: int, pg, n: int, dim: int, outer: int = 1,
+           order: GroupOrder | None = None):
+    """The ``n`` shards of a mesh gathered into ``root`` (one of its devices), which returns the whole;
+    the others return None. ``order``: the mesh's order against the group's (``GroupOrder``)."""
+    pieces = [torch.empty_like(x) for _ in range(n)] if rank == root else None
     dist.gather(x.contiguous(), pieces, root, pg)
     if rank != root:
         return None
-    order = GroupOrder.of(src.devices)
     return _unstack(_rows(torch.stack(pieces), order and order.to_mesh), dim, outer)
 
 
@@ -154,13 +154,10 @@ def reduce(x: torch.Tensor, root: int, rank: int, pg):
     return out if rank == root else None
 
 
-def scatter(x: torch.Tensor | None, dst: DeviceMesh, root: int, rank: int, pg, dim: int, outer: int,
-            shape, dtype, device):
-    """``root``'s whole value cut into the shards of mesh ``dst`` (which holds ``root``), one to each."""
-    pieces = None
-    if rank == root:
-        order = GroupOrder.of(dst.devices)
-        pieces = list(_rows(_stack_chunks(x, dst.size, dim, outer), order and order.to_group))
+def scatter(x: torch.Tensor | None, root: int, rank: int, pg, n: int, dim: int, outer: int,
+            order: GroupOrder | None, shape, dtype, device):
+    """``root``'s whole value cut into the ``n`` shards of a mesh that holds ``root``, one to each."""
+    pieces = None if rank != root else list(_rows(_stack_chunks(x, n, dim, outer), order and order.to_group))
     out = torch.empty(shape, dtype=dtype, device=device)
     dist.scatter(out, pieces, root, pg)
     return out
@@ -182,11 +179,13 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
     if c in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):
         src, dst, pg, dim, outer = op.attr("src_mesh"), op.attr("dst_mesh"), dist.group(s.group), \
             op.attr("dim", 0), op.attr("outer", 1)
-        if c is Collective.GATHER:
-            return lambda x: gather(x, src, dst.devices[0], rank, pg, dim, outer)
         if c is Collective.REDUCE:
             return lambda x: reduce(x, dst.devices[0], rank, pg)
-        return lambda x: scatter(x, dst, src.devices[0], rank, pg, dim, outer, shape, dtype, device)
+        mesh = src if c is Collective.GATHER else dst  # the 1-D side; its order is the pieces' order
+        n, order = mesh.size, GroupOrder.of(mesh.devices)
+        if c is Collective.GATHER:
+            return lambda x: gather(x, dst.devices[0], rank, pg, n, dim, outer, order)
+        return lambda x: scatter(x, src.devices[0], rank, pg, n, dim, outer, order, shape, dtype, device)
     n, index, dim, outer = len(s.group), s.group.index(rank), op.attr("dim"), op.attr("outer", 1)
     if c is Collective.LOCAL_SLICE:
         return lambda x: local_slice(x, n, dim, index, outer)
