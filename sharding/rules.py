@@ -10,7 +10,7 @@ Each op's entry in the op registry (``tp_fusion.ops``) names its rule, built her
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Placement, Shard
@@ -237,6 +237,47 @@ def normalization_backward(whole_dims: Callable[[Op, int], tuple[int, ...]], sta
     return from_spec(build)
 
 
+def along(whole_dims: Callable[[Op, tuple[int, ...]], Iterable[int]],
+          linear: Callable[[Op], bool] | None = None) -> Rule:
+    """Ops whose output keeps the input's dims (scans, pad, triu): the dims ``whole_dims(op, shape)`` of
+    the input stay whole, the others pass a Shard through; where ``linear(op)`` holds, the input may be
+    Partial."""
+    def build(op: Op, fusion: Fusion) -> LabelSpec:
+        (x, *_), _ = _shapes(op, fusion)
+        labels = tuple(range(len(x)))
+        return LabelSpec((labels,), (labels,), whole=frozenset(whole_dims(op, x)),
+                         partial_sets=(frozenset({0}),) if linear is not None and linear(op) else ())
+    return from_spec(build)
+
+
+def _index_select_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """x[..., n, ...] indexed along ``dim`` by index[m] -> out[..., m, ...]: x's indexed dim stays whole (any
+    row may be picked), a shard of the index shards the output's dim; x may be Partial (a gather is linear)."""
+    (x, _), _ = _shapes(op, fusion)
+    dim, picked, rows = op.attr("dim"), -1, -2
+    lx = tuple(rows if d == dim else d for d in range(len(x)))
+    lo = tuple(picked if d == dim else d for d in range(len(x)))
+    return LabelSpec((lx, (picked,)), (lo,), whole=frozenset({rows}), partial_sets=(frozenset({0}),))
+
+
+def _select_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """x[..., n, ...] at one index of ``dim`` -> out without that dim, which stays whole."""
+    (x,), _ = _shapes(op, fusion)
+    dim = op.attr("dim")
+    return LabelSpec((tuple(range(len(x))),), (tuple(d for d in range(len(x)) if d != dim),),
+                     whole=frozenset({dim}), partial_sets=(frozenset({0}),))
+
+
+def _embedding_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """indices[*b] into weight[v, h] -> out[*b, h]: the index dims and the embedding dim h pass a Shard
+    through, the vocabulary v stays whole; the weight may be Partial where the lookup is linear in it."""
+    (idx, _), _ = _shapes(op, fusion)
+    batch, V, H = tuple(range(len(idx))), -1, -2
+    linear = op.attr("max_norm") is None
+    return LabelSpec((batch, (V, H)), ((*batch, H),), whole=frozenset({V}),
+                     partial_sets=(frozenset({1}),) if linear else ())
+
+
 def _factory_spec(op: Op, fusion: Fusion) -> LabelSpec:
     _, (out,) = _shapes(op, fusion)
     return LabelSpec((), (tuple(range(len(out))),))
@@ -332,5 +373,8 @@ factory = from_spec(_factory_spec)
 # sharded draw equals the matching slice of the unsharded one.
 replicated_factory = from_spec(_replicated_spec)
 slice_ = from_spec(_slice_spec)
+index_select = from_spec(_index_select_spec)
+select = from_spec(_select_spec)
+embedding = from_spec(_embedding_spec)
 cat = from_spec(_cat_spec)
 reshape = reshape_candidates

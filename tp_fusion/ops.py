@@ -363,27 +363,41 @@ def _binary(fn):
 
 def _unary_front(name: str):
     def front(rec, x):
-        if isinstance(x, (Const, int, float)) and not isinstance(x, bool):  # nvFuser's scalar Vals: folded now
+        if isinstance(x, (Const, int, float, bool)):  # nvFuser's scalar Vals: folded now
             value = x.value if isinstance(x, Const) else x
-            return Const(OPS[name].impl(torch.tensor(value, dtype=torch.float64)).item())
+            as_tensor = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
+            try:
+                return Const(OPS[name].impl(as_tensor).item())
+            except (RuntimeError, TypeError) as e:
+                _fail(name, f"torch rejects the scalar {value!r}: {str(e).splitlines()[0]}")
         return rec(rec.tv(x, "x"))
     front.__doc__ = f"``torch.{name}(x)``, elementwise; on a scalar (a number or ``define_scalar``), a scalar."
     return front
 
 
+def _pointwise_operands(rec, *operands, **attrs):
+    """Records a pointwise op whose operands are TensorViews or numbers, at least one a TensorView."""
+    from tp_fusion.fusion_definition import TensorView
+
+    if not any(isinstance(a, TensorView) for a in operands):
+        _fail(rec.kind, f"at least one operand must be a TensorView, got {', '.join(map(repr, operands))}")
+    return rec(*operands, **attrs)
+
+
 def _binary_front(name: str):
     def front(rec, a, b):
-        from tp_fusion.fusion_definition import TensorView
-
-        if not isinstance(a, TensorView) and not isinstance(b, TensorView):
-            _fail(name, f"at least one operand must be a TensorView, got {a!r}, {b!r}")
-        return rec(a, b)
+        return _pointwise_operands(rec, a, b)
     front.__doc__ = f"``torch.{name}(a, b)``, elementwise with torch's broadcasting; a or b may be a number."
     return front
 
 
-_UNARY = {name: getattr(torch, name) for name in ("neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "sqrt",
-                                                  "rsqrt", "reciprocal")} | {"silu": F.silu}
+_UNARY = {name: getattr(torch, name) for name in (
+    "neg", "abs", "exp", "log", "tanh", "sigmoid", "relu", "sqrt", "rsqrt", "reciprocal",
+    # nvFuser's other unary ops, with torch's semantics and dtypes
+    "acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "sin", "sinh", "tan",
+    "exp2", "expm1", "log10", "log1p", "log2", "erf", "erfc", "erfinv", "lgamma",
+    "ceil", "floor", "frac", "round", "trunc", "sign", "signbit",
+    "isfinite", "isinf", "isnan", "isneginf", "isposinf", "logical_not", "bitwise_not")} | {"silu": F.silu}
 _EPILOGUE = ("neg", "tanh", "sigmoid", "relu", "silu")  # cheap enough to run on a fused GEMM's output
 for _name, _fn in _UNARY.items():
     register(_name, impl=_fn, infer=_pointwise_infer(_fn),
@@ -392,9 +406,14 @@ for _name, _fn in _UNARY.items():
              flops=_flops_output, front=_unary_front(_name))
 
 _BINARY_PARTIAL = {"add": rules.linear_in_all, "sub": rules.linear_in_all, "mul": rules.linear_in_each,
-                   "div": rules.linear_in_first}
-for _name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum"):
-    _impl = _binary(getattr(torch, _name))
+                   "div": rules.linear_in_first, "truediv": rules.linear_in_first}
+# truediv is nvFuser's name of torch's div; mod is nvFuser's C remainder (the sign of the dividend), torch's fmod.
+_BINARY = {name: getattr(torch, name) for name in (
+    "add", "sub", "mul", "div", "pow", "maximum", "minimum", "atan2", "fmod", "remainder", "nextafter", "gcd",
+    "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
+    "bitwise_left_shift", "bitwise_right_shift")} | {"truediv": torch.true_divide, "mod": torch.fmod}
+for _name, _fn in _BINARY.items():
+    _impl = _binary(_fn)
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE,
              rule=rules.pointwise(_BINARY_PARTIAL.get(_name)), flops=_flops_output, front=_binary_front(_name))
 
@@ -484,6 +503,63 @@ register("where", impl=_where, infer=_pointwise_infer(_where), traits=Trait.POIN
          rule=rules.pointwise(), flops=_flops_output, front=_where_front)
 
 
+def _as_tensor_like(value, like: torch.Tensor) -> torch.Tensor:
+    """A Python number as a 0-d tensor of ``like``'s dtype and device, for torch ops that take no number
+    where nvFuser takes one (lerp's start and end, addcmul's tensors)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _lerp(start, end, weight):
+    like = next(t for t in (start, end, weight) if isinstance(t, torch.Tensor))
+    return torch.lerp(_as_tensor_like(start, like), _as_tensor_like(end, like), weight)
+
+
+def _lerp_front(rec, start, end, weight):
+    """``torch.lerp(start, end, weight)``: ``start + weight * (end - start)``, elementwise with torch's
+    broadcasting; any operand may be a number (start and end need one dtype, as in torch)."""
+    return _pointwise_operands(rec, start, end, weight)
+
+
+def _addcmul(x, t1, t2, value=1):
+    like = next(t for t in (x, t1, t2) if isinstance(t, torch.Tensor))
+    return torch.addcmul(*(_as_tensor_like(t, like) for t in (x, t1, t2)), value=value)
+
+
+def _addcmul_front(rec, x, tensor1, tensor2, value=1):
+    """``torch.addcmul(x, tensor1, tensor2, value=value)``: ``x + value * tensor1 * tensor2``,
+    elementwise with torch's broadcasting; an operand may be a number, ``value`` is a number."""
+    return _pointwise_operands(rec, x, tensor1, tensor2, value=_number("addcmul", value, "value"))
+
+
+def _clamp(x, min=None, max=None):
+    return torch.clamp(x, min, max)
+
+
+def _clamp_front(rec, x, min=None, max=None):
+    """``torch.clamp(x, min, max)``: ``min`` and ``max`` are numbers or define_scalars (at least one; for
+    tensor bounds use ``maximum``/``minimum``)."""
+    bounds = {k: None if v is None else _number("clamp", v, k) for k, v in (("min", min), ("max", max))}
+    if bounds["min"] is None and bounds["max"] is None:
+        _fail("clamp", "give min, max or both")
+    return rec(rec.tv(x, "x"), **bounds)
+
+
+def _threshold(x, threshold, value):
+    return F.threshold(x, threshold, value)
+
+
+def _threshold_front(rec, x, threshold, value):
+    """``F.threshold(x, threshold, value)``: ``x`` where ``x > threshold``, else ``value`` (numbers)."""
+    return rec(rec.tv(x, "x"), threshold=_number("threshold", threshold, "threshold"),
+               value=_number("threshold", value, "value"))
+
+
+for _name, _impl, _front in (("lerp", _lerp, _lerp_front), ("addcmul", _addcmul, _addcmul_front),
+                             ("clamp", _clamp, _clamp_front), ("threshold", _threshold, _threshold_front)):
+    register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE, rule=rules.pointwise(),
+             flops=_flops_output, front=_front)
+
+
 def _set_front(rec, x):
     """An explicit copy of ``x``: the place to ask for a resharding (give the result another sharding)."""
     return rec(rec.tv(x, "x"))
@@ -491,6 +567,14 @@ def _set_front(rec, x):
 
 register("set", impl=torch.clone, infer=_same_as_input, traits=Trait.POINTWISE | Trait.RESHARD,
          rule=rules.pointwise(rules.linear_in_first), front=_set_front)
+
+
+def _segment_set_front(rec, x):
+    """nvFuser's segmentation hint: here a copy of ``x``, as ``set``."""
+    return _set_front(Recorder(rec._fd, "set"), x)
+
+
+SPELLINGS["segment_set"] = _segment_set_front
 
 # --- reductions -----------------------------------------------------------------------------------
 
@@ -512,43 +596,129 @@ def _amax(x, dims, keepdim=False):
     return torch.amax(x, dim=dims, keepdim=keepdim)
 
 
+def _amin(x, dims, keepdim=False):
+    return torch.amin(x, dim=dims, keepdim=keepdim)
+
+
+def _prod(x, dims, keepdim=False, dtype=None):
+    """``torch.prod`` over several dims (torch's takes one), the last first so the others keep their place."""
+    for d in sorted(dims, reverse=True):
+        x = torch.prod(x, d, keepdim=keepdim, dtype=dtype.torch if dtype else None)
+        dtype = None
+    return x
+
+
+def _var(x, dims, correction=1, keepdim=False):
+    return torch.var(x, dim=dims, correction=correction, keepdim=keepdim)
+
+
 def _var_mean(x, dims, correction=1, keepdim=False):
     return torch.var_mean(x, dim=dims, correction=correction, keepdim=keepdim)
 
 
-def _sum_front(rec, x, dims, keepdim: bool = False, dtype: DataType | None = None):
-    """``torch.sum(x, dims, keepdim, dtype)``; a sum over a sharded dim leaves a partial result."""
+def _reduced_dims(rec, x, dims) -> tuple[int, ...]:
+    """``dims`` (an int, a sequence, or None for every dim) as sorted non-negative dims of ``x``."""
+    return tuple(range(x.ndim)) if dims is None else rec.dims(x, dims)
+
+
+def _reduction(rec, x, dims, keepdim, **attrs):
+    """Records a reduction of ``x`` over ``dims``; over no dims (``dims=[]``) it is a copy of ``x``, cast
+    to ``attrs["dtype"]`` where given (torch would reduce over every dim)."""
     x = rec.tv(x, "x")
-    return rec(x, dims=rec.dims(x, dims), keepdim=bool(keepdim), dtype=None if dtype is None else rec.dtype(dtype))
+    dims = _reduced_dims(rec, x, dims)
+    if not dims and x.ndim:
+        dtype = attrs.get("dtype")
+        return rec.other("set", x) if dtype in (None, DataType.Null) else rec.other("cast", x, dtype=rec.dtype(dtype))
+    return rec(x, dims=dims, keepdim=bool(keepdim), **attrs)
 
 
-def _mean_front(rec, x, dims, keepdim: bool = False, dtype: DataType | None = None):
-    """``torch.mean(x, dims, keepdim, dtype)``."""
+def _sum_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
+    """``torch.sum(x, dims, keepdim, dtype)``; ``dims`` an int, a list, or None (every dim). A sum over a
+    sharded dim leaves a partial result."""
+    return _reduction(rec, x, dims, keepdim, dtype=None if dtype is None else rec.dtype(dtype))
+
+
+def _mean_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
+    """``torch.mean(x, dims, keepdim, dtype)``; ``dims`` an int, a list, or None (every dim)."""
     return _sum_front(rec, x, dims, keepdim, dtype)
 
 
-def _amax_front(rec, x, dims, keepdim: bool = False):
-    """``torch.amax(x, dims, keepdim)``."""
-    x = rec.tv(x, "x")
-    return rec(x, dims=rec.dims(x, dims), keepdim=bool(keepdim))
+def _prod_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
+    """The product over ``dims`` (an int, a list, or None: every dim), as ``torch.prod`` one dim after
+    another; ``dtype`` as torch's."""
+    return _sum_front(rec, x, dims, keepdim, dtype)
 
 
-def _var_mean_front(rec, x, dims, correction: int = 1, keepdim: bool = False):
+def _extremum_front(torch_name: str):
+    def front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
+        x = rec.tv(x, "x")
+        if dtype not in (None, DataType.Null, x.dtype):
+            _fail(rec.kind, f"the result has the dtype of T{x.name} {x._ir.type_str()}; dtype {dtype!r} "
+                            "cannot change it (cast before or after)")
+        return _reduction(rec, x, dims, keepdim)
+    front.__doc__ = (f"``torch.{torch_name}(x, dims, keepdim)``; ``dims`` an int, a list, or None (every dim). "
+                     "``dtype`` is accepted for nvFuser's signature and must be None or x's dtype.")
+    return front
+
+
+def _var_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
+    """``torch.var(x, dims, correction=..., keepdim=...)``; ``dims`` an int, a list, or None (every dim)."""
+    if dims is not None and not isinstance(dims, int) and len(dims) == 0:
+        _fail("var", "dims is empty; give the dims to take the variance over (or None for every dim)")
+    return _reduction(rec, x, dims, keepdim, correction=correction)
+
+
+def _var_mean_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
     """``torch.var_mean(x, dims, correction=..., keepdim=...)`` -> (var, mean)."""
     x = rec.tv(x, "x")
-    return rec(x, dims=rec.dims(x, dims), correction=correction, keepdim=bool(keepdim))
+    return rec(x, dims=_reduced_dims(rec, x, dims), correction=correction, keepdim=bool(keepdim))
 
 
 def _mean_localize(attrs: dict, s: Localize) -> dict:
     return {**attrs, "count": math.prod(s.in_global[0][d] for d in attrs["dims"])}
 
 
+# Only sum and mean are linear: a reduction over a sharded dim of another op needs that dim gathered first.
+# max and min are nvFuser's names of torch's amax and amin.
 for _name, _impl, _front, _linear in (("sum", _sum, _sum_front, True), ("mean", _mean, _mean_front, True),
-                                      ("amax", _amax, _amax_front, False),
+                                      ("amax", _amax, _extremum_front("amax"), False),
+                                      ("max", _amax, _extremum_front("amax"), False),
+                                      ("amin", _amin, _extremum_front("amin"), False),
+                                      ("min", _amin, _extremum_front("amin"), False),
+                                      ("prod", _prod, _prod_front, False), ("var", _var, _var_front, False),
                                       ("var_mean", _var_mean, _var_mean_front, False)):
     register(_name, impl=_impl, infer=_reduction_infer(_impl), traits=Trait.REDUCTION,
              rule=rules.reduction(linear=_linear), flops=_flops_input, front=_front,
              localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1)
+
+# --- scans ----------------------------------------------------------------------------------------
+
+
+def _scan(fn: Callable, combine: Callable) -> Callable:
+    def impl(x, dim, init=None):
+        out = fn(x, dim)
+        return out if init is None else combine(out, init)
+    return impl
+
+
+def _scan_front(torch_name: str):
+    def front(rec, x, dim: int, init=None):
+        x = rec.tv(x, "x")
+        (d,) = rec.dims(x, dim, "dim")
+        return rec(x, dim=d, init=None if init is None else _number(rec.kind, init, "init"))
+    front.__doc__ = (f"``torch.{torch_name}(x, dim)``, nvFuser's scan: element i along ``dim`` combines elements "
+                     "0..i; ``init`` (a number) is combined into every element. A sharded ``dim`` is gathered first.")
+    return front
+
+
+for _name, _fn, _combine in (("cumsum", torch.cumsum, torch.add), ("cumprod", torch.cumprod, torch.mul),
+                             ("cummax", lambda x, d: torch.cummax(x, d).values, torch.clamp_min),
+                             ("cummin", lambda x, d: torch.cummin(x, d).values, torch.clamp_max)):
+    _impl = _scan(_fn, _combine)
+    register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.NONE,
+             rule=rules.along(lambda op, shape: (op.attr("dim"),),
+                                linear=(lambda op: op.attr("init") is None) if _name == "cumsum" else None),
+             flops=_flops_output, front=_scan_front(_name))
 
 # --- matrix products ------------------------------------------------------------------------------
 
@@ -1011,6 +1181,149 @@ def _cat_front(rec, tensors, dim: int, manual_padding: bool = False):
 
 register("cat", impl=_cat_impl, infer=_cat_infer, traits=Trait.NONE, rule=rules.cat, front=_cat_front)
 
+
+def _expand_front(rec, x, shape):
+    """nvFuser's ``expand``, torch's ``x.expand(shape)``: dims of extent 1 grow to ``shape``'s extents,
+    -1 keeps a dim, new leading dims may be added (recorded as ``broadcast_in_dim``)."""
+    x = rec.tv(x, "x")
+    shape = _extents("expand", shape, "shape")
+    lead = len(shape) - x.ndim
+    if lead < 0 or any(e == -1 for e in shape[:lead]):
+        _fail("expand", f"shape {list(shape)} must have at least the {x.ndim} dims of T{x.name} {x._ir.type_str()}, "
+                        "and a new leading dim needs an extent (not -1)")
+    return _broadcast_in_dim_front(Recorder(rec._fd, "broadcast_in_dim"), x, shape, range(lead, len(shape)))
+
+
+SPELLINGS["expand"] = _expand_front
+
+
+def _pad(x, pad, value=None):
+    return F.pad(x, pad, value=0 if value is None else value)
+
+
+def _pad_infer(args, attrs):
+    (x,), pad = args, attrs["pad"]
+    shape = list(x.shape)
+    for i in range(len(pad) // 2):
+        d = x.ndim - 1 - i
+        shape[d] = -1 if shape[d] < 0 else shape[d] + pad[2 * i] + pad[2 * i + 1]
+        if shape[d] < -1 or (shape[d] == -1 and x.shape[d] >= 0):
+            _bad(f"pad widths {list(pad)} crop dim {d} of {x} below extent 0")
+    return [TensorType(tuple(shape), _torch_dtype(_pad, args, attrs)[0])]
+
+
+def _padded_dims(op, shape) -> tuple[int, ...]:
+    pad = op.attr("pad")
+    return tuple(len(shape) - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1])
+
+
+def _pad_front(rec, x, pad_widths, value=None):
+    """nvFuser's ``pad``, torch's ``F.pad(x, pad_widths, value=value)``: ``pad_widths`` holds (before,
+    after) pairs from the last dim backwards; negative widths crop. ``value`` (a number) defaults to
+    zero. A padded dim is gathered first where it is sharded."""
+    x = rec.tv(x, "x")
+    pad = _int_list("pad", pad_widths, "pad_widths")
+    if len(pad) % 2 or len(pad) > 2 * x.ndim:
+        _fail("pad", f"pad_widths {list(pad)} must hold (before, after) pairs for at most the {x.ndim} dims of "
+                     f"T{x.name} {x._ir.type_str()}")
+    return rec(x, pad=pad, value=None if value is None else _number("pad", value, "value", (int, float, bool)))
+
+
+register("pad", impl=_pad, infer=_pad_infer, traits=Trait.NONE,
+         rule=rules.along(_padded_dims, linear=lambda op: not op.attr("value")), flops=_flops_output,
+         front=_pad_front)
+
+
+def _triu_front(rec, x, diagonal: int = 0):
+    """``torch.triu(x, diagonal)``: the upper triangle of the last two dims (the others are batch dims);
+    those two stay whole."""
+    x = rec.tv(x, "x")
+    if x.ndim < 2:
+        _fail("triu", f"T{x.name} {x._ir.type_str()} needs at least 2 dims")
+    return rec(x, diagonal=_number("triu", diagonal, "diagonal", (int,)))
+
+
+register("triu", impl=lambda x, diagonal: torch.triu(x, diagonal), infer=_same_as_input, traits=Trait.NONE,
+         rule=rules.along(lambda op, shape: (len(shape) - 2, len(shape) - 1), linear=lambda op: True),
+         front=_triu_front)
+
+# --- indexing -------------------------------------------------------------------------------------
+
+
+def _integer_indices(op: str, t, what: str) -> None:
+    if t.dtype not in (DataType.Int, DataType.Int32):
+        _fail(op, f"{what} T{t.name} {t._ir.type_str()} must be an Int or Int32 tensor")
+
+
+def _index_select_infer(args, attrs):
+    x, index = args
+    shape = list(x.shape)
+    shape[attrs["dim"]] = index.shape[0]
+    return [TensorType(tuple(shape), x.dtype)]
+
+
+def _index_select_front(rec, x, index, dim: int):
+    """nvFuser's ``index_select(x, index, dim)``, torch's ``torch.index_select(x, dim, index)``: the rows
+    ``index`` (1-D, Int or Int32) of ``x`` along ``dim``. x's ``dim`` is gathered where it is sharded; a
+    sharded index shards the output's ``dim``, with no communication."""
+    x, index = rec.tv(x, "x"), rec.tv(index, "index")
+    _integer_indices("index_select", index, "index")
+    if index.ndim != 1:
+        _fail("index_select", f"index T{index.name} {index._ir.type_str()} must be 1-D")
+    (d,) = rec.dims(x, dim, "dim")
+    return rec(x, index, dim=d)
+
+
+register("index_select", impl=lambda x, index, dim: torch.index_select(x, dim, index), infer=_index_select_infer,
+         traits=Trait.NONE, rule=rules.index_select, front=_index_select_front)
+
+
+def _select_front(rec, x, index, dim: int):
+    """nvFuser's ``select(x, index, dim)``, torch's ``x.select(dim, index)``: the slice at ``index`` (a
+    number or define_scalar; negative counts from the end) of ``dim``, which the result drops."""
+    x = rec.tv(x, "x")
+    (d,) = rec.dims(x, dim, "dim")
+    i = _number("select", index, "index", (int,))
+    n = x.shape[d]
+    if n >= 0 and not -n <= i < n:
+        _fail("select", f"index {i} is out of range for dim {d} of T{x.name} {x._ir.type_str()}")
+    return rec(x, dim=d, index=i)
+
+
+register("select", impl=lambda x, dim, index: x.select(dim, index),
+         infer=lambda args, attrs: [TensorType(tuple(e for d, e in enumerate(args[0].shape) if d != attrs["dim"]),
+                                               args[0].dtype)],
+         traits=Trait.VIEW, rule=rules.select, front=_select_front)
+
+
+def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0):
+    if max_norm is not None:  # F.embedding renormalizes the looked-up rows of its weight in place
+        weight = weight.clone()
+    return F.embedding(indices, weight, padding_idx, max_norm, norm_type)
+
+
+def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_type=None, scale_grad_by_freq=None,
+                     sparse=None):
+    """nvFuser's ``embedding_fwd``, torch's ``F.embedding``: the rows of ``weight [v, h]`` at ``input``
+    (Int or Int32, any shape) -> ``[*input.shape, h]``. ``max_norm`` renormalizes the rows it returns
+    (the weight itself is not modified); ``scale_grad_by_freq`` and ``sparse`` only concern a backward
+    and are ignored. Index dims and h may be sharded; v is gathered where it is sharded."""
+    idx, w = rec.tv(input, "input"), rec.tv(weight, "weight")
+    _integer_indices("embedding_fwd", idx, "input")
+    if w.ndim != 2:
+        _fail("embedding_fwd", f"weight T{w.name} {w._ir.type_str()} must be 2-D [num_embeddings, embedding_dim]")
+    def number(value, what, kind=(int, float)):
+        return None if value is None else _number("embedding_fwd", value, what, kind)
+    max_norm, norm_type = number(max_norm, "max_norm"), number(norm_type, "norm_type")
+    return rec(idx, w, padding_idx=number(padding_idx, "padding_idx", (int,)),
+               max_norm=None if max_norm is None else float(max_norm),
+               norm_type=2.0 if norm_type is None else float(norm_type))
+
+
+register("embedding_fwd", impl=_embedding,
+         infer=lambda args, attrs: [TensorType((*args[0].shape, args[1].shape[1]), args[1].dtype)],
+         traits=Trait.NONE, rule=rules.embedding, front=_embedding_front)
+
 # --- normalization --------------------------------------------------------------------------------
 
 
@@ -1202,6 +1515,27 @@ def _full_localize(attrs: dict, s: Localize) -> dict:
 register("full", impl=_full, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front)
 
+
+def _iota(length, start, step, dtype, device="cpu"):
+    wide = torch.float64 if dtype.is_floating else torch.int64
+    return (torch.arange(length, dtype=wide, device=device) * step + start).to(dtype.torch)
+
+
+def _iota_front(rec, length, start=None, step=None, dtype: DataType = DataType.Int):
+    """nvFuser's ``iota``: ``[start, start + step, ..., start + (length - 1) * step]`` of ``dtype``;
+    ``start`` defaults to 0 and ``step`` to 1 (numbers or define_scalars; ``length`` a concrete int)."""
+    n = _number("iota", length, "length", (int,))
+    if n < 0:
+        _fail("iota", f"length {n} must be >= 0")
+    start = 0 if start is None else _number("iota", start, "start")
+    step = 1 if step is None else _number("iota", step, "step")
+    return rec(length=n, start=start, step=step, dtype=rec.dtype(dtype))
+
+
+register("iota", impl=_iota, infer=lambda args, attrs: [TensorType((attrs["length"],), attrs["dtype"])],
+         traits=Trait.FACTORY, rule=rules.replicated_factory,
+         localize=lambda attrs, s: {**attrs, "device": s.device}, front=_iota_front)
+
 # --- random numbers -------------------------------------------------------------------------------
 
 # Seeds of the draws given no rng_seed: every rank runs the same fusions in the same order, so every
@@ -1287,6 +1621,42 @@ def _rand_like_front(rec, x, *, rng_seed=None, rng_offset=None):
 
 
 SPELLINGS["rand_like"] = _rand_like_front
+
+
+def _normal(mean, std, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
+    seed, offset = (next(_UNSEEDED_DRAWS), 0) if rng_seed is None else (rng_seed, rng_offset)
+    x = torch.randn(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
+    return x if (mean, std) == (0, 1) else x * std + mean
+
+
+def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtype: DataType = DataType.Float):
+    """nvFuser's ``normal``: a tensor of GLOBAL ``shape`` and floating ``dtype`` drawn from a normal
+    distribution of ``mean`` and ``std`` (numbers); seeds and sharding as ``uniform``'s."""
+    shape = _int_list("normal", shape, "shape")
+    if any(e < 0 for e in shape):
+        _fail("normal", f"shape {list(shape)} must be concrete")
+    if not rec.dtype(dtype).is_floating:
+        _fail("normal", f"dtype must be a floating DataType, got {dtype!r}")
+    return rec(mean=_number("normal", mean, "mean"), std=_number("normal", std, "std"), shape=shape, dtype=dtype,
+               **_rng_attrs("normal", rng_seed, rng_offset))
+
+
+register("normal", impl=_normal, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
+         traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
+         front=_normal_front, draws=lambda attrs: True)
+
+
+def _randn_like_front(rec, x, *, rng_seed=None, rng_offset=None):
+    """Standard normal numbers of ``x``'s shape and dtype (``normal(0, 1, x.shape, dtype=x.dtype)``;
+    see ``uniform`` for ``rng_seed``/``rng_offset``)."""
+    x = rec.tv(x, "x")
+    if any(e < 0 for e in x.shape):
+        _fail("randn_like", f"T{x.name} {x._ir.type_str()} has a symbolic extent; define it with concrete ones")
+    return _normal_front(Recorder(rec._fd, "normal"), 0.0, 1.0, x.shape, rng_seed=rng_seed, rng_offset=rng_offset,
+                         dtype=x.dtype)
+
+
+SPELLINGS["randn_like"] = _randn_like_front
 
 # --- attention ------------------------------------------------------------------------------------
 #

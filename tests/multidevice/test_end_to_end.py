@@ -340,6 +340,79 @@ def row_bias_scatter_case(mesh) -> Case:
     return Case(fd, [x, w, b], full, lambda *a: [F.linear(*a)], ["reduce_scatter"])
 
 
+# --- nvFuser's other ops on a 1-D mesh: where their dims may stay sharded -------------------------
+
+
+def _indexed_case(mesh, x_shape, x_dims, idx_full, idx_dims, body, reference, collectives, out=None) -> Case:
+    """``body(fd, x, idx)`` of a float input x and an integer input idx (its full value given)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(x_shape, dtype=F64)
+        idx = fd.define_tensor(list(idx_full.shape), dtype=DataType.Int)
+        z = body(fd, x, idx)
+        fd.add_output(z)
+        shard(x, mesh, x_dims)
+        shard(idx, mesh, idx_dims)
+        if out is not None:
+            shard(z, mesh, out)
+    return Case(fd, [x, idx], [_rand(60, x_shape), idx_full], lambda a, i: [reference(a, i)], collectives)
+
+
+_INDEX = torch.tensor([5, 0, 3, 3, 1, 2, 0, 4])
+_TOKENS = torch.tensor([[7, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])
+
+CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
+    "cumsum_other_dim": lambda m: _unary_case(m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cumsum(x, 1),
+                                              lambda t: t.cumsum(1), []),
+    "cumsum_sharded_dim": lambda m: _unary_case(m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.cumprod(x, 1),
+                                                lambda t: t.cumprod(1), ["allgather"]),
+    "cumsum_of_a_partial_sum": lambda m: _unary_case(
+        m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cumsum(fd.ops.sum(x, [0]), 0),
+        lambda t: t.sum(0).cumsum(0), ["allreduce"]),
+    "max_sharded_dim": lambda m: _unary_case(m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.max(x, [1]),
+                                             lambda t: t.amax(1), ["allgather"]),
+    "min_prod_var_other_dim": lambda m: _unary_case(
+        m, [8, 4], {0: X}, {0: X},
+        lambda fd, x: fd.ops.add(fd.ops.min(x, 1), fd.ops.mul(fd.ops.prod(x, [1]), fd.ops.var(x, [1]))),
+        lambda t: t.amin(1) + t.prod(1) * t.var(1), []),
+    "pad_other_dim": lambda m: _unary_case(m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.pad(x, [1, 2], 0.5),
+                                           lambda t: F.pad(t, [1, 2], value=0.5), []),
+    "pad_sharded_dim": lambda m: _unary_case(m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.pad(x, [0, 0, 2, 1]),
+                                             lambda t: F.pad(t, [0, 0, 2, 1]), ["allgather"]),
+    "triu_batch_sharded": lambda m: _unary_case(m, [4, 6, 6], {0: X}, None, lambda fd, x: fd.ops.triu(x, 1),
+                                                lambda t: torch.triu(t, 1), []),
+    "ternary_pointwise_sharded": lambda m: binary_case(
+        m, [[8, 4], [8, 4], [4]], [{0: X}, {0: X}, None],
+        lambda fd, a, b, c: fd.ops.clamp(fd.ops.addcmul(fd.ops.lerp(a, b, 0.25), a, c, 2.0), -1.0, 1.5),
+        lambda a, b, c: torch.clamp(torch.addcmul(torch.lerp(a, b, 0.25), a, c, value=2.0), -1.0, 1.5), []),
+    "unary_math_sharded": lambda m: _unary_case(
+        m, [8, 4], {1: X}, None, lambda fd, x: fd.ops.atan2(fd.ops.erf(x), fd.ops.cos(fd.ops.expm1(x))),
+        lambda t: torch.atan2(torch.erf(t), torch.cos(torch.expm1(t))), []),
+    "iota_plus_sharded": lambda m: _unary_case(
+        m, [8], {0: X}, None, lambda fd, x: fd.ops.mul(x, fd.ops.iota(8, 1, 2, F64)),
+        lambda t: t * torch.arange(1, 17, 2, dtype=torch.float64), []),
+    "index_select_sharded_index": lambda m: _indexed_case(
+        m, [6, 4], {}, _INDEX, {0: X}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
+        lambda a, i: a.index_select(0, i), [], out={0: X}),
+    "index_select_x_sharded_other_dim": lambda m: _indexed_case(
+        m, [6, 8], {1: X}, _INDEX, {}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
+        lambda a, i: a.index_select(0, i), []),
+    "index_select_x_sharded_indexed_dim": lambda m: _indexed_case(
+        m, [8, 4], {0: X}, _INDEX, {}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
+        lambda a, i: a.index_select(0, i), ["allgather"]),
+    "embedding_hidden_sharded": lambda m: _indexed_case(
+        m, [10, 8], {1: X}, _TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
+        lambda w, i: F.embedding(i, w), []),
+    "embedding_tokens_sharded": lambda m: _indexed_case(
+        m, [10, 8], {}, _TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
+        lambda w, i: F.embedding(i, w), []),
+    "select_other_dim": lambda m: _unary_case(m, [8, 4, 3], {0: X}, None, lambda fd, x: fd.ops.select(x, -1, 1),
+                                              lambda t: t.select(1, -1), []),
+    "expand_sharded": lambda m: _unary_case(
+        m, [8, 1], {0: X}, None, lambda fd, x: fd.ops.expand(x, [2, 8, 3]), lambda t: t.expand(2, 8, 3), []),
+}
+CASES_1D |= CASES_OPS
+
+
 # --- 2x2 mesh cases (4 ranks) ----------------------------------------------------------------
 
 

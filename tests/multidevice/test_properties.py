@@ -22,9 +22,11 @@ from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFu
 from tp_fusion.runtime import dist
 
 EXTENTS = (2, 4, 6, 8)
-UNARY = ("relu", "tanh", "neg", "sigmoid", "abs")
+UNARY = ("relu", "tanh", "neg", "sigmoid", "abs", "sin", "erf", "atan")
 BINARY = ("add", "sub", "mul", "maximum")
-REDUCTIONS = ("sum", "mean", "amax")
+TORCH_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "max": torch.amax, "min": torch.amin,
+                    "prod": lambda t, dim, keepdim: t.prod(dim[0], keepdim=keepdim)}
+SCANS = {"cumsum": torch.cumsum, "cummax": lambda t, dim: torch.cummax(t, dim).values}
 TORCH_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum}
 
 
@@ -79,7 +81,7 @@ class _Case:
         tv, ref = val
         kinds = ["unary", "binary", "linear", "permute", "set"]
         if tv.ndim >= 2:
-            kinds += ["reduction", "matmul", "reshape"]
+            kinds += ["reduction", "matmul", "reshape", "scan"]
         kind = rng.choice(kinds)
         if kind == "unary":
             name = rng.choice(UNARY)
@@ -92,9 +94,12 @@ class _Case:
                 return getattr(ops, name)(tv, other), TORCH_BINARY[name](ref, oref)
             return getattr(ops, name)(other, tv), TORCH_BINARY[name](oref, ref)
         if kind == "reduction":
-            name, dim, keep = rng.choice(REDUCTIONS), rng.randrange(tv.ndim), rng.random() < 0.3
+            name, dim, keep = rng.choice(sorted(TORCH_REDUCTIONS)), rng.randrange(tv.ndim), rng.random() < 0.3
             out = getattr(ops, name)(tv, [dim], keepdim=keep)
-            return out, getattr(torch, name)(ref, dim=(dim,), keepdim=keep)
+            return out, TORCH_REDUCTIONS[name](ref, dim=(dim,), keepdim=keep)
+        if kind == "scan":
+            name, dim = rng.choice(sorted(SCANS)), rng.randrange(tv.ndim)
+            return getattr(ops, name)(tv, dim), SCANS[name](ref, dim)
         if kind == "linear":
             n = rng.choice(EXTENTS)
             w, wref = self._input((n, tv.shape[-1]))

@@ -48,35 +48,70 @@ def _check(got: torch.Tensor, want: torch.Tensor, **tol) -> None:
 
 # --- pointwise -------------------------------------------------------------------------------
 
+# name -> (torch reference, the inputs' domain: None, "positive", "unit" (-1, 1) or "ge1" [1, ...))
 UNARY = {
-    "neg": (torch.neg, False),
-    "abs": (torch.abs, False),
-    "exp": (torch.exp, False),
-    "log": (torch.log, True),
-    "tanh": (torch.tanh, False),
-    "sigmoid": (torch.sigmoid, False),
-    "relu": (torch.relu, False),
-    "silu": (F.silu, False),
-    "sqrt": (torch.sqrt, True),
-    "rsqrt": (torch.rsqrt, True),
-    "reciprocal": (torch.reciprocal, True),
-}
+    "neg": (torch.neg, None),
+    "abs": (torch.abs, None),
+    "exp": (torch.exp, None),
+    "log": (torch.log, "positive"),
+    "tanh": (torch.tanh, None),
+    "sigmoid": (torch.sigmoid, None),
+    "relu": (torch.relu, None),
+    "silu": (F.silu, None),
+    "sqrt": (torch.sqrt, "positive"),
+    "rsqrt": (torch.rsqrt, "positive"),
+    "reciprocal": (torch.reciprocal, "positive"),
+} | {name: (getattr(torch, name), None) for name in (
+    "asinh", "atan", "cos", "cosh", "sin", "sinh", "tan", "exp2", "expm1", "erf", "erfc", "ceil", "floor", "frac",
+    "round", "trunc", "sign", "signbit", "isfinite", "isinf", "isnan", "isneginf", "isposinf", "logical_not")} | {
+    name: (getattr(torch, name), "positive") for name in ("log10", "log1p", "log2", "lgamma")} | {
+    name: (getattr(torch, name), "unit") for name in ("acos", "asin", "atanh", "erfinv")} | {
+    "acosh": (torch.acosh, "ge1")}
+
+
+def _in_domain(x: torch.Tensor, domain: str | None) -> torch.Tensor:
+    if domain == "positive":
+        return x.abs() + 0.5
+    if domain == "unit":
+        return torch.tanh(x) * 0.9
+    if domain == "ge1":
+        return x.abs() + 1
+    return x
 
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("name", sorted(UNARY))
 def test_unary(name, dtype, dt):
-    ref, positive = UNARY[name]
-    x = _rand(1, 3, 5, dtype=dtype, positive=positive)
+    ref, domain = UNARY[name]
+    x = _in_domain(_rand(1, 3, 5, dtype=dtype), domain)
     fd, (out,) = _run(lambda fd, a: getattr(fd.ops, name)(a), [x])
-    assert fd.fusion.tensor(fd.fusion.outputs[0]).dtype is dt
-    _check(out, ref(x))
+    want = ref(x)
+    assert fd.fusion.tensor(fd.fusion.outputs[0]).dtype is DataType.from_torch(want.dtype)
+    _check(out, want)
+
+
+def test_bitwise_not_of_ints_and_bools():
+    i, b = torch.arange(-3, 3, dtype=torch.int32), torch.tensor([True, False])
+    _, (oi, ob) = _run(lambda fd, x, y: (fd.ops.bitwise_not(x), fd.ops.bitwise_not(y)), [i, b])
+    _check(oi, torch.bitwise_not(i))
+    _check(ob, torch.bitwise_not(b))
+
+
+def test_an_op_torch_refuses_for_a_dtype_is_a_definition_error():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3], dtype=DataType.Float)
+        with pytest.raises(DefinitionError, match="bitwise_not: cannot apply to T0 f32"):
+            fd.ops.bitwise_not(x)
 
 
 BINARY = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
     "pow": torch.pow, "maximum": torch.maximum, "minimum": torch.minimum,
+    "atan2": torch.atan2, "fmod": torch.fmod, "remainder": torch.remainder, "nextafter": torch.nextafter,
+    "truediv": torch.true_divide, "mod": torch.fmod,  # nvFuser's names of torch's div and fmod
 }
+_DIVIDES = ("div", "truediv", "fmod", "mod", "remainder")
+_TENSORS_ONLY = ("maximum", "minimum", "atan2", "nextafter")  # torch takes no Python number for either operand
 
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
@@ -84,7 +119,7 @@ BINARY = {
 def test_binary_tensor_tensor(name, dtype, dt):
     a = _rand(1, 4, 6, dtype=dtype, positive=name == "pow")
     b = _rand(2, 4, 6, dtype=dtype)
-    if name == "div":
+    if name in _DIVIDES:
         b = b.sign() * (b.abs() + 0.5)  # away from zero
     _, (out,) = _run(lambda fd, x, y: getattr(fd.ops, name)(x, y), [a, b])
     _check(out, BINARY[name](a, b))
@@ -106,8 +141,8 @@ def test_binary_broadcasts_from_the_right(name, dtype, dt):
 def test_binary_with_python_numbers(name, dtype, dt):
     a = _rand(3, 5, dtype=dtype, positive=True)
 
-    def ref(x, y):  # torch.maximum/minimum take no Python numbers: a 0-dim tensor promotes alike
-        if name in ("maximum", "minimum"):
+    def ref(x, y):  # where torch takes no Python number, a 0-dim tensor promotes alike
+        if name in _TENSORS_ONLY or not isinstance(x, torch.Tensor):
             x, y = (v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in (x, y))
         return BINARY[name](x, y)
 
@@ -681,3 +716,165 @@ def test_python_numbers_act_as_in_torch(dtype, value):
     t = (torch.randn(4, generator=torch.Generator().manual_seed(0)) * 10).to(dtype.torch)
     for got, want in zip(fd.execute([t]), (t * value, value - t, t / value)):
         assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
+# --- nvFuser's other ops ---------------------------------------------------------------------
+
+INTEGER_BINARY = {name: getattr(torch, name) for name in (
+    "gcd", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift", "bitwise_right_shift", "logical_and",
+    "logical_or", "logical_xor")}
+
+
+@pytest.mark.parametrize("name", sorted(INTEGER_BINARY))
+def test_integer_binary(name):
+    a = torch.randint(-20, 20, (4, 6), generator=torch.Generator().manual_seed(0))
+    b = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    _, (ab, a3) = _run(lambda fd, x, y: (getattr(fd.ops, name)(x, y), getattr(fd.ops, name)(x, 3)), [a, b])
+    _check(ab, INTEGER_BINARY[name](a, b))
+    _check(a3, INTEGER_BINARY[name](a, torch.tensor(3)))
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_ternary_ops(dtype, dt):
+    a, b, c = (_rand(40 + i, 4, 6, dtype=dtype) for i in range(3))
+    w = _rand(43, 6, dtype=dtype).sigmoid()
+
+    def build(fd, x, y, z, v):
+        return (fd.ops.lerp(x, y, v), fd.ops.lerp(x, y, 0.25), fd.ops.lerp(x, 2.0, v), fd.ops.addcmul(x, y, z, 0.5),
+                fd.ops.addcmul(x, y, 3.0), fd.ops.clamp(x, -0.5, 0.5), fd.ops.clamp(x, max=0.25),
+                fd.ops.threshold(x, 0.1, -2.0))
+    _, outs = _run(build, [a, b, c, w])
+    two = torch.tensor(2.0, dtype=dtype)
+    want = [torch.lerp(a, b, w), torch.lerp(a, b, 0.25), torch.lerp(a, two.expand(4, 6), w),
+            torch.addcmul(a, b, c, value=0.5), torch.addcmul(a, b, torch.tensor(3.0, dtype=dtype)),
+            a.clamp(-0.5, 0.5), a.clamp(max=0.25), F.threshold(a, 0.1, -2.0)]
+    for got, ref in zip(outs, want):
+        _check(got, ref)
+
+
+def test_clamp_needs_a_bound_and_takes_numbers():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3])
+        with pytest.raises(DefinitionError, match="clamp: give min, max or both"):
+            fd.ops.clamp(x)
+        with pytest.raises(DefinitionError, match="clamp: min must be a Python number"):
+            fd.ops.clamp(x, x, 1.0)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dims,keepdim", [([0], False), ([1, 2], False), (-1, True), (None, False), (None, True)])
+def test_max_min_prod_var(dims, keepdim, dtype, dt):
+    x = _rand(44, 3, 4, 5, dtype=dtype)
+    every = (0, 1, 2) if dims is None else dims
+    _, (mx, mn, am, p, v) = _run(lambda fd, t: (
+        fd.ops.max(t, dims, keepdim), fd.ops.min(t, dims, keepdim=keepdim), fd.ops.amin(t, dims, keepdim=keepdim),
+        fd.ops.prod(t, dims, keepdim), fd.ops.var(t, dims, correction=0, keepdim=keepdim)), [x])
+    _check(mx, torch.amax(x, every, keepdim))
+    _check(mn, torch.amin(x, every, keepdim))
+    _check(am, torch.amin(x, every, keepdim))
+    want = x
+    for d in sorted([every] if isinstance(every, int) else every, reverse=True):
+        want = want.prod(d, keepdim=keepdim)
+    _check(p, want)
+    _check(v, torch.var(x, every, correction=0, keepdim=keepdim))
+
+
+def test_reductions_over_every_dim_and_over_none():
+    x = _rand(45, 3, 4)
+    _, (s, m, s0, m0) = _run(lambda fd, t: (fd.ops.sum(t), fd.ops.mean(t, dtype=DataType.Double), fd.ops.sum(t, []),
+                                            fd.ops.max(t, [])), [x])
+    _check(s, x.sum())
+    _check(m, x.mean(dtype=torch.float64))
+    _check(s0, x)  # over no dims: x itself (torch's sum would reduce over every dim)
+    _check(m0, x)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([3, 4])
+        with pytest.raises(DefinitionError, match="var: dims is empty"):
+            fd.ops.var(t, [])
+        with pytest.raises(DefinitionError, match="max: the result has the dtype of T0 f32"):
+            fd.ops.max(t, [0], dtype=DataType.Double)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_scans(dtype, dt):
+    x = _rand(46, 3, 5, dtype=dtype)
+    _, outs = _run(lambda fd, t: (fd.ops.cumsum(t, 1), fd.ops.cumprod(t, 0), fd.ops.cummax(t, -1),
+                                  fd.ops.cummin(t, 1), fd.ops.cumsum(t, 0, init=2.0), fd.ops.cummax(t, 1, 0.0)), [x])
+    want = [x.cumsum(1), x.cumprod(0), torch.cummax(x, -1).values, torch.cummin(x, 1).values, x.cumsum(0) + 2.0,
+            torch.cummax(x, 1).values.clamp_min(0.0)]
+    for got, ref in zip(outs, want):
+        _check(got, ref)
+
+
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_pad_triu_expand_select(dtype, dt):
+    x = _rand(47, 2, 3, 4, dtype=dtype)
+    _, outs = _run(lambda fd, t: (
+        fd.ops.pad(t, [1, 2]), fd.ops.pad(t, (0, 1, 2, 0), 1.5), fd.ops.pad(t, [-1, 1, 0, 0, 1, 1]),
+        fd.ops.triu(t), fd.ops.triu(t, -1), fd.ops.expand(fd.ops.slice(t, [0, 0, 0], [2, 1, 4]), [5, 2, 3, -1]),
+        fd.ops.select(t, 2, 1), fd.ops.select(t, -1, 0)), [x])
+    want = [F.pad(x, [1, 2]), F.pad(x, [0, 1, 2, 0], value=1.5), F.pad(x, [-1, 1, 0, 0, 1, 1]), torch.triu(x),
+            torch.triu(x, -1), x[:, :1].expand(5, 2, 3, 4), x.select(1, 2), x.select(0, -1)]
+    for got, ref in zip(outs, want):
+        _check(got, ref)
+
+
+def test_pad_and_select_check_their_arguments():
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([2, 3])
+        with pytest.raises(DefinitionError, match=r"pad: pad_widths \[1, 2, 3\] must hold \(before, after\) pairs"):
+            fd.ops.pad(t, [1, 2, 3])
+        with pytest.raises(DefinitionError, match="crop dim 1 of f32"):
+            fd.ops.pad(t, [-2, -2])
+        with pytest.raises(DefinitionError, match="select: index 3 is out of range for dim 1"):
+            fd.ops.select(t, 3, 1)
+        with pytest.raises(DefinitionError, match="expand: shape"):
+            fd.ops.expand(t, [3])
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_index_select_and_embedding(index_dtype):
+    x = _rand(48, 5, 6)
+    index = torch.tensor([4, 0, 0, 2], dtype=index_dtype)
+    tokens = torch.tensor([[1, 4], [3, 3], [0, 2]], dtype=index_dtype)
+    weight = _rand(49, 5, 8) * 3
+    saved = weight.clone()
+    _, outs = _run(lambda fd, t, i, tok, w: (
+        fd.ops.index_select(t, i, 1), fd.ops.index_select(t, i, 0), fd.ops.embedding_fwd(tok, w),
+        fd.ops.embedding_fwd(tok, w, padding_idx=3), fd.ops.embedding_fwd(tok, w, None, 1.0, 1.0)),
+        [x, index, tokens, weight])
+    want = [x.index_select(1, index), x.index_select(0, index), F.embedding(tokens, weight),
+            F.embedding(tokens, weight, padding_idx=3),
+            F.embedding(tokens, weight.clone(), max_norm=1.0, norm_type=1.0)]
+    for got, ref in zip(outs, want):
+        _check(got, ref)
+    assert torch.equal(weight, saved), "max_norm must not renormalize the weight input in place"
+
+
+def test_indices_must_be_integers():
+    with FusionDefinition() as fd:
+        t, f = fd.define_tensor([5, 6]), fd.define_tensor([4])
+        with pytest.raises(DefinitionError, match="index_select: index T1 f32.4. must be an Int or Int32 tensor"):
+            fd.ops.index_select(t, f, 0)
+        with pytest.raises(DefinitionError, match="embedding_fwd: input T1 f32.4. must be an Int or Int32 tensor"):
+            fd.ops.embedding_fwd(f, t)
+
+
+def test_iota_normal_randn_like_and_segment_set():
+    x = _rand(50, 4, 1000)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([4, 1000])
+        fd.add_output(fd.ops.iota(5))
+        fd.add_output(fd.ops.iota(4, 0.5, 0.25, DataType.Float))
+        fd.add_output(fd.ops.normal(1.0, 2.0, [4, 1000], rng_seed=3, rng_offset=0, dtype=DataType.Double))
+        fd.add_output(fd.ops.randn_like(t, rng_seed=3, rng_offset=0))
+        fd.add_output(fd.ops.segment_set(t))
+    i, f, n, r, s = fd.execute([x])
+    _check(i, torch.arange(5))
+    _check(f, torch.arange(4, dtype=torch.float32) * 0.25 + 0.5)
+    assert n.dtype == torch.float64 and abs(n.mean() - 1) < 0.1 and abs(n.std() - 2) < 0.1
+    assert r.shape == x.shape and r.dtype == x.dtype and abs(r.mean()) < 0.1 and abs(r.std() - 1) < 0.1
+    again = fd.execute([x])
+    _check(again[2], n)  # a seeded draw is a function of its seed and offset alone
+    _check(s, x)
+    assert s.data_ptr() != x.data_ptr()
