@@ -41,7 +41,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tp_fusion.errors import InputError, ShardingError, UnevenShardError, UnsupportedPlacementError
+from tp_fusion.errors import InputError, ShardingError, TPFusionError, UnevenShardError, UnsupportedPlacementError
+from tp_fusion.executor import raise_reported, report_of
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.runtime import dist
@@ -177,19 +178,31 @@ def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, shape, w
     fd._dtensor_annotated = ours | {tv.name}
 
 
-def _check_same_meshes_on_all_ranks(meshes: list[DeviceMesh | None]) -> None:
+def _agree_on_inputs(shardings: list[Sharding | None], error: Exception | None) -> None:
+    """Raise on every rank if any rank's DTensor inputs were refused, or if the ranks' DTensors differ
+    in mesh or placements (one host-side gather): each rank annotates its fusion from its own DTensors,
+    so the fusions must come out alike."""
     if not dist.is_initialized() or dist.world_size() == 1:
+        if error is not None:
+            raise error
         return
-    key = [None if m is None else (m.devices, m.shape) for m in meshes]
-    everyone = dist.gather_from_all(key)
-    for r, other in enumerate(everyone):
-        if other != key:
-            i = next(i for i, (a, b) in enumerate(zip(key, other)) if a != b)
+    key = [None if s is None else (s.mesh.devices, s.mesh.shape, str(s)) for s in shardings]
+    everyone = dist.gather_from_all((key, report_of(error)))
+    raise_reported([report for _, report in everyone], error)
+    for r, (other, _) in enumerate(everyone):
+        i = next((i for i, (a, b) in enumerate(zip(key, other)) if a != b), None)
+        if i is None:
+            continue
+        mine, theirs = shardings[i], other[i]
+        if mine is not None and theirs is not None and (mine.mesh.devices, mine.mesh.shape) == theirs[:2]:
             raise UnsupportedPlacementError(
-                f"execute_with_dtensors: input {i} is a DTensor on mesh {meshes[i]!r} on rank {dist.rank()} but on "
-                f"{other[i]} on rank {r}; a submesh such as mesh_2d['tp'] differs between ranks, and a fusion "
-                "must be the same on every rank. Build the DTensors on the full mesh (e.g. placements "
-                "(Replicate(), Shard(d)) on the 2-D mesh)")
+                f"execute_with_dtensors: input {i} is a DTensor sharded as {mine} on rank {dist.rank()} but as "
+                f"{theirs[2]} on rank {r}; every rank must pass DTensors of the same placements")
+        raise UnsupportedPlacementError(
+            f"execute_with_dtensors: input {i} is a DTensor on mesh {None if mine is None else mine.mesh!r} on "
+            f"rank {dist.rank()} but on {None if theirs is None else theirs[:2]} on rank {r}; a submesh such as "
+            "mesh_2d['tp'] differs between ranks, and a fusion must be the same on every rank. Build the "
+            "DTensors on the full mesh (e.g. placements (Replicate(), Shard(d)) on the 2-D mesh)")
 
 
 def _torch_placements(sharding: Sharding) -> list:
@@ -214,6 +227,32 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _read_inputs(fd: FusionDefinition, inputs: list, local: list, shardings: list, torch_meshes: dict) -> None:
+    """Each input's local tensor and sharding (None for a plain tensor), and the torch meshes by tp_fusion
+    mesh, into ``local``, ``shardings`` and ``torch_meshes``; raises for inputs the fusion cannot take."""
+    api = _dtensor_api()
+    names = list(fd.fusion.inputs)
+    if len(inputs) != len(names):
+        raise InputError(f"execute_with_dtensors: the fusion takes {len(names)} inputs "
+                         f"({', '.join(f'T{n}' for n in names)}), got {len(inputs)}")
+    for i, (name, x) in enumerate(zip(names, inputs)):
+        what = f"execute_with_dtensors: input {i} (T{name})"
+        if isinstance(x, api.DTensor):
+            tv = TensorView(fd, name)
+            if tv.ndim != x.ndim or any(e not in (-1, g) for e, g in zip(tv.shape, x.shape)):
+                raise InputError(f"{what}: the DTensor's global shape {list(x.shape)} does not match the fusion's "
+                                 f"{list(tv.shape)} (-1 = any); define_tensor takes the GLOBAL shape")
+            sharding = sharding_from_dtensor(x, what)
+            shardings.append(sharding)
+            torch_meshes.setdefault(sharding.mesh, x.device_mesh)
+            local.append(x.to_local())
+        elif isinstance(x, torch.Tensor):
+            shardings.append(None)
+            local.append(x)
+        else:
+            raise InputError(f"{what} must be a DTensor or a torch.Tensor, got {type(x).__name__}")
+
+
 def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     """Run ``fd`` on DTensor inputs (one per fusion input, in order); returns one DTensor per output.
 
@@ -225,34 +264,19 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     """
     api = _dtensor_api()
     inputs = list(dtensors)
-    names = list(fd.fusion.inputs)
-    if len(inputs) != len(names):
-        raise InputError(f"execute_with_dtensors: the fusion takes {len(names)} inputs "
-                         f"({', '.join(f'T{n}' for n in names)}), got {len(inputs)}")
+    local: list = []
+    shardings: list[Sharding | None] = []
     torch_meshes: dict[DeviceMesh, object] = {}
-    local, shardings = [], []
-    for i, (name, x) in enumerate(zip(names, inputs)):
-        what = f"execute_with_dtensors: input {i} (T{name})"
-        if isinstance(x, api.DTensor):
-            sharding = sharding_from_dtensor(x, what)
-            shardings.append(sharding)
-            torch_meshes.setdefault(sharding.mesh, x.device_mesh)
-            local.append(x.to_local())
-        elif isinstance(x, torch.Tensor):
-            shardings.append(None)
-            local.append(x)
-        else:
-            raise InputError(f"{what} must be a DTensor or a torch.Tensor, got {type(x).__name__}")
-    _check_same_meshes_on_all_ranks([s.mesh if s else None for s in shardings])
-    for i, (name, x, sharding) in enumerate(zip(names, inputs, shardings)):
-        if sharding is None:
-            continue
-        tv = TensorView(fd, name)
-        what = f"execute_with_dtensors: input {i} (T{name})"
-        if tv.ndim != x.ndim or any(e not in (-1, g) for e, g in zip(tv.shape, x.shape)):
-            raise InputError(f"{what}: the DTensor's global shape {list(x.shape)} does not match the fusion's "
-                             f"{list(tv.shape)} (-1 = any); define_tensor takes the GLOBAL shape")
-        _annotate(fd, tv, sharding, tuple(x.shape), what)
+    error = None
+    try:
+        _read_inputs(fd, inputs, local, shardings, torch_meshes)
+    except TPFusionError as e:  # raised on every rank below, before any rank annotates its fusion
+        error = e
+    _agree_on_inputs(shardings, error)
+    for i, (name, sharding) in enumerate(zip(fd.fusion.inputs, shardings)):
+        if sharding is not None:
+            _annotate(fd, TensorView(fd, name), sharding, tuple(inputs[i].shape),
+                      f"execute_with_dtensors: input {i} (T{name})")
 
     outputs = fd.execute(local)
 

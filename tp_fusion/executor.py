@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tp_fusion import errors
 from tp_fusion.compile import (
     as_declared,
     check_layout,
@@ -35,20 +36,12 @@ from tp_fusion.compile import (
     declared_layouts,
     global_input_shapes,
 )
-from tp_fusion.errors import (
-    DefinitionError,
-    ExecutionError,
-    InputError,
-    LoweringError,
-    ShardingError,
-    TPFusionError,
-)
+from tp_fusion.errors import DefinitionError, ExecutionError, InputError, TPFusionError
 from tp_fusion.ir import Fusion
 from tp_fusion.program import Program
 from tp_fusion.runtime import dist, faults, symm, tuning
 from tp_fusion.runtime.runner import Runner
 
-_ERRORS = {c.__name__: c for c in (InputError, ShardingError, DefinitionError, LoweringError, ExecutionError)}
 _executing = threading.Lock()  # one execute at a time per process
 _lagged = faults.LaggedAgreement()  # per-call agreement under NCCL (nothing waits for it)
 _progress = faults.ProgressGuard()  # bounded waits for peers on the GPU
@@ -114,7 +107,13 @@ class Executor:
         view = self._views.get((rank, size))
         if view is None:
             view = self._views[rank, size] = _input_view(self.fusion, rank, size)
-        extents = _exchange_extents(self.fusion, inputs, view) if multi and view.exchanged else ()
+        extents = ()
+        if multi and view.exchanged:
+            # The exchange is a collective that only such fusions run: first make sure that every rank
+            # executes this fusion, so that a peer executing another one is told so instead of waiting.
+            which = _fingerprint(self.serial, self._text)
+            _agree(None, which, (which, "before exchanging its symbolic extents"))
+            extents = _exchange_extents(self.fusion, inputs, view)
         sig = (_signature(inputs, view), extents)
         cached = self._cache.get(sig)
         if cached is not None and cached[1].world != world:
@@ -136,7 +135,13 @@ class Executor:
                 raise
             error = e
         if multi and (cached is None or every_call):
-            _agree(error, 0 if error is not None else fingerprint, detail if error is None else None)
+            rebuild = _agree(error, 0 if error is not None else fingerprint, detail if error is None else None,
+                             building=cached is None)
+            if rebuild and cached is not None:
+                # A peer builds this plan (its definition was changed and changed back, say): building is
+                # collective (process groups, tuning), so this rank builds it again alongside.
+                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)))
+                cached = None
         deferred = None
         if error is not None:
             if cached is None or not multi or every_call:
@@ -267,27 +272,41 @@ def _check_backend(fusion: Fusion, inputs: list) -> None:
                              "CUDA tensors with NCCL and CPU tensors with gloo")
 
 
-def _agree(error: Exception | None, fingerprint: int, detail: tuple[int, str] | None) -> None:
+def report_of(error: Exception | None) -> tuple[str, str] | None:
+    """What a rank tells its peers of its error (None: it has none)."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def raise_reported(reports: list, error: Exception | None) -> None:
+    """Given every rank's ``report_of`` its error, raise on every rank if any has one: this rank's own
+    error, else the first failed peer's, as an error of the same class naming that rank."""
+    if error is not None:
+        raise error
+    bad, report = next(((r, rep) for r, rep in enumerate(reports) if rep is not None), (None, None))
+    if report is None:
+        return
+    name, msg = report
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, TPFusionError)):  # an internal error on that rank
+        raise ExecutionError(f"rank {bad} failed while compiling the plan: {name}: {msg}")
+    raise cls(f"rank {bad} rejected its inputs: {msg}")
+
+
+def _agree(error: Exception | None, fingerprint: int, detail: tuple[int, str] | None, building: bool = False) -> bool:
     """Raise on every rank if any rank's inputs were rejected, or if the ranks compiled different
-    fusions, global shapes or calls (one host-side all_reduce; a gather only when something is wrong)."""
+    fusions, global shapes or calls (one host-side all_reduce; a gather only when something is wrong).
+    Returns whether some rank is ``building`` its plan."""
     rank = dist.rank()
     try:
-        failed, differ = faults.agree(error is not None, fingerprint)
+        failed, differ, any_building = faults.agree(error is not None, fingerprint, building)
     except Exception as e:  # a peer left (or failed in an earlier plan): the process group is broken
         raise ExecutionError(faults.report_failure(
             rank, "the input agreement before running the plan", f"{type(e).__name__}: {e}",
             local=False, exc=e)) from (error or e)
     if not failed and not differ:
-        return
+        return any_building
     if failed:
-        report = None if error is None else (type(error).__name__, str(error))
-        reports = dist.gather_from_all(report)
-        if error is not None:
-            raise error
-        bad, (name, msg) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
-        if name not in _ERRORS:  # an internal error while compiling on that rank
-            raise ExecutionError(f"rank {bad} failed while compiling the plan: {name}: {msg}")
-        raise _ERRORS[name](f"rank {bad} rejected its inputs: {msg}")
+        raise_reported(dist.gather_from_all(report_of(error)), error)
     views = dist.gather_from_all((fingerprint, detail))
     counts: dict[int, int] = {}
     for fp, _ in views:

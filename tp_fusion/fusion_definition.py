@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +79,10 @@ class TensorView:
         return self._fd._tensors[self.name]
 
     def _update(self, **kw) -> None:
-        self._fd._tensors[self.name] = self._ir.replace(**kw)
-        self._fd._changed()
+        new = self._ir.replace(**kw)
+        if new != self._ir:  # a schedule call that changes nothing keeps the cached plans
+            self._fd._tensors[self.name] = new
+            self._fd._changed()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -549,7 +551,9 @@ class FusionDefinition:
         """
         from tp_fusion.executor import Executor
 
-        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)  # not its rows
+        # A single tensor is the list of it, not its rows; anything else that is no iterable is checked
+        # with the inputs, so that every rank raises alike.
+        inputs = list(inputs) if isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor) else [inputs]
         if self._executor is None:
             self._executor = Executor(self.fusion, self._serial)
         outputs, self._plan = self._executor.run(inputs)

@@ -400,3 +400,102 @@ def test_sharded_fusion_without_a_process_group():
     fd_big, _ = _sharded_relu(4, rows=4)  # a mesh larger than the world of 1: still the missing group
     with pytest.raises(InputError, match="no torch.distributed process group"):
         fd_big.execute([torch.ones(1, 4)])
+
+
+def _one_rank_misuse(rank: int, world: int) -> None:
+    """What one rank alone gets wrong raises on every rank at the same call, and the next good call
+    runs on every rank alike (before, the ranks fell one call apart and returned wrong data, or waited
+    for the process group's timeout)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import tp_fusion
+    from tp_fusion.errors import UnsupportedPlacementError
+
+    last = rank == world - 1
+    g = torch.Generator().manual_seed(3)
+    mesh = DeviceMesh(range(world))
+
+    # A fusion whose symbolic extent only rank 0 sees exchanges it first: a peer executing another
+    # fusion there (or the same one defined with a concrete extent) is told so.
+    def on_rank_0(rows: int):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([rows, 4])
+            s = fd.ops.sum(x, [0])
+            fd.add_output(s)
+            x.set_device_mesh(DeviceMesh([0]))
+            s.set_device_mesh(mesh)
+        return fd, x
+
+    relu, _ = _sharded_relu(world, rows=2 * world)
+    xf, yf = torch.randn(3, 4, generator=g), torch.randn(2 * world, 4, generator=g)
+    exchanged, x = on_rank_0(-1)
+    other = "executed another fusion"
+    _raises(DefinitionError, other, lambda: relu.execute([shard_tensor(yf, relu.fusion.tensor(0).sharding)]) if last
+            else exchanged.execute([shard_tensor(xf, x)]))
+    concrete, xc = on_rank_0(3)
+    _raises(DefinitionError, other, lambda: concrete.execute([shard_tensor(xf, xc)]) if last
+            else exchanged.execute([shard_tensor(xf, x)]))
+    (s,) = exchanged.execute([shard_tensor(xf, x)])
+    torch.testing.assert_close(s, xf.sum(0))
+
+    # Not a list of inputs, on one rank.
+    bad = 5 if last else [shard_tensor(yf, relu.fusion.tensor(0).sharding)]
+    _raises(InputError, r"input T0 must be a torch.Tensor, got int", lambda: relu.execute(bad))
+    (y,) = relu.execute([shard_tensor(yf, relu.fusion.tensor(0).sharding)])
+    torch.testing.assert_close(y, yf.relu())
+
+    # A plan with a fused segment (its building is collective) rebuilt on one rank only: after a schedule
+    # call that changes nothing, and after a change undone.
+    with FusionDefinition() as fd:
+        a, w = fd.define_tensor([4, 2 * world]), fd.define_tensor([6, 2 * world])
+        z = fd.ops.linear(a, w)
+        fd.add_output(z)
+        for tv in (a, w, z):
+            tv.set_device_mesh(mesh)
+        for tv in (a, w):
+            tv.outer_split(1, world)
+            tv.axis(1).parallelize(ParallelType.mesh_x)
+    af, wf = torch.randn(4, 2 * world, generator=g), torch.randn(6, 2 * world, generator=g)
+    for step in range(3):
+        if last and step == 1:
+            z.set_device_mesh(mesh)  # the mesh it has
+        if last and step == 2:
+            z.set_device_mesh(DeviceMesh([0]))
+            z.set_device_mesh(mesh)
+        (out,) = fd.execute([shard_tensor(af, a), shard_tensor(wf, w)])
+        torch.testing.assert_close(out, af @ wf.T)
+        _in_step()
+
+    # execute_with_dtensors and autograd check their arguments on every rank alike.
+    tmesh = init_device_mesh("cpu", (world,))
+    dx, dw = distribute_tensor(af, tmesh, [Shard(1)]), distribute_tensor(wf, tmesh, [Shard(1)])
+    partial = DTensor.from_local(wf / world, tmesh, [Partial()], run_check=False)
+    with FusionDefinition() as plain:
+        pa, pw = plain.define_tensor([4, 2 * world]), plain.define_tensor([6, 2 * world])
+        plain.add_output(plain.ops.linear(pa, pw))
+    cases = [(InputError, "the fusion takes 2 inputs", [dx]),
+             (UnsupportedPlacementError, "Partial", [dx, partial]),
+             (UnsupportedPlacementError, r"input 1 is a DTensor sharded as .* every rank must pass DTensors of the "
+                                         "same placements", [dx, distribute_tensor(wf, tmesh, [Replicate()])])]
+    for cls, match, args in cases:
+        _raises(cls, match, lambda args=args: tp_fusion.execute_with_dtensors(plain, args if last else [dx, dw]),
+                base=Exception)
+        (zd,) = tp_fusion.execute_with_dtensors(plain, [dx, dw])
+        torch.testing.assert_close(zd.full_tensor(), af @ wf.T)
+
+    with FusionDefinition() as fwd:
+        fwd.add_output(fwd.ops.linear(fwd.define_tensor([4, 2 * world]), fwd.define_tensor([6, 2 * world])))
+    with FusionDefinition() as bwd:
+        ba, bw, bg = (bwd.define_tensor(s) for s in ([4, 2 * world], [6, 2 * world], [4, 6]))
+        bwd.add_output(bwd.ops.matmul(bg, bw))
+        bwd.add_output(bwd.ops.matmul(bwd.ops.permute(bg, [1, 0]), ba))
+    linear = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0, 1])
+    _raises(InputError, "the fusion takes 2 inputs", lambda: linear.apply(dx) if last else linear.apply(dx, dw))
+    torch.testing.assert_close(linear.apply(dx, dw).full_tensor(), F.linear(af, wf))
+
+
+@pytest.mark.ranks(2, 4)
+def test_what_one_rank_gets_wrong_raises_on_every_rank(multidevice_test):
+    _one_rank_misuse(multidevice_test.rank, multidevice_test.size)

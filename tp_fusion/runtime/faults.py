@@ -39,17 +39,19 @@ _store = None  # kept alive past an abort: rank 0 hosts the TCPStore server its 
 _FP_BITS = 62
 
 
-def agree(failed: bool, fingerprint: int) -> tuple[bool, bool]:
-    """(some rank failed, the ranks' fingerprints differ), the same on every rank.
+def agree(failed: bool, fingerprint: int, building: bool = False) -> tuple[bool, bool, bool]:
+    """(some rank failed, the ranks' fingerprints differ, some rank is building its plan), the same on
+    every rank.
 
-    One host-side all_reduce(MAX) of ``[failed, fp, -fp]``; a failed rank's fingerprint is neutral.
+    One host-side all_reduce(MAX) of ``[failed, fp, -fp, building]``; a failed rank's fingerprint is
+    neutral.
     """
     low = -(1 << _FP_BITS)
     fp = fingerprint & ((1 << _FP_BITS) - 1)
-    t = torch.tensor([int(failed), low if failed else fp, low if failed else -fp], dtype=torch.int64)
+    t = torch.tensor([int(failed), low if failed else fp, low if failed else -fp, int(building)], dtype=torch.int64)
     dist.host_all_reduce_max(t)
-    any_failed, hi, neg_lo = (int(v) for v in t.tolist())
-    return bool(any_failed), not any_failed and hi != -neg_lo
+    any_failed, hi, neg_lo, any_building = (int(v) for v in t.tolist())
+    return bool(any_failed), not any_failed and hi != -neg_lo, bool(any_building)
 
 
 class LaggedAgreement:
