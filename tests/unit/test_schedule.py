@@ -417,3 +417,22 @@ def test_gemms_and_normalizations_keep_a_strided_shard():
     x.set_device_mesh(MESH2)
     x.inner_split(1, 2).axis(2).parallelize(X)  # the contraction, strided
     assert fd.compile([[8, 4], [6, 4]]).collectives() == ["allreduce"]
+
+
+def test_a_schedule_call_that_changes_nothing_keeps_the_plan():
+    """Building a plan is collective on ranks: a call that gives a tensor what it has must not make one
+    rank rebuild while its peers run the cached plan. A change does rebuild."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        y = fd.ops.relu(x)
+        fd.add_output(y)
+        x.set_device_mesh(DeviceMesh([0]))
+    t = torch.randn(4, 6)
+    fd.execute([t])
+    plan = fd.plan
+    x.set_device_mesh(DeviceMesh([0]))
+    fd.execute([t])
+    assert fd.plan is plan
+    y.set_device_mesh(DeviceMesh([0]))
+    fd.execute([t])
+    assert fd.plan is not plan
