@@ -87,6 +87,9 @@ class OpDef:
     # or a scalar) and the attributes; None: every output is row-major (nvFuser's allocation domains)
     out_layout: Callable[[list[tuple[int, ...] | None], dict], list[tuple[int, ...] | None]] | None = None
     draws: Callable[[dict], bool] | None = None  # whether a call with these attributes draws random numbers
+    # whether a call takes a fresh seed from the unseeded draws' counter (``take_seed``): every rank takes
+    # one per call, whether the op runs on it or not, so that every rank's later draws stay alike
+    fresh_seed: Callable[[dict], bool] | None = None
 
     def has(self, trait: Trait) -> bool:
         return bool(self.traits & trait)
@@ -1538,9 +1541,19 @@ register("iota", impl=_iota, infer=lambda args, attrs: [TensorType((attrs["lengt
 
 # --- random numbers -------------------------------------------------------------------------------
 
-# Seeds of the draws given no rng_seed: every rank runs the same fusions in the same order, so every
-# rank takes the same seeds from it.
+# Seeds of the draws given no rng_seed: every rank runs the same fusions in the same order and takes one
+# seed per call of each such op (``OpDef.fresh_seed``), also where the op does not run, so every rank
+# takes the same seeds from it.
 _UNSEEDED_DRAWS = itertools.count()
+
+
+def take_seed() -> int:
+    """The next seed of the unseeded draws."""
+    return next(_UNSEEDED_DRAWS)
+
+
+def _unseeded(attrs: dict) -> bool:
+    return attrs["rng_seed"] is None
 
 
 def _generator(seed: int, offset: int, device) -> torch.Generator:
@@ -1551,7 +1564,7 @@ def _generator(seed: int, offset: int, device) -> torch.Generator:
 
 
 def _uniform(minval, maxval, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
-    seed, offset = (next(_UNSEEDED_DRAWS), 0) if rng_seed is None else (rng_seed, rng_offset)
+    seed, offset = (take_seed(), 0) if rng_seed is None else (rng_seed, rng_offset)
     x = torch.rand(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
     return x if (minval, maxval) == (0, 1) else x * (maxval - minval) + minval
 
@@ -1607,7 +1620,7 @@ def _either_name(op: str, value, name: str, alias_value, alias: str):
 
 register("uniform", impl=_uniform, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-         front=_uniform_front, draws=lambda attrs: True)
+         front=_uniform_front, draws=lambda attrs: True, fresh_seed=_unseeded)
 
 
 def _rand_like_front(rec, x, *, rng_seed=None, rng_offset=None):
@@ -1624,7 +1637,7 @@ SPELLINGS["rand_like"] = _rand_like_front
 
 
 def _normal(mean, std, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
-    seed, offset = (next(_UNSEEDED_DRAWS), 0) if rng_seed is None else (rng_seed, rng_offset)
+    seed, offset = (take_seed(), 0) if rng_seed is None else (rng_seed, rng_offset)
     x = torch.randn(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
     return x if (mean, std) == (0, 1) else x * std + mean
 
@@ -1643,7 +1656,7 @@ def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtyp
 
 register("normal", impl=_normal, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-         front=_normal_front, draws=lambda attrs: True)
+         front=_normal_front, draws=lambda attrs: True, fresh_seed=_unseeded)
 
 
 def _randn_like_front(rec, x, *, rng_seed=None, rng_offset=None):
@@ -1741,6 +1754,7 @@ def _no_dropout_rng(device, seed: int = 0):
 def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
     lead = q.shape[:-3]
     q4, k4, v4 = _as_4d(q, k, v)
+    fresh = take_seed() if dropout_p else 0  # taken on every path (fresh_seed), used by the math path's mask
     if _cudnn_attention(q, k, v, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, is_causal, False,
                                                                       scale=scale)[:2]
@@ -1750,7 +1764,7 @@ def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q4, k4, v4, dropout_p, is_causal, scale=scale)
     else:
-        seed, offset = _no_dropout_rng(q.device, next(_UNSEEDED_DRAWS) if dropout_p else 0)
+        seed, offset = _no_dropout_rng(q.device, fresh)
         if _cpu_flash(q, k, v, dropout_p):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal,
                                                                                   scale=scale)
@@ -1892,7 +1906,7 @@ def _with_dropout(attrs: dict) -> bool:
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1)), flops=_flops_attention(2, query=0),
          num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
-         draws=_with_dropout)
+         draws=_with_dropout, fresh_seed=_with_dropout)
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
          flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front,

@@ -712,3 +712,30 @@ def test_run_on_ranks_reports_failures():
 def _fail_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("deliberate")
+
+
+@pytest.mark.ranks(2, 4)
+@pytest.mark.parametrize("first", ["uniform", "normal", "sdpfa_dropout"])
+def test_unseeded_draws_stay_alike_on_every_rank(multidevice_test, first):
+    """An unseeded draw on a mesh of rank 0 only, then one replicated on every rank: the second must be
+    the same on every rank (each rank takes one seed per unseeded draw, running it or not)."""
+    world = multidevice_test.size
+    with FusionDefinition() as fa:
+        x = fa.define_tensor([1, 1, 4, 8], dtype=F64)
+        if first == "sdpfa_dropout":
+            y = fa.ops.sdpfa_fwd(x, x, x, dropout_p=0.5)[0]
+        else:
+            y = fa.ops.add(x, getattr(fa.ops, first)(0.0, 1.0, [1, 1, 4, 8], dtype=F64))
+        fa.add_output(y)
+        x.set_device_mesh(DeviceMesh([0]))
+    with FusionDefinition() as fb:
+        z = fb.define_tensor([4], dtype=F64)
+        o = fb.ops.add(z, fb.ops.normal(0.0, 1.0, [4], dtype=F64))
+        fb.add_output(o)
+        for tv in (z, o):
+            tv.set_device_mesh(DeviceMesh(range(world)))
+    full = _rand(90, (1, 1, 4, 8))
+    fa.execute([shard_tensor(full, x)])
+    (out,) = fb.execute([torch.zeros(4, dtype=torch.float64)])
+    everyone = dist.gather_from_all(out)
+    assert all(torch.equal(o, everyone[0]) for o in everyone), everyone

@@ -16,7 +16,7 @@ import torch
 from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
-from tp_fusion.ops import OPS, is_tanh_gelu, with_stride_order
+from tp_fusion.ops import OPS, is_tanh_gelu, take_seed, with_stride_order
 from tp_fusion.program import (
     FUSED,
     SEQUENTIAL,
@@ -82,6 +82,9 @@ class Runner:
 
     def _step(self, s: Compute | Communicate) -> Callable[[Env], None]:
         if not s.runs_here:
+            od = OPS[s.op.kind]
+            if od.fresh_seed is not None and od.fresh_seed(dict(s.attrs)):
+                return lambda env: take_seed()  # as the ranks that run it do: later unseeded draws stay alike
             return lambda env: None
         if isinstance(s, Communicate):
             fn = collectives.step_fn(s, self.program)
