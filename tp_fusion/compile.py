@@ -96,7 +96,10 @@ def check_layout(what: str, x: torch.Tensor, contiguity: Sequence[bool | None],
         return
     order = tuple(stride_order) if stride_order is not None else tuple(range(n - 1, -1, -1))
     sizes, strides = tuple(x.shape), x.stride()
-    layout = f"contiguity {list(contiguity)}" + (f", stride_order {list(stride_order)}" if stride_order else "")
+    from tp_fusion.fusion_definition import Layout  # (imports this module)
+
+    declared = Layout(tuple(contiguity), tuple(stride_order) if stride_order else None).declared
+    layout = f"contiguity {list(declared)}" + (f", stride_order {list(stride_order)}" if stride_order else "")
     fix = ("pass a tensor with this layout (e.g. .contiguous()" + (", or .permute(...).contiguous().permute(...)"
            if stride_order else "") + ") or declare the layout it has")
     # the dims that have strides, fastest first

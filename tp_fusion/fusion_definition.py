@@ -134,9 +134,11 @@ class TensorView:
 
     @property
     def contiguity(self) -> tuple[bool | None, ...] | None:
-        """An input's declared contiguity (``define_tensor``), one entry per dim; None for other tensors."""
+        """An input's declared contiguity (``define_tensor``), one entry per dim in the allocation order
+        (outermost first; the logical order without a ``stride_order``), as nvFuser states it; None for
+        other tensors."""
         layout = self._fd._layouts.get(self.name)
-        return layout.contiguity if layout else None
+        return layout.declared if layout else None
 
     @property
     def stride_order(self) -> tuple[int, ...] | None:
@@ -287,9 +289,10 @@ def _count(n: int, what: str) -> str:
 
 @dataclass(frozen=True)
 class Layout:
-    """An input's declared layout (``define_tensor``): per dim True (dense with the next faster dim),
-    False (any stride) or None (broadcast); ``stride_order`` as in nvFuser, None where none was declared
-    (a declared row-major order is kept: the input is then checked against it)."""
+    """An input's declared layout (``define_tensor``): per logical dim True (dense with the next faster
+    dim), False (any stride) or None (broadcast); ``stride_order`` as in nvFuser, None where none was
+    declared (a declared row-major order is kept: the input is then checked against it). ``declared``
+    gives the contiguity as nvFuser states it, in the allocation order."""
 
     contiguity: tuple[bool | None, ...]
     stride_order: tuple[int, ...] | None = None
@@ -298,25 +301,16 @@ class Layout:
     def constrains(self) -> bool:
         return any(c is True for c in self.contiguity) or self.stride_order is not None
 
+    @property
+    def declared(self) -> tuple[bool | None, ...]:
+        """The contiguity in the allocation order (outermost first), as define_tensor takes it."""
+        order = self.stride_order
+        n = len(self.contiguity)
+        return self.contiguity if order is None else tuple(self.contiguity[order.index(n - 1 - j)] for j in range(n))
+
 
 def _layout(shape: tuple[int, ...], contiguity, stride_order) -> Layout:
     n = len(shape)
-    if contiguity is None:
-        contig = tuple(None if e == 1 else False for e in shape)
-    elif isinstance(contiguity, bool):
-        contig = tuple(None if e == 1 else contiguity for e in shape)  # nvFuser: size-1 dims are broadcasts
-    elif isinstance(contiguity, Sequence) and not isinstance(contiguity, str):
-        contig = tuple(contiguity)
-        if len(contig) != n or not all(c is None or isinstance(c, bool) for c in contig):
-            raise DefinitionError(f"define_tensor: contiguity {list(contig)} must hold one True, False or None "
-                                  f"per dim of shape {list(shape)} ({n} dims)")
-        bad = [d for d, (c, e) in enumerate(zip(contig, shape)) if c is not None and e == 1]
-        if bad:
-            raise DefinitionError(f"define_tensor: dim {bad[0]} of shape {list(shape)} has extent 1, a broadcast "
-                                  f"dim in nvFuser; its contiguity must be None, got {contig[bad[0]]}")
-    else:
-        raise DefinitionError(f"define_tensor: contiguity must be None, a bool or a list of True/False/None, "
-                              f"got {contiguity!r}")
     order = None
     if stride_order is not None and len(stride_order) > 0:
         order = tuple(stride_order)
@@ -324,6 +318,24 @@ def _layout(shape: tuple[int, ...], contiguity, stride_order) -> Layout:
                 sorted(order) != list(range(n)):
             raise DefinitionError(f"define_tensor: stride_order {list(order)} must be a permutation of "
                                   f"0..{n - 1} (dim i has the stride_order[i]-th smallest stride)")
+    if contiguity is None:
+        contig = tuple(None if e == 1 else False for e in shape)
+    elif isinstance(contiguity, bool):
+        contig = tuple(None if e == 1 else contiguity for e in shape)  # nvFuser: size-1 dims are broadcasts
+    elif isinstance(contiguity, Sequence) and not isinstance(contiguity, str):
+        given = tuple(contiguity)
+        if len(given) != n or not all(c is None or isinstance(c, bool) for c in given):
+            raise DefinitionError(f"define_tensor: contiguity {list(given)} must hold one True, False or None "
+                                  f"per dim of shape {list(shape)} ({n} dims)")
+        # As nvFuser's: in the allocation order (outermost first) where a stride_order is given.
+        contig = given if order is None else tuple(given[n - 1 - order[d]] for d in range(n))
+        bad = [d for d, (c, e) in enumerate(zip(contig, shape)) if c is not None and e == 1]
+        if bad:
+            raise DefinitionError(f"define_tensor: dim {bad[0]} of shape {list(shape)} has extent 1, a broadcast "
+                                  f"dim in nvFuser; its contiguity must be None, got {contig[bad[0]]}")
+    else:
+        raise DefinitionError(f"define_tensor: contiguity must be None, a bool or a list of True/False/None, "
+                              f"got {contiguity!r}")
     return Layout(contig, order)
 
 

@@ -301,6 +301,8 @@ class Recorder:
 
     def dims(self, x, dims, what: str = "dims") -> tuple[int, ...]:
         """``dims`` (an int or a sequence) normalized to sorted, non-negative, distinct dims of ``x``."""
+        if not isinstance(dims, (int, list, tuple)):
+            _fail(self.kind, f"{what} must be an int or a list of ints, got {dims!r}")
         dims = (dims,) if isinstance(dims, int) else tuple(dims)
         n = x.ndim
         for d in dims:
@@ -311,24 +313,39 @@ class Recorder:
             _fail(self.kind, f"{what} {list(dims)} repeat a dim of T{x.name}")
         return out
 
+    def dim(self, x, dim, what: str = "dim") -> int:
+        """``dim``, one int, as a non-negative dim of ``x``."""
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            _fail(self.kind, f"{what} must be an int, got {dim!r}")
+        return self.dims(x, dim, what)[0]
+
     def dtype(self, dtype, what: str = "dtype") -> DataType:
         if not isinstance(dtype, DataType):
             _fail(self.kind, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}")
         return dtype
 
 
+def _sequence(values) -> tuple | None:
+    """``values`` as a tuple, ``define_scalar`` constants as their values; None if it is no list or tuple."""
+    if not isinstance(values, (list, tuple)):
+        return None
+    return tuple(v.value if isinstance(v, Const) else v for v in values)
+
+
 def _int_list(op: str, values, what: str) -> tuple[int, ...]:
-    if isinstance(values, int) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    out = _sequence(values)
+    if out is None or not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
         _fail(op, f"{what} must be a list of ints, got {values!r}")
-    return tuple(values)
+    return out
 
 
 def _extents(op: str, values, what: str) -> tuple:
     """Ints and symbolic ``fd.ops.size`` scalars (``SymbolicSize``), as a tuple."""
-    if isinstance(values, int) or not all(isinstance(v, SymbolicSize) or (isinstance(v, int) and
-                                                                          not isinstance(v, bool)) for v in values):
+    out = _sequence(values)
+    if out is None or not all(isinstance(v, SymbolicSize) or (isinstance(v, int) and not isinstance(v, bool))
+                              for v in out):
         _fail(op, f"{what} must be a list of ints or fd.ops.size scalars, got {values!r}")
-    return tuple(values)
+    return out
 
 
 def _known(values) -> tuple[int, ...]:
@@ -635,32 +652,51 @@ def _reduction(rec, x, dims, keepdim, **attrs):
     return rec(x, dims=dims, keepdim=bool(keepdim), **attrs)
 
 
-def _sum_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
-    """``torch.sum(x, dims, keepdim, dtype)``; ``dims`` an int, a list, or None (every dim). A sum over a
-    sharded dim leaves a partial result."""
-    return _reduction(rec, x, dims, keepdim, dtype=None if dtype is None else rec.dtype(dtype))
+def _nvfuser_overloads(rec, dims, dim, dtype):
+    """nvFuser's reduction overloads: ``(x, dtype)`` reduces every dim, ``dim=`` spells ``dims``."""
+    if isinstance(dims, DataType):
+        if dtype is not None:
+            _fail(rec.kind, f"dtype given twice ({dims!r} and {dtype!r})")
+        dims, dtype = None, dims
+    if dim is not None:
+        if dims is not None:
+            _fail(rec.kind, "give dims or dim, not both")
+        dims = dim
+    return dims, dtype
 
 
-def _mean_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
-    """``torch.mean(x, dims, keepdim, dtype)``; ``dims`` an int, a list, or None (every dim)."""
-    return _sum_front(rec, x, dims, keepdim, dtype)
+def _sum_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None, *, dim=None):
+    """``torch.sum(x, dims, keepdim, dtype)``; ``dims`` (or ``dim``) an int, a list, or None (every dim);
+    ``sum(x, dtype)`` as in nvFuser. A sum over a sharded dim leaves a partial result."""
+    dims, dtype = _nvfuser_overloads(rec, dims, dim, dtype)
+    return _reduction(rec, x, dims, keepdim, dtype=None if dtype in (None, DataType.Null) else rec.dtype(dtype))
 
 
-def _prod_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
-    """The product over ``dims`` (an int, a list, or None: every dim), as ``torch.prod`` one dim after
-    another; ``dtype`` as torch's."""
-    return _sum_front(rec, x, dims, keepdim, dtype)
+def _mean_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None, *, dim=None):
+    """``torch.mean(x, dims, keepdim, dtype)``; ``dims`` (or ``dim``) an int, a list, or None (every dim)."""
+    return _sum_front(rec, x, dims, keepdim, dtype, dim=dim)
+
+
+def _prod_front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None, *, dim=None):
+    """The product over ``dims`` (or ``dim``: an int, a list, or None: every dim), as ``torch.prod`` one
+    dim after another; ``dtype`` as torch's; ``prod(x, dtype)`` as in nvFuser."""
+    return _sum_front(rec, x, dims, keepdim, dtype, dim=dim)
 
 
 def _extremum_front(torch_name: str):
-    def front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None):
+    def front(rec, x, dims=None, keepdim: bool = False, dtype: DataType | None = None, *, dim=None):
         x = rec.tv(x, "x")
+        dims, dtype = _nvfuser_overloads(rec, dims, dim, dtype)
         if dtype not in (None, DataType.Null, x.dtype):
             _fail(rec.kind, f"the result has the dtype of T{x.name} {x._ir.type_str()}; dtype {dtype!r} "
                             "cannot change it (cast before or after)")
+        empty = [d for d in _reduced_dims(rec, x, dims) if x.shape[d] == 0]
+        if empty:
+            _fail(rec.kind, f"dim {empty[0]} of T{x.name} {x._ir.type_str()} has extent 0: torch has no "
+                            f"{torch_name} of no elements")
         return _reduction(rec, x, dims, keepdim)
-    front.__doc__ = (f"``torch.{torch_name}(x, dims, keepdim)``; ``dims`` an int, a list, or None (every dim). "
-                     "``dtype`` is accepted for nvFuser's signature and must be None or x's dtype.")
+    front.__doc__ = (f"``torch.{torch_name}(x, dims, keepdim)``; ``dims`` (or ``dim``) an int, a list, or None (every "
+                     "dim). ``dtype`` is accepted for nvFuser's signature and must be None or x's dtype.")
     return front
 
 
@@ -707,8 +743,7 @@ def _scan(fn: Callable, combine: Callable) -> Callable:
 def _scan_front(torch_name: str):
     def front(rec, x, dim: int, init=None):
         x = rec.tv(x, "x")
-        (d,) = rec.dims(x, dim, "dim")
-        return rec(x, dim=d, init=None if init is None else _number(rec.kind, init, "init"))
+        return rec(x, dim=rec.dim(x, dim), init=None if init is None else _number(rec.kind, init, "init"))
     front.__doc__ = (f"``torch.{torch_name}(x, dim)``, nvFuser's scan: element i along ``dim`` combines elements "
                      "0..i; ``init`` (a number) is combined into every element. A sharded ``dim`` is gathered first.")
     return front
@@ -1194,7 +1229,7 @@ def _expand_front(rec, x, shape):
     if lead < 0 or any(e == -1 for e in shape[:lead]):
         _fail("expand", f"shape {list(shape)} must have at least the {x.ndim} dims of T{x.name} {x._ir.type_str()}, "
                         "and a new leading dim needs an extent (not -1)")
-    return _broadcast_in_dim_front(Recorder(rec._fd, "broadcast_in_dim"), x, shape, range(lead, len(shape)))
+    return _broadcast_in_dim_front(Recorder(rec._fd, "broadcast_in_dim"), x, shape, tuple(range(lead, len(shape))))
 
 
 SPELLINGS["expand"] = _expand_front
@@ -1212,7 +1247,7 @@ def _pad_infer(args, attrs):
         shape[d] = -1 if shape[d] < 0 else shape[d] + pad[2 * i] + pad[2 * i + 1]
         if shape[d] < -1 or (shape[d] == -1 and x.shape[d] >= 0):
             _bad(f"pad widths {list(pad)} crop dim {d} of {x} below extent 0")
-    return [TensorType(tuple(shape), _torch_dtype(_pad, args, attrs)[0])]
+    return [TensorType(tuple(shape), x.dtype)]
 
 
 def _padded_dims(op, shape) -> tuple[int, ...]:
@@ -1273,8 +1308,7 @@ def _index_select_front(rec, x, index, dim: int):
     _integer_indices("index_select", index, "index")
     if index.ndim != 1:
         _fail("index_select", f"index T{index.name} {index._ir.type_str()} must be 1-D")
-    (d,) = rec.dims(x, dim, "dim")
-    return rec(x, index, dim=d)
+    return rec(x, index, dim=rec.dim(x, dim))
 
 
 register("index_select", impl=lambda x, index, dim: torch.index_select(x, dim, index), infer=_index_select_infer,
@@ -1285,7 +1319,7 @@ def _select_front(rec, x, index, dim: int):
     """nvFuser's ``select(x, index, dim)``, torch's ``x.select(dim, index)``: the slice at ``index`` (a
     number or define_scalar; negative counts from the end) of ``dim``, which the result drops."""
     x = rec.tv(x, "x")
-    (d,) = rec.dims(x, dim, "dim")
+    d = rec.dim(x, dim)
     i = _number("select", index, "index", (int,))
     n = x.shape[d]
     if n >= 0 and not -n <= i < n:
@@ -1318,7 +1352,11 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
     def number(value, what, kind=(int, float)):
         return None if value is None else _number("embedding_fwd", value, what, kind)
     max_norm, norm_type = number(max_norm, "max_norm"), number(norm_type, "norm_type")
-    return rec(idx, w, padding_idx=number(padding_idx, "padding_idx", (int,)),
+    pad, v = number(padding_idx, "padding_idx", (int,)), w.shape[0]
+    if pad is not None and v >= 0 and not -v <= pad < v:
+        _fail("embedding_fwd", f"padding_idx {pad} is out of range for weight T{w.name} {w._ir.type_str()} "
+                               f"({v} embeddings)")
+    return rec(idx, w, padding_idx=pad,
                max_norm=None if max_norm is None else float(max_norm),
                norm_type=2.0 if norm_type is None else float(norm_type))
 
@@ -1486,7 +1524,7 @@ def _softmax(x, dim):
 def _softmax_front(rec, x, dim: int):
     """``torch.softmax(x, dim)``."""
     x = rec.tv(x, "x")
-    return rec(x, dim=rec.dims(x, dim, "dim")[0])
+    return rec(x, dim=rec.dim(x, dim))
 
 
 register("softmax", impl=_softmax,
@@ -1532,6 +1570,8 @@ def _iota_front(rec, length, start=None, step=None, dtype: DataType = DataType.I
         _fail("iota", f"length {n} must be >= 0")
     start = 0 if start is None else _number("iota", start, "start")
     step = 1 if step is None else _number("iota", step, "step")
+    if not rec.dtype(dtype).is_floating and not (float(start).is_integer() and float(step).is_integer()):
+        _fail("iota", f"start {start} and step {step} must be whole numbers for dtype {dtype!r}")
     return rec(length=n, start=start, step=step, dtype=rec.dtype(dtype))
 
 
@@ -1573,7 +1613,8 @@ def _number(op: str, value, what: str, kind=(int, float)):
     """A Python number from a number or a ``define_scalar``; a TensorView or anything else is refused."""
     value = value.value if isinstance(value, Const) else value
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kind):
-        _fail(op, f"{what} must be a Python number or a define_scalar, got {value!r}")
+        _fail(op, f"{what} must be {'an int' if kind == (int,) else 'a Python number'} or a define_scalar, "
+                  f"got {value!r}")
     return value
 
 

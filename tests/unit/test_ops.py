@@ -878,3 +878,43 @@ def test_iota_normal_randn_like_and_segment_set():
     _check(again[2], n)  # a seeded draw is a function of its seed and offset alone
     _check(s, x)
     assert s.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("widths", [[-2, 0], [0, 0, -2, 1], [-1, -1, -1, -1], [-12, 0], [-6, -6]])
+def test_pad_crops_with_negative_widths(widths):
+    x = _rand(51, 12, 12)
+    _, (out,) = _run(lambda fd, t: fd.ops.pad(t, widths), [x])
+    _check(out, F.pad(x, widths))
+
+
+def test_nvfusers_reduction_overloads_and_scalar_constants_in_lists():
+    x = _rand(52, 3, 4)
+    _, (s, p, m, r, f) = _run(lambda fd, t: (
+        fd.ops.sum(t, dim=-1), fd.ops.prod(t, DataType.Double), fd.ops.max(t, dim=0, keepdim=True),
+        fd.ops.reshape(t, [fd.define_scalar(2, dtype=DataType.Int), fd.define_scalar(6, dtype=DataType.Int)]),
+        fd.ops.full([fd.define_scalar(2, dtype=DataType.Int)], 1.5, DataType.Float)), [x])
+    _check(s, x.sum(-1))
+    _check(p, x.prod(0, dtype=torch.float64).prod(0))
+    _check(m, x.amax(0, keepdim=True))
+    _check(r, x.reshape(2, 6))
+    _check(f, torch.full([2], 1.5))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda fd, t, i: fd.ops.cumsum(t, [0, 1]), "cumsum: dim must be an int, got \\[0, 1\\]"),
+    (lambda fd, t, i: fd.ops.cumprod(t, None), "cumprod: dim must be an int, got None"),
+    (lambda fd, t, i: fd.ops.pad(t, None), "pad: pad_widths must be a list of ints, got None"),
+    (lambda fd, t, i: fd.ops.expand(t, None), "expand: shape must be a list"),
+    (lambda fd, t, i: fd.ops.index_select(t, i, None), "index_select: dim must be an int"),
+    (lambda fd, t, i: fd.ops.normal(0.0, 1.0, None), "normal: shape must be a list of ints"),
+    (lambda fd, t, i: fd.ops.triu(t, 1.5), "triu: diagonal must be an int or a define_scalar, got 1.5"),
+    (lambda fd, t, i: fd.ops.sum(t, [0], dim=1), "sum: give dims or dim, not both"),
+    (lambda fd, t, i: fd.ops.iota(5, 1, 0.5, DataType.Int32), "iota: start 1 and step 0.5 must be whole numbers"),
+    (lambda fd, t, i: fd.ops.max(fd.define_tensor([3, 0]), [1]), "max: dim 1 of T2 f32.3, 0. has extent 0"),
+    (lambda fd, t, i: fd.ops.embedding_fwd(i, t, padding_idx=3), "padding_idx 3 is out of range for weight T0"),
+])
+def test_bad_arguments_of_nvfusers_ops_are_definition_errors(call, match):
+    with FusionDefinition() as fd:
+        t, i = fd.define_tensor([3, 4]), fd.define_tensor([2], dtype=DataType.Int)
+        with pytest.raises(DefinitionError, match=match):
+            call(fd, t, i)

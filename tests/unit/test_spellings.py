@@ -74,6 +74,31 @@ def test_stride_order_column_major():
         fd.execute([torch.randn(4, 6)])
 
 
+def test_contiguity_is_in_the_allocation_order_with_a_stride_order():
+    """As nvFuser's (its TensorDomain validates contiguity against the allocation domain): entry j is the
+    j-th dim from the outermost in memory. Layouts from upstream tests (test_issue2532, test_issue4444)."""
+    z = torch.randn(4, 2, 6)[:, :, :3].permute(1, 2, 0)  # shape [2, 3, 4], strides [6, 1, 12]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1, -1], contiguity=[True, False, True], stride_order=[1, 0, 2])
+        fd.add_output(fd.ops.neg(x))
+    assert x.contiguity == (True, False, True)  # as declared
+    torch.testing.assert_close(fd.execute([z])[0], -z)
+    e = torch.randn(5, 1, 3).expand(5, 16, 3)  # strides [3, 0, 1]: dim 1 expanded
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 16, 3], contiguity=[None, True, True], stride_order=[1, 2, 0])
+        fd.add_output(fd.ops.neg(x))
+    torch.testing.assert_close(fd.execute([e])[0], -e)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([1, -1, 1, 1], contiguity=[True, None, None, None], stride_order=[0, 3, 2, 1])
+        fd.add_output(fd.ops.neg(x))  # dim 1 (the outermost) is the contiguous one
+    with pytest.raises(InputError, match=r"contiguity \[True, True, True\], stride_order \[1, 0, 2\]\): dim 2 must "
+                                         "have a larger stride than dim 0"):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor([2, 3, 4], contiguity=[True, True, True], stride_order=[1, 0, 2])
+            fd.add_output(fd.ops.neg(x))
+        fd.execute([torch.randn(2, 3, 4)])
+
+
 @pytest.mark.parametrize("contiguity", [None, False, True])
 def test_a_declared_row_major_stride_order_is_checked(contiguity):
     fd = _add_fusion(contiguity=contiguity, stride_order=[1, 0])  # dim 1 has the smallest stride
