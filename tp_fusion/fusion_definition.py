@@ -86,8 +86,16 @@ class TensorView:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The GLOBAL shape (-1: a symbolic extent)."""
-        return self._ir.shape
+        """The GLOBAL shape (-1: a symbolic extent); ``tv.shape()`` as nvFuser spells it works too."""
+        return _Shape(self._ir.shape)
+
+    def size(self, dim: int):
+        """The GLOBAL extent of ``dim``, as ``fd.ops.size(tv, dim)``: an int, or a ``SymbolicSize``."""
+        return self._fd.ops.size(self, dim)
+
+    def is_tensor(self) -> bool:
+        """True (nvFuser's Val method; scalars here are Python numbers or ``define_scalar`` constants)."""
+        return True
 
     @property
     def dtype(self) -> DataType:
@@ -309,6 +317,36 @@ class Layout:
         return self.contiguity if order is None else tuple(self.contiguity[order.index(n - 1 - j)] for j in range(n))
 
 
+class _Shape(tuple):
+    """A TensorView's shape: a tuple, and called (nvFuser's ``tv.shape()``), the same tuple."""
+
+    def __call__(self) -> tuple[int, ...]:
+        return tuple(self)
+
+
+def _descriptor(sizes: Sequence[int], strides: Sequence[int], static_sizes: bool):
+    """nvFuser's ``define_tensor(sizes=, strides=)``: (shape, contiguity in the allocation order, stride
+    order or None for row-major) of a tensor laid out so. Extents are symbolic (-1) unless ``static_sizes``,
+    except 1 (a broadcast dim); a dim of extent 1 or stride 0 has no contiguity."""
+    sizes, strides = tuple(sizes), tuple(strides)
+    n = len(sizes)
+    if len(strides) != n:
+        raise DefinitionError(f"define_tensor: sizes {list(sizes)} and strides {list(strides)} differ in length")
+    outer_first = sorted(range(n), key=lambda d: (-strides[d], d))
+    order = [0] * n
+    for j, d in enumerate(outer_first):
+        order[d] = n - 1 - j
+    contiguity, want = [None] * n, 1
+    for j in reversed(range(n)):  # fastest first
+        d = outer_first[j]
+        if sizes[d] == 1 or strides[d] == 0:
+            continue
+        contiguity[j] = strides[d] == want
+        want = strides[d] * sizes[d]
+    shape = tuple(e if static_sizes or e == 1 else -1 for e in sizes)
+    return shape, contiguity, None if order == list(range(n - 1, -1, -1)) else order
+
+
 def _layout(shape: tuple[int, ...], contiguity, stride_order) -> Layout:
     n = len(shape)
     order = None
@@ -432,8 +470,10 @@ class FusionDefinition:
         self._changed()
         return TensorView(self, name)
 
-    def define_tensor(self, shape: Sequence[int], contiguity=None, dtype: DataType = DataType.Float,
-                      is_cpu: bool = False, stride_order: Sequence[int] | None = None) -> TensorView:
+    def define_tensor(self, shape: Sequence[int] | None = None, contiguity=None, dtype: DataType = DataType.Float,
+                      is_cpu: bool = False, stride_order: Sequence[int] | None = None, *,
+                      sizes: Sequence[int] | None = None, strides: Sequence[int] | None = None,
+                      static_sizes: bool = False) -> TensorView:
         """An input of GLOBAL shape ``shape`` (-1: a symbolic extent), with nvFuser's arguments:
 
         - ``contiguity``: None (no promise: any strides), a bool for every dim, or one entry per dim.
@@ -444,7 +484,17 @@ class FusionDefinition:
         - ``is_cpu``: accepted for nvFuser's CPU scalar tensors; tp_fusion runs an input where it lies.
 
         ``execute`` checks each rank's local shard against the layout (an InputError names the dim).
+        nvFuser's other form, ``define_tensor(sizes=, strides=, dtype=, static_sizes=)``, declares the
+        layout of a tensor with these sizes and strides; its extents are symbolic (-1, but 1 stays 1)
+        unless ``static_sizes``, where ``sizes`` is the GLOBAL shape.
         """
+        if sizes is not None:
+            if shape is not None or contiguity is not None or stride_order is not None or strides is None:
+                raise DefinitionError("define_tensor: give sizes with strides (and no shape, contiguity or "
+                                      "stride_order), or shape")
+            shape, contiguity, stride_order = _descriptor(sizes, strides, static_sizes)
+        if shape is None:
+            raise DefinitionError("define_tensor: missing its shape")
         shape = tuple(shape)
         if not all(isinstance(e, int) and not isinstance(e, bool) and (e >= 0 or e == -1) for e in shape):
             raise DefinitionError(f"define_tensor: shape {list(shape)} must hold extents >= 0 or -1 (symbolic)")
@@ -461,6 +511,15 @@ class FusionDefinition:
         self._layouts[tv.name] = layout
         tv._update(stride_order=_fixed_order(layout.stride_order, len(shape)))
         return tv
+
+    def from_pytorch(self, tensor: torch.Tensor, static_sizes: bool = False) -> TensorView:
+        """nvFuser's ``from_pytorch``: an input with ``tensor``'s dtype and layout, its extents symbolic
+        unless ``static_sizes`` (then ``tensor``'s shape is the GLOBAL shape: pass the full tensor's, or
+        leave the extents symbolic for a shard)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise DefinitionError(f"from_pytorch: expected a torch.Tensor, got {type(tensor).__name__}")
+        return self.define_tensor(sizes=tensor.shape, strides=tensor.stride(), dtype=DataType.from_torch(tensor.dtype),
+                                  static_sizes=static_sizes, is_cpu=tensor.device.type == "cpu")
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
         """A constant operand ``value`` (a Python number), converted to ``dtype`` when given."""

@@ -422,3 +422,23 @@ def test_allocation_domain_of_an_input_is_checked():
         fd.execute([t.contiguous()])
     with pytest.raises(InputError, match="dim 0 is declared contiguous, so its stride must be 1, got 2"):
         fd.execute([torch.randn(6, 8).t()[::2]])
+
+
+def test_from_pytorch_declares_the_tensors_layout():
+    """nvFuser's fd.from_pytorch / define_tensor(sizes=, strides=): dtype and layout from a tensor, extents
+    symbolic unless static_sizes (1 stays 1); tv.shape(), tv.size(i) and tv.is_tensor() as nvFuser spells them."""
+    z = torch.randn(4, 2, 6)[:, :, :3].permute(1, 2, 0)  # strides [6, 1, 12]
+    e = torch.randn(5, 1, 3, dtype=torch.float64).expand(5, 16, 3)  # an expanded dim
+    c = torch.randn(3, 1, 4)
+    with FusionDefinition() as fd:
+        a, b, d = fd.from_pytorch(z), fd.from_pytorch(e), fd.from_pytorch(c, static_sizes=True)
+        for t in (a, b, d):
+            fd.add_output(fd.ops.neg(t))
+    assert a.shape() == (-1, -1, -1) and a.contiguity == (True, False, True) and a.stride_order == (1, 0, 2)
+    assert b.dtype is DataType.Double and b.contiguity == (True, True, None)
+    assert d.shape == (3, 1, 4) and d.contiguity == (True, None, True) and d.stride_order is None
+    assert isinstance(a.size(0), SymbolicSize) and d.size(2) == 4 and a.is_tensor()
+    for got, want in zip(fd.execute([z, e, c]), (-z, -e, -c)):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(InputError, match="dim 2 must have a larger stride than dim 0"):
+        fd.execute([z.contiguous(), e, c])  # row-major: not the declared layout
