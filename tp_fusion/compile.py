@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from tp_fusion.ir import Fusion, Tensor, resolve_sizes
 from tp_fusion.ops import TensorType, opdef, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
+
+if TYPE_CHECKING:
+    from tp_fusion.fusion_definition import Layout  # (it imports this module)
 
 
 def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tuple[int, ...]]:
@@ -56,7 +60,7 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
                     f"expected local shape {list(local_expected)}")
         layout = layouts.get(name)
         if layout is not None and layout.constrains:
-            check_layout(f"T{name}", x, layout.contiguity, layout.stride_order)
+            check_layout(f"T{name}", x, layout)
         shapes.append(t.sharding.global_shape(tuple(x.shape)) if t.sharding else tuple(x.shape))
     if len(devices) > 1:
         raise InputError(f"execute: inputs are on several devices {sorted(map(str, devices))}; use one")
@@ -86,20 +90,17 @@ def check_unheld(name: int, t: Tensor, x, rank: int) -> None:
                          f"shard_tensor gives), got {got}")
 
 
-def check_layout(what: str, x: torch.Tensor, contiguity: Sequence[bool | None],
-                 stride_order: Sequence[int] | None) -> None:
-    """Raise InputError if ``x``'s strides contradict a declared layout (nvFuser's meanings, see
+def check_layout(what: str, x: torch.Tensor, layout: Layout) -> None:
+    """Raise InputError if ``x``'s strides contradict its declared ``Layout`` (nvFuser's meanings, see
     ``FusionDefinition.define_tensor``). Dims of extent 1 and broadcast (None) dims are free; so is
     a tensor without elements."""
     n = x.dim()
     if x.numel() == 0 or n == 0:
         return
+    contiguity, stride_order = layout.contiguity, layout.stride_order
     order = tuple(stride_order) if stride_order is not None else tuple(range(n - 1, -1, -1))
     sizes, strides = tuple(x.shape), x.stride()
-    from tp_fusion.fusion_definition import Layout  # (imports this module)
-
-    declared = Layout(tuple(contiguity), tuple(stride_order) if stride_order else None).declared
-    layout = f"contiguity {list(declared)}" + (f", stride_order {list(stride_order)}" if stride_order else "")
+    declared = f"contiguity {list(layout.declared)}" + (f", stride_order {list(stride_order)}" if stride_order else "")
     fix = ("pass a tensor with this layout (e.g. .contiguous()" + (", or .permute(...).contiguous().permute(...)"
            if stride_order else "") + ") or declare the layout it has")
     # the dims that have strides, fastest first
@@ -109,13 +110,13 @@ def check_layout(what: str, x: torch.Tensor, contiguity: Sequence[bool | None],
         if strides[slower] < strides[faster]:
             raise InputError(
                 f"execute: input {what} (shape {list(sizes)}, strides {list(strides)}) does not match its declared "
-                f"layout ({layout}): dim {slower} must have a larger stride than dim {faster}; {fix}")
+                f"layout ({declared}): dim {slower} must have a larger stride than dim {faster}; {fix}")
     want = 1
     for d in fast_first:
         if contiguity[d] is True and strides[d] != want:
             raise InputError(
                 f"execute: input {what} (shape {list(sizes)}, strides {list(strides)}) does not match its declared "
-                f"layout ({layout}): dim {d} is declared contiguous, so its stride must be {want}, got "
+                f"layout ({declared}): dim {d} is declared contiguous, so its stride must be {want}, got "
                 f"{strides[d]}; {fix}")
         want = strides[d] * sizes[d]
 

@@ -86,6 +86,7 @@ class Executor:
         self.serial = serial  # which of this rank's fusions it is (creation order, the same on every rank)
         self._sharded = fusion.has_meshes
         self._text = str(fusion)
+        self._identity = _fingerprint(serial, self._text)  # which fusion this is, alike on every rank
         self._cache: dict[tuple, tuple[Program, Runner, int, str]] = {}
         self._views: dict[tuple[int, int], _InputView] = {}
 
@@ -111,8 +112,7 @@ class Executor:
         if multi and view.exchanged:
             # The exchange is a collective that only such fusions run: first make sure that every rank
             # executes this fusion, so that a peer executing another one is told so instead of waiting.
-            which = _fingerprint(self.serial, self._text)
-            _agree(None, which, (which, "before exchanging its symbolic extents"))
+            _agree(None, self._identity, (self._identity, "before exchanging its symbolic extents"))
             extents = _exchange_extents(self.fusion, inputs, view)
         sig = (_signature(inputs, view), extents)
         cached = self._cache.get(sig)
@@ -182,8 +182,8 @@ class Executor:
         _check_backend(self.fusion, inputs)
         program = compile_program(self.fusion, shapes, rank, device)
         described = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
-        detail = (_fingerprint(self.serial, self._text), described)  # which fusion, and its input shapes
-        return program, _fingerprint(self.serial, self._text, tuple(map(tuple, shapes))), detail
+        detail = (self._identity, described)  # which fusion, and its input shapes
+        return program, _fingerprint(self._identity, tuple(map(tuple, shapes))), detail
 
 
 def _exchange_extents(fusion: Fusion, inputs: list, view: _InputView) -> tuple[tuple[int, ...], ...]:
@@ -221,7 +221,7 @@ def _unkeyed_refusals(fusion: Fusion, inputs: list, view: _InputView, rank: int)
         name, x = fusion.inputs[i], inputs[i]
         try:
             if view.held[i]:
-                check_layout(f"T{name}", x, layouts[name].contiguity, layouts[name].stride_order)
+                check_layout(f"T{name}", x, layouts[name])
             else:
                 check_unheld(name, fusion.tensor(name), x, rank)
         except TPFusionError as e:

@@ -312,9 +312,12 @@ class Layout:
     @property
     def declared(self) -> tuple[bool | None, ...]:
         """The contiguity in the allocation order (outermost first), as define_tensor takes it."""
-        order = self.stride_order
-        n = len(self.contiguity)
-        return self.contiguity if order is None else tuple(self.contiguity[order.index(n - 1 - j)] for j in range(n))
+        return tuple(self.contiguity[d] for d in _outermost_first(self.stride_order, len(self.contiguity)))
+
+
+def _outermost_first(stride_order: Sequence[int] | None, n: int) -> list[int]:
+    """The dims in the allocation order (outermost first) of a stride order (None: row-major)."""
+    return list(range(n)) if stride_order is None else sorted(range(n), key=lambda d: -stride_order[d])
 
 
 class _Shape(tuple):
@@ -366,7 +369,10 @@ def _layout(shape: tuple[int, ...], contiguity, stride_order) -> Layout:
             raise DefinitionError(f"define_tensor: contiguity {list(given)} must hold one True, False or None "
                                   f"per dim of shape {list(shape)} ({n} dims)")
         # As nvFuser's: in the allocation order (outermost first) where a stride_order is given.
-        contig = given if order is None else tuple(given[n - 1 - order[d]] for d in range(n))
+        contig = [None] * n
+        for d, c in zip(_outermost_first(order, n), given):
+            contig[d] = c
+        contig = tuple(contig)
         bad = [d for d, (c, e) in enumerate(zip(contig, shape)) if c is not None and e == 1]
         if bad:
             raise DefinitionError(f"define_tensor: dim {bad[0]} of shape {list(shape)} has extent 1, a broadcast "

@@ -1603,10 +1603,21 @@ def _generator(seed: int, offset: int, device) -> torch.Generator:
     return g
 
 
-def _uniform(minval, maxval, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
+def _draw(sample: Callable, shape, dtype, rng_seed, rng_offset, device) -> torch.Tensor:
+    """``sample(shape)`` (torch.rand or torch.randn) from the generator of (rng_seed, rng_offset), or of a
+    fresh seed when unseeded."""
     seed, offset = (take_seed(), 0) if rng_seed is None else (rng_seed, rng_offset)
-    x = torch.rand(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
+    return sample(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
+
+
+def _uniform(minval, maxval, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
+    x = _draw(torch.rand, shape, dtype, rng_seed, rng_offset, device)
     return x if (minval, maxval) == (0, 1) else x * (maxval - minval) + minval
+
+
+def _normal(mean, std, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
+    x = _draw(torch.randn, shape, dtype, rng_seed, rng_offset, device)
+    return x if (mean, std) == (0, 1) else x * std + mean
 
 
 def _number(op: str, value, what: str, kind=(int, float)):
@@ -1618,15 +1629,21 @@ def _number(op: str, value, what: str, kind=(int, float)):
     return value
 
 
-def _rng_attrs(op: str, rng_seed, rng_offset) -> dict:
+def _draw_attrs(op: str, shape, dtype, rng_seed, rng_offset) -> dict:
+    """A random factory's checked shape (concrete), dtype (floating) and seed and offset (both or neither)."""
+    shape = _int_list(op, shape, "shape")
+    if any(e < 0 for e in shape):
+        _fail(op, f"shape {list(shape)} must be concrete")
+    if not isinstance(dtype, DataType) or not dtype.is_floating:
+        _fail(op, f"dtype must be a floating DataType, got {dtype!r}")
     if (rng_seed is None) != (rng_offset is None):
         _fail(op, "rng_seed and rng_offset must be given together (or neither)")
     if rng_seed is None:
-        return {"rng_seed": None, "rng_offset": None}
+        return {"shape": shape, "dtype": dtype, "rng_seed": None, "rng_offset": None}
     seed, offset = (_number(op, v, what, (int,)) for v, what in ((rng_seed, "rng_seed"), (rng_offset, "rng_offset")))
     if seed < 0 or offset < 0:
         _fail(op, f"rng_seed {seed} and rng_offset {offset} must be >= 0")
-    return {"rng_seed": seed, "rng_offset": offset}
+    return {"shape": shape, "dtype": dtype, "rng_seed": seed, "rng_offset": offset}
 
 
 def _uniform_front(rec, low=None, high=None, shape=None, *, minval=None, maxval=None, rng_seed=None,
@@ -1643,13 +1660,8 @@ def _uniform_front(rec, low=None, high=None, shape=None, *, minval=None, maxval=
                                                                 (high, "high", maxval, "maxval")))
     if shape is None:
         _fail("uniform", "missing its shape")
-    shape = _int_list("uniform", shape, "shape")
-    if any(e < 0 for e in shape):
-        _fail("uniform", f"shape {list(shape)} must be concrete")
-    if not rec.dtype(dtype).is_floating:
-        _fail("uniform", f"dtype must be a floating DataType, got {dtype!r}")
-    low, high = _number("uniform", low, "low"), _number("uniform", high, "high")
-    return rec(shape=shape, dtype=dtype, minval=low, maxval=high, **_rng_attrs("uniform", rng_seed, rng_offset))
+    attrs = _draw_attrs("uniform", shape, dtype, rng_seed, rng_offset)
+    return rec(minval=_number("uniform", low, "low"), maxval=_number("uniform", high, "high"), **attrs)
 
 
 def _either_name(op: str, value, name: str, alias_value, alias: str):
@@ -1659,58 +1671,34 @@ def _either_name(op: str, value, name: str, alias_value, alias: str):
     return alias_value if value is None else value
 
 
-register("uniform", impl=_uniform, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
-         traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-         front=_uniform_front, draws=lambda attrs: True, fresh_seed=_unseeded)
-
-
-def _rand_like_front(rec, x, *, rng_seed=None, rng_offset=None):
-    """Uniform numbers in [0, 1) of ``x``'s shape and dtype (``uniform(0, 1, x.shape, dtype=x.dtype)``;
-    see ``uniform`` for ``rng_seed``/``rng_offset``)."""
-    x = rec.tv(x, "x")
-    if any(e < 0 for e in x.shape):
-        _fail("rand_like", f"T{x.name} {x._ir.type_str()} has a symbolic extent; define it with concrete ones")
-    return _uniform_front(Recorder(rec._fd, "uniform"), 0.0, 1.0, x.shape, rng_seed=rng_seed, rng_offset=rng_offset,
-                          dtype=x.dtype)
-
-
-SPELLINGS["rand_like"] = _rand_like_front
-
-
-def _normal(mean, std, shape, dtype, rng_seed=None, rng_offset=None, device="cpu"):
-    seed, offset = (take_seed(), 0) if rng_seed is None else (rng_seed, rng_offset)
-    x = torch.randn(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
-    return x if (mean, std) == (0, 1) else x * std + mean
-
-
 def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtype: DataType = DataType.Float):
     """nvFuser's ``normal``: a tensor of GLOBAL ``shape`` and floating ``dtype`` drawn from a normal
     distribution of ``mean`` and ``std`` (numbers); seeds and sharding as ``uniform``'s."""
-    shape = _int_list("normal", shape, "shape")
-    if any(e < 0 for e in shape):
-        _fail("normal", f"shape {list(shape)} must be concrete")
-    if not rec.dtype(dtype).is_floating:
-        _fail("normal", f"dtype must be a floating DataType, got {dtype!r}")
-    return rec(mean=_number("normal", mean, "mean"), std=_number("normal", std, "std"), shape=shape, dtype=dtype,
-               **_rng_attrs("normal", rng_seed, rng_offset))
+    attrs = _draw_attrs("normal", shape, dtype, rng_seed, rng_offset)
+    return rec(mean=_number("normal", mean, "mean"), std=_number("normal", std, "std"), **attrs)
 
 
-register("normal", impl=_normal, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
-         traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-         front=_normal_front, draws=lambda attrs: True, fresh_seed=_unseeded)
+for _name, _impl, _front in (("uniform", _uniform, _uniform_front), ("normal", _normal, _normal_front)):
+    register(_name, impl=_impl, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
+             traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
+             front=_front, draws=lambda attrs: True, fresh_seed=_unseeded)
 
 
-def _randn_like_front(rec, x, *, rng_seed=None, rng_offset=None):
-    """Standard normal numbers of ``x``'s shape and dtype (``normal(0, 1, x.shape, dtype=x.dtype)``;
-    see ``uniform`` for ``rng_seed``/``rng_offset``)."""
-    x = rec.tv(x, "x")
-    if any(e < 0 for e in x.shape):
-        _fail("randn_like", f"T{x.name} {x._ir.type_str()} has a symbolic extent; define it with concrete ones")
-    return _normal_front(Recorder(rec._fd, "normal"), 0.0, 1.0, x.shape, rng_seed=rng_seed, rng_offset=rng_offset,
-                         dtype=x.dtype)
+def _like_front(name: str, kind: str, front: Callable, what: str):
+    """``name(x)``: ``kind`` (0, 1, x's shape, dtype=x's dtype) recorded by ``front``."""
+    def like(rec, x, *, rng_seed=None, rng_offset=None):
+        x = rec.tv(x, "x")
+        if any(e < 0 for e in x.shape):
+            _fail(name, f"T{x.name} {x._ir.type_str()} has a symbolic extent; define it with concrete ones")
+        return front(Recorder(rec._fd, kind), 0.0, 1.0, x.shape, rng_seed=rng_seed, rng_offset=rng_offset,
+                     dtype=x.dtype)
+    like.__doc__ = (f"{what} of ``x``'s shape and dtype (``{kind}(0, 1, x.shape, dtype=x.dtype)``; see ``uniform`` "
+                    "for ``rng_seed``/``rng_offset``).")
+    return like
 
 
-SPELLINGS["randn_like"] = _randn_like_front
+SPELLINGS["rand_like"] = _like_front("rand_like", "uniform", _uniform_front, "Uniform numbers in [0, 1)")
+SPELLINGS["randn_like"] = _like_front("randn_like", "normal", _normal_front, "Standard normal numbers")
 
 # --- attention ------------------------------------------------------------------------------------
 #
