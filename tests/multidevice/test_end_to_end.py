@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -640,9 +641,11 @@ def shuffled_mesh(world: int) -> DeviceMesh:
     return DeviceMesh({1: [0], 2: [1, 0], 4: [2, 0, 3, 1]}[world])
 
 
-def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=True) -> dict:
+def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=True,
+              warned: dict[str, list[str]] | None = None) -> dict:
     """Run the cases on this rank; every rank gets {case: None or the failing ranks' tracebacks}.
-    ``device`` is where the local shards live (CUDA with NCCL: tests/gpu/nccl_end_to_end.py)."""
+    ``device`` is where the local shards live (CUDA with NCCL: tests/gpu/nccl_end_to_end.py). With
+    ``warned``, each case's warnings are recorded there ({case: messages}) instead of shown."""
     torch.manual_seed(0)
     mesh1 = DeviceMesh(range(world))
     mesh2 = DeviceMesh(torch.arange(4).reshape(2, 2)) if world == 4 else None
@@ -658,7 +661,12 @@ def run_cases(rank: int, world: int, names_1d, names_2d, device="cpu", special=T
     results = {}
     for name, run in todo:
         try:
-            run()
+            with warnings.catch_warnings(record=warned is not None) as caught:
+                if warned is not None:
+                    warnings.simplefilter("always")
+                run()
+            if caught:
+                warned[name] = [str(w.message) for w in caught]
             err = None
         except Exception:
             err = f"rank {rank}: {traceback.format_exc()}"
