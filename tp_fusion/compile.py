@@ -18,7 +18,7 @@ import torch
 from tp_fusion import loop as loops
 from tp_fusion.errors import DefinitionError, InputError, ShardingError
 from tp_fusion.ir import Fusion, Tensor, resolve_sizes
-from tp_fusion.ops import TensorType, opdef, with_stride_order
+from tp_fusion.ops import opdef, operand_types, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
 
@@ -145,7 +145,7 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
     for op in fusion.ops:
         op = op.replace(attrs=resolve_sizes(op.attrs, lambda name: tensors[name].shape))  # fd.ops.size scalars
         ops.append(op)
-        args = [TensorType(tensors[a].shape, tensors[a].dtype) if isinstance(a, int) else a.value for a in op.inputs]
+        args = operand_types(op, tensors.__getitem__)
         try:
             outs = opdef(op.kind).infer(args, dict(op.attrs))
         except DefinitionError as e:

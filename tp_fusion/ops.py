@@ -86,7 +86,10 @@ class OpDef:
     # the outputs' memory layouts (stride orders, None: row-major) from the operands' (None: row-major
     # or a scalar) and the attributes; None: every output is row-major (nvFuser's allocation domains)
     out_layout: Callable[[list[tuple[int, ...] | None], dict], list[tuple[int, ...] | None]] | None = None
-    draws: Callable[[dict], bool] | None = None  # whether a call with these attributes draws random numbers
+    # whether a CUDA graph cannot capture a call with these operands (dtypes) and attributes (None: it can):
+    # a random draw (a replay would repeat an unseeded one; a seeded one's generator refuses capture), or
+    # a kernel that reads device values on the host
+    uncapturable: Callable[[list, dict], bool] | None = None  # (``operand_types``, attributes)
     # whether a call takes a fresh seed from the unseeded draws' counter (``take_seed``): every rank takes
     # one per call, whether the op runs on it or not, so that every rank's later draws stay alike
     fresh_seed: Callable[[dict], bool] | None = None
@@ -94,9 +97,9 @@ class OpDef:
     def has(self, trait: Trait) -> bool:
         return bool(self.traits & trait)
 
-    def draws_random(self, attrs: dict) -> bool:
-        """Whether a call draws random numbers (which a CUDA graph replay would repeat or refuse)."""
-        return self.draws is not None and self.draws(attrs)
+    def capturable(self, ins: list, attrs: dict) -> bool:
+        """Whether a CUDA graph can capture a call with these operand types and attributes."""
+        return self.uncapturable is None or not self.uncapturable(ins, attrs)
 
 
 def is_tanh_gelu(kind: str, attrs: dict) -> bool:
@@ -106,6 +109,12 @@ def is_tanh_gelu(kind: str, attrs: dict) -> bool:
 
 def traits(kind: str) -> Trait:
     return OPS[kind].traits
+
+
+def operand_types(op, tensor: Callable) -> list:
+    """What ``infer`` and ``uncapturable`` take of ``op``'s operands: a TensorType per tensor (``tensor(name)``
+    gives its IR tensor), a constant's value."""
+    return [TensorType(tensor(a).shape, tensor(a).dtype) if isinstance(a, int) else a.value for a in op.inputs]
 
 
 def is_plain_gemm(op, fusion) -> bool:
@@ -930,8 +939,11 @@ def _grouped_mm_front(rec, mat1, mat2, offsets):
     return rec(mat1, mat2, offsets)
 
 
+# torch's one CUDA kernel of _grouped_mm (bf16) reads the offsets on the GPU; every other path (its fallback,
+# the matmul per group above) reads them on the host, which a CUDA graph capture refuses.
 register("grouped_mm", impl=_grouped_mm, infer=_grouped_mm_infer, traits=Trait.GEMM, rule=rules.grouped_mm,
-         flops=_flops_gemm, follow=(1, 0), front=_grouped_mm_front)
+         flops=_flops_gemm, follow=(1, 0), front=_grouped_mm_front,
+         uncapturable=lambda ins, attrs: ins[0].dtype != DataType.BFloat16)
 
 # --- shape ops ------------------------------------------------------------------------------------
 
@@ -1681,7 +1693,7 @@ def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtyp
 for _name, _impl, _front in (("uniform", _uniform, _uniform_front), ("normal", _normal, _normal_front)):
     register(_name, impl=_impl, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
              traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-             front=_front, draws=lambda attrs: True, fresh_seed=_unseeded)
+             front=_front, uncapturable=lambda ins, attrs: True, fresh_seed=_unseeded)
 
 
 def _like_front(name: str, kind: str, front: Callable, what: str):
@@ -1931,15 +1943,19 @@ def _with_dropout(attrs: dict) -> bool:
     return (attrs.get("dropout_p") or 0) > 0
 
 
+def _draws_dropout(ins, attrs: dict) -> bool:
+    return _with_dropout(attrs)
+
+
 # As nvFuser (and aten's flash kernels): the output takes the query's layout, each gradient its operand's.
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1)), flops=_flops_attention(2, query=0),
          num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
-         draws=_with_dropout, fresh_seed=_with_dropout)
+         uncapturable=_draws_dropout, fresh_seed=_with_dropout)
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
          flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front,
-         out_layout=lambda orders, attrs: orders[1:4], draws=_with_dropout)
+         out_layout=lambda orders, attrs: orders[1:4], uncapturable=_draws_dropout)
 
 
 def _sdpa_front(rec, query, key, value, is_causal: bool = False, scale: float | None = None):

@@ -1,6 +1,7 @@
 """Choices tuning makes without timing them here (the timings run on GPUs: tests/gpu, benchmarks):
 which plans may be captured as a CUDA graph (``tuning._graphable``: a random draw stays eager, since a
-replay would repeat an unseeded draw and a seeded one's generator cannot be captured), and how measured timings
+replay would repeat an unseeded draw and a seeded one's generator cannot be captured, and so does an op that
+reads device values on the host), and how measured timings
 become choices (the GELU leaves the GEMM's epilogue only when clearly faster; a fused segment that lost alone
 is timed fused within the whole plan too)."""
 
@@ -43,6 +44,18 @@ def test_random_draws_are_never_captured(gpu_tuning):
     assert tuning._graphable(_plain())
     assert not tuning._graphable(_dropout_like(seeded=False))  # a replay would repeat the host's seed
     assert not tuning._graphable(_dropout_like(seeded=True))  # its generator is not the graph's
+
+
+@pytest.mark.parametrize("dtype,graphable", [(DataType.BFloat16, True), (DataType.Float, False),
+                                             (DataType.Double, False)])
+def test_grouped_mm_is_captured_only_where_it_reads_its_offsets_on_the_gpu(gpu_tuning, dtype, graphable):
+    """torch's one CUDA kernel of _grouped_mm (bf16) reads the offsets on the GPU; the other dtypes take a
+    path that reads them on the host, which a capture refuses (it used to fail and warn at tuning)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([24, 8], dtype=dtype), fd.define_tensor([4, 8, 16], dtype=dtype)
+        offsets = fd.define_tensor([4], dtype=DataType.Int32)
+        fd.add_output(fd.ops.grouped_mm(x, w, offsets))
+    assert tuning._graphable(fd.compile([[24, 8], [4, 8, 16], [4]], device="cuda")) == graphable
 
 
 def test_graphs_are_on_unless_turned_off(gpu_tuning, monkeypatch):

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tp_fusion.sharding.reshard import Collective
 
-from tp_fusion.ops import opdef
+from tp_fusion.ops import opdef, operand_types
 from tp_fusion.program import FUSED, SEQUENTIAL, FusedGemm, Program, local_shape
 from tp_fusion.runtime import dist, graphs, overlap, symm
 from tp_fusion.runtime.runner import Runner, _epilogue, _fused, _gemm_gelu
@@ -255,13 +255,13 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
 
 
 def _graphable(program: Program) -> bool:
-    """The same answer on every rank: CUDA with NCCL, every mesh spanning the whole world, and no
-    random draw (``OpDef.draws``: an unseeded draw's seed is picked on the host per call, which a replay
-    would repeat, and a seeded one uses its own generator, which a capture refuses)."""
+    """The same answer on every rank: CUDA with NCCL, every mesh spanning the whole world, and every op
+    capturable (``OpDef.uncapturable``: no random draw, no kernel that reads device values on the host)."""
     world = set(range(dist.world_size()))
+    fusion = program.fusion
     return (_measures(program) and graphs.enabled()
-            and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in program.fusion.tensors)
-            and not any(opdef(op.kind).draws_random(dict(op.attrs)) for op in program.fusion.ops))
+            and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in fusion.tensors)
+            and all(opdef(op.kind).capturable(operand_types(op, fusion.tensor), dict(op.attrs)) for op in fusion.ops))
 
 
 def _modes(program: Program) -> list[str | None]:
