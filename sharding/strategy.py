@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp_fusion.sharding.reshard import is_free, step_collective
-from tp_fusion.sharding.rules import Candidate
+from tp_fusion.sharding.rules import Candidate, keeps_indices
 from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, Sharding
 
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.ops import Trait, opdef
+from tp_fusion.ops import opdef
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
-    elementwise = opdef(op.kind).has(Trait.POINTWISE | Trait.REDUCTION | Trait.GEMM | Trait.NORMALIZATION)
+    any_piece = keeps_indices(rule)
     for axis in reversed(range(mesh.ndim)):
         cands = rule(op, fusion, mesh.shape[axis])
-        if elementwise:
+        if any_piece:
             cands = cands + _strided(cands, [h[axis] for h in have if h is not None])
         cands = [c for c in cands if _compatible(c, need_in, need_out, mesh, axis)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
@@ -109,10 +109,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
 
 
 def _strided(cands: list[Candidate], have: list[Placement]) -> list[Candidate]:
-    """For a pointwise op, a reduction, a GEMM or a normalization, each candidate that shards dims as
-    blocks again at the place (``Shard(d, outer)``) an operand's strided shard has: such an op treats
-    every index of a sharded dim alike (maps it to the same index of the output, or sums over it), so
-    any piece of a dim works as the block does. (A reshape does not: it regroups a dim's pieces.)"""
+    """For an op whose rule keeps indices (``rules.keeps_indices``: every op but reshape), each candidate
+    that shards dims as blocks again at the place (``Shard(d, outer)``) an operand's strided shard has:
+    such an op maps each index of a sharded dim to the same index of the output (or sums over it), so any
+    piece of a dim works as the block does. (A reshape does not: it regroups a dim's pieces.)"""
     outers = sorted({p.outer for p in have if isinstance(p, Shard) and p.outer != 1})
 
     def at(p: Placement | None, outer: int) -> Placement | None:

@@ -81,6 +81,60 @@ def test_pointwise_ops_and_reductions_keep_a_strided_shard(multidevice_test):
     torch.testing.assert_close(s_out, want.sum(0))
 
 
+# Ops that map each index of a sharded dim to the same index of their output: x[3d, 4] (rows on an inner
+# piece) -> (the fusion's output, torch's). A strided shard of the rows passes through as a block one does.
+_ROW_KEEPING = {
+    "permute": (lambda fd, x: fd.ops.permute(x, [1, 0]), lambda t: t.T),
+    "slice": (lambda fd, x: fd.ops.slice(x, [0, 1], [x.shape[0], 3]), lambda t: t[:, 1:3]),
+    "cat": (lambda fd, x: fd.ops.cat([x, fd.ops.neg(x)], 1), lambda t: torch.cat([t, -t], 1)),
+    "pad": (lambda fd, x: fd.ops.pad(x, [1, 2], 5.0), lambda t: F.pad(t, [1, 2], value=5.0)),
+    "cumsum": (lambda fd, x: fd.ops.cumsum(x, 1), lambda t: t.cumsum(1)),
+    "select": (lambda fd, x: fd.ops.select(x, fd.define_scalar(2), 1), lambda t: t[:, 2]),
+    "index_select": (lambda fd, x: fd.ops.index_select(x, fd.define_tensor([3], dtype=DataType.Int), 1),
+                     lambda t: t[:, [3, 0, 3]]),
+    "broadcast_in_dim": (lambda fd, x: fd.ops.broadcast_in_dim(x, [2, x.shape[0], 4], [1, 2]),
+                         lambda t: t.expand(2, *t.shape)),
+    "reshape": (lambda fd, x: fd.ops.reshape(x, [x.shape[0] * 4]), lambda t: t.reshape(-1)),
+    "triu": (lambda fd, x: fd.ops.triu(fd.ops.reshape(x, [x.shape[0], 2, 2]), 1),
+             lambda t: torch.triu(t.reshape(-1, 2, 2), 1)),
+}
+
+
+@pytest.mark.parametrize("op", list(_ROW_KEEPING))
+def test_ops_that_keep_indices_keep_a_strided_shard(multidevice_test, op):
+    """Shape, scan and indexing ops run on the rows' strided pieces where they are, as pointwise ops do
+    (they used to gather them first)."""
+    d = multidevice_test.size
+    output, reference = _ROW_KEEPING[op]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3 * d, 4], dtype=DataType.Double)
+        fd.add_output(output(fd, x))
+    x.set_device_mesh(DeviceMesh(range(d)))
+    _inner_rows(x, d)
+    full = rand(15, 3 * d, 4)
+    extra = [torch.tensor([3, 0, 3])] if op == "index_select" else []
+    (got,) = fd.execute([shard_tensor(full, x), *extra])
+    torch.testing.assert_close(got, shard_tensor(reference(full), fd.output_shardings()[0]))
+    assert fd.plan.collectives() == []
+    if d > 1:
+        assert any(getattr(p, "outer", 1) == 3 for p in fd.output_shardings()[0].placements)  # still strided
+
+
+def test_strided_token_ids_through_an_embedding(multidevice_test):
+    """Token ids on an inner piece look up their rows where they are; the vocabulary stays whole."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([3 * d], dtype=DataType.Int)
+        weight = fd.define_tensor([7, 4], dtype=DataType.Double)
+        fd.add_output(fd.ops.embedding_fwd(ids, weight))
+    ids.set_device_mesh(DeviceMesh(range(d)))
+    _inner_rows(ids, d)
+    full_ids, full_w = torch.randint(0, 7, (3 * d,), generator=torch.Generator().manual_seed(16)), rand(17, 7, 4)
+    (got,) = fd.execute([shard_tensor(full_ids, ids), full_w])
+    torch.testing.assert_close(got, shard_tensor(F.embedding(full_ids, full_w), fd.output_shardings()[0]))
+    assert fd.plan.collectives() == []
+
+
 def test_partial_to_strided_is_a_reduce_scatter(multidevice_test):
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))
