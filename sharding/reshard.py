@@ -4,13 +4,14 @@ Per mesh axis (DTensor's redistribute table, nvFuser's ``CommunicationType``):
 
 ============================  =======================================================
 Shard(i) -> Replicate         ``ALLGATHER``
-Partial  -> Replicate         ``ALLREDUCE``
+Partial  -> Replicate         ``ALLREDUCE`` (with the Partial's op: sum, max, min or prod)
 Partial  -> Shard(i)          ``REDUCE_SCATTER``
 Shard(i) -> Shard(j)          ``ALL_TO_ALL`` (i != j; on one dim at another place:
                               ``ALLGATHER`` then ``LOCAL_SLICE``)
 Replicate -> Shard(i)         ``LOCAL_SLICE`` (no communication)
-Replicate -> Partial          ``TO_PARTIAL`` (the value on mesh index 0, zeros elsewhere; local)
+Replicate -> Partial          ``TO_PARTIAL`` (local: ``Partial.of_whole``, e.g. zeros off index 0)
 Shard(i) -> Partial           ``ALLGATHER`` then ``TO_PARTIAL``
+Partial(a) -> Partial(b)      ``ALLREDUCE`` then ``TO_PARTIAL`` (two reductions, e.g. max then sum)
 ============================  =======================================================
 
 A change on several mesh axes becomes a sequence: free local steps first (less data to move
@@ -72,14 +73,17 @@ class ReshardStep:
 
     def attrs(self) -> dict:
         """The attributes of the op this step lowers to; ``outer``/``src_outer`` (a strided shard: the
-        collective chunks the dim viewed as [outer, devices, rest]) only where they are not 1."""
+        collective chunks the dim viewed as [outer, devices, rest]) only where they are not 1, and
+        ``reduce_op`` (how partials combine) only where it is not a sum."""
+        partial = next((p for p in (self.src, self.dst) if isinstance(p, Partial)), None)
+        out = {"reduce_op": partial.op} if partial is not None and partial.op != "sum" else {}
         if self.mesh_axis is None:  # a move between meshes; GATHER and SCATTER also chunk a dim
-            out = {"src_mesh": self.src_mesh, "dst_mesh": self.dst_mesh}
+            out |= {"src_mesh": self.src_mesh, "dst_mesh": self.dst_mesh}
             shard, outer = (self.src, self.src_outer) if isinstance(self.src, Shard) else (self.dst, self.dst_outer)
             if isinstance(shard, Shard):
                 out |= {"dim": shard.dim} | ({"outer": outer} if outer != 1 else {})
             return out
-        out = {"mesh_axis": self.mesh_axis}
+        out |= {"mesh_axis": self.mesh_axis}
         match self.src, self.dst:
             case Shard(), Shard():
                 out |= {"src_dim": self.src.dim, "dim": self.dst.dim}
@@ -131,8 +135,9 @@ def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep
                 a, b = cur[axis], dst.placements[axis]
                 if a == b or (slices_only and not isinstance(a, Replicate)):
                     continue
-                if isinstance(a, Shard) and (isinstance(b, Partial) or isinstance(b, Shard) and a.dim == b.dim):
-                    b = REPLICATE  # gather now; slice (another place in the dim) or go partial on the next pass
+                if isinstance(a, Shard) and (isinstance(b, Partial) or isinstance(b, Shard) and a.dim == b.dim) \
+                        or isinstance(a, Partial) and isinstance(b, Partial):
+                    b = REPLICATE  # gather or reduce now; slice or go partial (another reduction) on the next pass
                 if isinstance(b, Shard) and not Sharding(src.mesh, (*cur[:axis], b, *cur[axis + 1:])).nests(b.dim):
                     continue  # would overlap another axis' piece of b.dim: wait for it to let go
                 collective = step_collective(a, b)

@@ -3,8 +3,9 @@
 A rule returns candidates, each a (placement per input, placement per output) pair that the op
 computes correctly on local shards. Most ops are described einsum-style (``LabelSpec``): every
 tensor dim carries a label; a label shared by an output passes a Shard through, a summed label
-(a contraction, a sum) yields Partial, a ``whole`` label (a normalized dim, a max) must stay
-unsharded. Which inputs may be Partial is listed per op (only where the op is linear in them).
+(a contraction, a sum; a max, min or prod reduction) yields Partial, a ``whole`` label (a
+normalized dim, a variance's) must stay unsharded. Which inputs may be Partial is listed per op
+(only where the op is linear in them, or commutes with the pending reduction).
 Each op's entry in the op registry (``tp_fusion.ops``) names its rule, built here.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Placement, Shard
+from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Partial, Placement, Shard
 
 from tp_fusion.ir import Fusion, Op
 
@@ -34,9 +35,10 @@ class LabelSpec:
 
     inputs: tuple[tuple[int | None, ...] | None, ...]  # per operand, a label per dim (None: not shardable)
     outputs: tuple[tuple[int | None, ...], ...]
-    summed: frozenset[int] = frozenset()  # contracted labels whose local results add up
+    summed: frozenset[int] = frozenset()  # contracted (reduced) labels whose local results combine by ``partial``
     whole: frozenset[int] = frozenset()  # labels that must stay unsharded
-    partial_sets: tuple[frozenset[int], ...] = ()  # operand sets that may be Partial together
+    partial_sets: tuple[frozenset[int], ...] = ()  # operand sets that may be ``partial`` together
+    partial: Partial = PARTIAL_SUM  # how local results combine: a sum, or a max/min/prod reduction's own op
 
 
 def _shapes(op: Op, fusion: Fusion):
@@ -58,7 +60,7 @@ def label_candidates(spec: LabelSpec, extents: dict[int, int], n: int) -> list[C
             if lab in seq:
                 outs.append(Shard(seq.index(lab)))
             elif lab in spec.summed:
-                outs.append(PARTIAL_SUM)
+                outs.append(spec.partial)
             else:
                 break
         if len(outs) != len(spec.outputs):
@@ -67,9 +69,9 @@ def label_candidates(spec: LabelSpec, extents: dict[int, int], n: int) -> list[C
                     for seq in spec.inputs)
         cands.append(Candidate(ins, tuple(outs)))
     for group in spec.partial_sets:
-        ins = tuple(None if seq is None else PARTIAL_SUM if i in group else REPLICATE
+        ins = tuple(None if seq is None else spec.partial if i in group else REPLICATE
                     for i, seq in enumerate(spec.inputs))
-        cands.append(Candidate(ins, (PARTIAL_SUM,) * len(spec.outputs)))
+        cands.append(Candidate(ins, (spec.partial,) * len(spec.outputs)))
     return cands
 
 
@@ -122,18 +124,21 @@ def pointwise(partial: Callable[[Op], tuple[frozenset[int], ...]] | None = None)
     return from_spec(build)
 
 
-def reduction(linear: bool) -> Rule:
-    """Reductions over ``dims``: a sharded reduced dim gives Partial when the reduction is
-    ``linear`` (sum, mean), and must stay unsharded otherwise (amax, var_mean)."""
+def reduction(pending: str | None) -> Rule:
+    """Reductions over ``dims``. Where the reduction's result over the whole dim is the ``pending``
+    reduction of its results over pieces (sum and mean: ``sum``; max, min, prod: their own op), a sharded
+    reduced dim gives ``Partial(pending)``, and an input ``Partial(pending)`` stays so (the two reductions
+    commute). Otherwise (``pending`` None: var, var_mean) a reduced dim must stay unsharded."""
     def build(op: Op, fusion: Fusion) -> LabelSpec:
         (shape, *_), outs = _shapes(op, fusion)
         dims, keepdim = op.attr("dims"), op.attr("keepdim")
         kept = tuple(None if d in dims else d for d in range(len(shape)))
         out = kept if keepdim else tuple(d for d in kept if d is not None)
         return LabelSpec((tuple(range(len(shape))),), (out,) * len(outs),
-                         summed=frozenset(dims) if linear else frozenset(),
-                         whole=frozenset() if linear else frozenset(dims),
-                         partial_sets=(frozenset({0}),) if linear else ())
+                         summed=frozenset(dims) if pending else frozenset(),
+                         whole=frozenset() if pending else frozenset(dims),
+                         partial_sets=(frozenset({0}),) if pending else (),
+                         partial=Partial(pending or "sum"))
     return from_spec(build)
 
 

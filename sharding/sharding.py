@@ -41,12 +41,33 @@ class Replicate:
 
 @dataclass(frozen=True, slots=True)
 class Partial:
-    """Each device holds a partial result; the value is the ``op``-reduction over the mesh axis."""
+    """Each device holds a partial result; the value is the ``op``-reduction over the mesh axis: ``sum``
+    (a GEMM's contraction, a sum or mean over a sharded dim), or ``max``, ``min``, ``prod`` (those
+    reductions over a sharded dim)."""
 
     op: str = "sum"
 
+    def __post_init__(self):
+        if self.op not in _COMBINE:
+            raise ShardingError(f"Partial({self.op!r}): the reduction must be one of {', '.join(_COMBINE)}")
+
     def __str__(self) -> str:
         return f"P({self.op})"
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Two devices' partials reduced into one."""
+        return _COMBINE[self.op](a, b)
+
+    def of_whole(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """What the device at ``index`` of the mesh axis holds of the whole value ``x`` as a partial: ``x``
+        on index 0 and the reduction's identity elsewhere (zeros for sum, ones for prod); ``x`` everywhere
+        for max and min (a value reduced with itself is itself)."""
+        if index == 0 or self.op in ("max", "min"):
+            return x
+        return torch.zeros_like(x) if self.op == "sum" else torch.ones_like(x)
+
+
+_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 
 
 Placement = Shard | Replicate | Partial
@@ -217,10 +238,12 @@ class Sharding:
         return "[" + ", ".join(parts) + "]"
 
     def partial_str(self) -> str:
-        """`` partial(sum: mesh_x)`` for printing, or empty when nothing is partial."""
-        axes = [ParallelType.for_mesh_axis(a, self.mesh.ndim).value
-                for a, p in enumerate(self.placements) if isinstance(p, Partial)]
-        return f" partial(sum: {', '.join(axes)})" if axes else ""
+        """`` partial(sum: mesh_x)`` for printing (one entry per reduction), or empty when nothing is partial."""
+        axes: dict[str, list[str]] = {}
+        for a, p in enumerate(self.placements):
+            if isinstance(p, Partial):
+                axes.setdefault(p.op, []).append(ParallelType.for_mesh_axis(a, self.mesh.ndim).value)
+        return "".join(f" partial({op}: {', '.join(names)})" for op, names in axes.items())
 
     def __str__(self) -> str:
         if self.mesh is None:
@@ -238,9 +261,9 @@ def _sharding_of(tv_or_sharding, shape: tuple[int, ...]) -> Sharding | None:
 
 def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) -> torch.Tensor:
     """The local shard of ``full`` that ``rank`` (default: this rank) holds under the sharding of a
-    TensorView or a Sharding. Given a Sharding, Partial placements hold the full value on mesh index 0
-    and zeros elsewhere; given a TensorView, a pending sum (a device-parallel reduction axis) is done,
-    as in nvFuser. A rank outside the mesh holds an empty tensor."""
+    TensorView or a Sharding. Given a Sharding, a Partial placement holds the full value on mesh index 0
+    and its reduction's identity elsewhere (``Partial.of_whole``); given a TensorView, a pending sum (a
+    device-parallel reduction axis) is done, as in nvFuser. A rank outside the mesh holds an empty tensor."""
     from tp_fusion.runtime import dist
 
     sharding = _sharding_of(tv_or_sharding, tuple(full.shape))
@@ -253,10 +276,11 @@ def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) ->
     out = full
     for d in range(full.dim()):
         out = sharding.local_piece(out, rank, d)
-    coords = sharding.mesh.coords(rank)
-    if any(isinstance(p, Partial) and coords[a] != 0 for a, p in enumerate(sharding.placements)):
-        return torch.zeros_like(out)
-    return out.contiguous().clone()
+    out = out.contiguous().clone()
+    for index, p in zip(sharding.mesh.coords(rank), sharding.placements):
+        if isinstance(p, Partial):
+            out = p.of_whole(out, index)
+    return out
 
 
 def unshard_tensor(pieces: dict[int, torch.Tensor], sharding: Sharding) -> torch.Tensor:
@@ -265,16 +289,21 @@ def unshard_tensor(pieces: dict[int, torch.Tensor], sharding: Sharding) -> torch
     any_piece = next(iter(pieces.values()))
     full_shape = sharding.global_shape(tuple(any_piece.shape))
     out = any_piece.new_zeros(full_shape)
+    partial = {p for p in sharding.placements if isinstance(p, Partial)}
+    if len(partial) > 1:
+        raise ShardingError(f"unshard_tensor: {sharding} holds partials of several reductions, whose order matters")
     seen, nd = set(), len(full_shape)
     for rank in mesh.devices:
         coords = mesh.coords(rank)
+        if any(c != 0 for c, p in zip(coords, sharding.placements) if isinstance(p, Replicate)):
+            continue  # a copy of what index 0 of that axis holds
         key = tuple(c for c, p in zip(coords, sharding.placements) if isinstance(p, Shard))
         index = tuple(sharding.local_indices(rank, d, n).view([-1 if i == d else 1 for i in range(nd)])
                       for d, n in enumerate(full_shape))
-        if sharding.has_partial:
-            if all(c == 0 for c, p in zip(coords, sharding.placements) if isinstance(p, Replicate)):
-                out.index_put_(index, pieces[rank], accumulate=True)
-        elif key not in seen:
+        if key not in seen:
             out[index] = pieces[rank]
+        elif partial:  # another device's partial of the same piece
+            (p,) = partial
+            out[index] = p.combine(out[index], pieces[rank])
         seen.add(key)
     return out

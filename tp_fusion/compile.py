@@ -17,7 +17,7 @@ import torch
 
 from tp_fusion import loop as loops
 from tp_fusion.errors import DefinitionError, InputError, ShardingError
-from tp_fusion.ir import Fusion, Tensor, resolve_sizes
+from tp_fusion.ir import Fusion, Op, Tensor, resolve_sizes
 from tp_fusion.ops import opdef, operand_types, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
@@ -140,7 +140,7 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
         return fusion
     tensors = list(fusion.tensors)
     for name, shape in zip(fusion.inputs, input_shapes):
-        tensors[name] = _bound(tensors[name], tuple(shape))
+        tensors[name] = _bound(tensors[name], tuple(shape), None)
     ops = []
     for op in fusion.ops:
         op = op.replace(attrs=resolve_sizes(op.attrs, lambda name: tensors[name].shape))  # fd.ops.size scalars
@@ -153,18 +153,19 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusio
             raise InputError(f"execute: the inputs' sizes do not fit the fusion: {op.kind}: cannot apply to "
                              f"{described}: {e}") from None
         for o, out in zip(op.outputs, outs):
-            tensors[o] = _bound(tensors[o], out.shape)
+            tensors[o] = _bound(tensors[o], out.shape, op)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))
 
 
-def _bound(t: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``t`` with the extents ``shape``: its schedule's symbolic pieces sized (a split of a symbolic extent
-    could not be checked when it was scheduled: ShardingError now if it does not fit), its sharding
-    derived again from them."""
+def _bound(t: Tensor, shape: tuple[int, ...], producer: Op | None) -> Tensor:
+    """``t`` (made by ``producer``; None: an input) with the extents ``shape``: its schedule's symbolic
+    pieces sized (a split of a symbolic extent could not be checked when it was scheduled: ShardingError now
+    if it does not fit), its sharding derived again from them."""
     if t.loop is None:
         return t.replace(shape=shape)
     loop = loops.bind(t.loop, shape, f"T{t.name} {t.type_str()}", " at execute")
-    sharding = t.sharding if t.sharding is None else loops.sharding(loop, t.sharding.mesh, f"T{t.name}")
+    sharding = t.sharding if t.sharding is None else loops.sharding(loop, t.sharding.mesh, f"T{t.name}",
+                                                                    loops.pending_of(producer))
     return t.replace(shape=shape, loop=loop, sharding=sharding)
 
 

@@ -243,7 +243,7 @@ class TensorView:
         if self.sharding is None or self._ir.loop is None:
             return self.sharding and self.sharding.materialized()
         loop = loops.bind(self._ir.loop, tuple(shape), f"T{self.name} {self._ir.type_str()}", "")
-        return loops.sharding(loop, self.mesh, f"T{self.name}").materialized()
+        return loops.sharding(loop, self.mesh, f"T{self.name}").materialized()  # no Partial left: any op does
 
     def axis(self, index: int) -> IterDomain:
         """Loop axis ``index`` (after splits; reduction axes ``r{K}`` count, negative ``index`` too), to
@@ -279,7 +279,8 @@ class TensorView:
         if mesh is None:
             self._update(loop=loop)
             return
-        self._update(loop=loop, sharding=loops.sharding(loop, mesh, f"T{self.name}"))
+        self._update(loop=loop, sharding=loops.sharding(loop, mesh, f"T{self.name}",
+                                                        loops.pending_of(self._fd._producer(self.name))))
 
     def _check_axis(self, axis: int, n: int, what: str) -> int:
         if not isinstance(axis, int) or not -n <= axis < n:

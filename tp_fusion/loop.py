@@ -7,9 +7,10 @@ ends with its contraction, sum/mean/amax/var_mean keep their reduced dims in pla
 
 - a device-parallel piece of a logical dim shards that dim on the piece's mesh axis, at the piece's
   place in the dim (``Shard(dim, outer)``: outermost, inner or middle);
-- a device-parallel piece of a reduction axis leaves the tensor Partial (a pending sum) on that mesh
-  axis: each device reduced its part (nvFuser's rfactor). With a logical dim sharded on the same mesh
-  axis too, the tensor holds its shard of the finished sum (a reduce-scatter).
+- a device-parallel piece of a reduction axis leaves the tensor Partial (a pending sum; a pending max,
+  min or product for those reductions) on that mesh axis: each device reduced its part (nvFuser's
+  rfactor). With a logical dim sharded on the same mesh axis too, the tensor holds its shard of the
+  finished reduction (a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tp_fusion.errors import ShardingError
 from tp_fusion.ir import LoopAxis, Op
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.ops import Trait, opdef
-from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Replicate, Shard, Sharding
+from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Partial, Replicate, Shard, Sharding
 
 Loop = tuple[LoopAxis, ...]
 
@@ -47,6 +48,12 @@ def default_loop(shape: tuple[int, ...], producer: Op | None, shape_of: Callable
                 out_dim += 1
         return tuple(loop)
     return tuple(logical)
+
+
+def pending_of(producer: Op | None) -> Partial:
+    """How the devices' results of ``producer``'s output combine where its reduction axes are
+    device-parallel: a sum for a GEMM, a sum or a mean; a max, min or prod reduction's own op."""
+    return PARTIAL_SUM if producer is None else Partial(opdef(producer.kind).pending)
 
 
 def split(loop: Loop, axis: int, factor: int, inner_split: bool) -> Loop:
@@ -78,8 +85,9 @@ def reorder(loop: Loop, old2new: dict[int, int], what: str) -> Loop:
     return tuple(ax if ax is not None else next(rest) for ax in out)
 
 
-def sharding(loop: Loop, mesh: DeviceMesh, what: str) -> Sharding:
-    """The sharding ``loop`` gives a tensor on ``mesh`` (see the module docstring)."""
+def sharding(loop: Loop, mesh: DeviceMesh, what: str, pending: Partial = PARTIAL_SUM) -> Sharding:
+    """The sharding ``loop`` gives a tensor on ``mesh`` (see the module docstring); a device-parallel
+    reduction axis leaves it ``pending`` (its producer's: ``pending_of``)."""
     placements = [REPLICATE] * mesh.ndim
     for reduction in (False, True):  # a logical dim sharded on a mesh axis wins over a pending sum on it
         for i, ax in enumerate(loop):
@@ -95,7 +103,7 @@ def sharding(loop: Loop, mesh: DeviceMesh, what: str) -> Sharding:
                     f"use outer_split(axis, {mesh.shape[mesh_axis]})")
             if reduction:
                 if isinstance(placements[mesh_axis], Replicate):
-                    placements[mesh_axis] = PARTIAL_SUM
+                    placements[mesh_axis] = pending
                 continue
             before = [a.extent for a in loop if a.dim == ax.dim and not a.reduction and a.piece < ax.piece]
             # An empty dim (a symbolic extent bound to 0) has empty pieces wherever they lie: a block shard.

@@ -81,6 +81,9 @@ class OpDef:
     follow: tuple[int, ...] | None = None  # operands whose sharding the op follows first (None: most sharded)
     num_outputs: int = 1
     front: Callable | None = None  # the fd.ops function (first argument: a Recorder); None: internal op
+    # a GEMM or a reduction: how the devices' results combine where a device-parallel reduced axis of the
+    # output leaves them pending (``Partial``'s op; nvFuser's rfactor)
+    pending: str = "sum"
     weight_out_in: bool = False  # GEMM: the right operand is [out, in] (linear), not [in, out] (matmul)
     bias: int | None = None  # GEMM: the operand position of a bias added to the product (linear's 2), if given
     # the outputs' memory layouts (stride orders, None: row-major) from the operands' (None: row-major
@@ -726,17 +729,18 @@ def _mean_localize(attrs: dict, s: Localize) -> dict:
     return {**attrs, "count": math.prod(s.in_global[0][d] for d in attrs["dims"])}
 
 
-# Only sum and mean are linear: a reduction over a sharded dim of another op needs that dim gathered first.
+# Each reduction with the reduction across devices that finishes it over a sharded dim (its pieces reduced
+# locally: sum and mean leave a sum, max/min/prod their own op); var and var_mean need the dim gathered first.
 # max and min are nvFuser's names of torch's amax and amin.
-for _name, _impl, _front, _linear in (("sum", _sum, _sum_front, True), ("mean", _mean, _mean_front, True),
-                                      ("amax", _amax, _extremum_front("amax"), False),
-                                      ("max", _amax, _extremum_front("amax"), False),
-                                      ("amin", _amin, _extremum_front("amin"), False),
-                                      ("min", _amin, _extremum_front("amin"), False),
-                                      ("prod", _prod, _prod_front, False), ("var", _var, _var_front, False),
-                                      ("var_mean", _var_mean, _var_mean_front, False)):
+for _name, _impl, _front, _pending in (("sum", _sum, _sum_front, "sum"), ("mean", _mean, _mean_front, "sum"),
+                                       ("amax", _amax, _extremum_front("amax"), "max"),
+                                       ("max", _amax, _extremum_front("amax"), "max"),
+                                       ("amin", _amin, _extremum_front("amin"), "min"),
+                                       ("min", _amin, _extremum_front("amin"), "min"),
+                                       ("prod", _prod, _prod_front, "prod"), ("var", _var, _var_front, None),
+                                       ("var_mean", _var_mean, _var_mean_front, None)):
     register(_name, impl=_impl, infer=_reduction_infer(_impl), traits=Trait.REDUCTION,
-             rule=rules.reduction(linear=_linear), flops=_flops_input, front=_front,
+             rule=rules.reduction(_pending), flops=_flops_input, front=_front, pending=_pending or "sum",
              localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1)
 
 # --- scans ----------------------------------------------------------------------------------------

@@ -200,9 +200,15 @@ def factory_case(mesh) -> Case:
     return Case(fd, [x], [_rand(30, (8, 4))], lambda t: [t * 3.0], [])
 
 
+def _decomposed_softmax(fd, x):
+    """softmax over dim 1 from its parts: exp(x - max) / sum."""
+    e = fd.ops.exp(fd.ops.sub(x, fd.ops.max(x, [1], keepdim=True)))
+    return fd.ops.div(e, fd.ops.sum(e, [1], keepdim=True))
+
+
 def multi_output_case(mesh) -> Case:
-    """A mean over a sharded dim (partial sums / global count), an amax (gathered first) and a
-    replicated-input view of the same tensor, in one fusion."""
+    """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
+    and a replicated-input view of the same tensor, in one fusion."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 8], dtype=F64)
         fd.add_output(fd.ops.mean(x, [1]))
@@ -210,7 +216,7 @@ def multi_output_case(mesh) -> Case:
         fd.add_output(fd.ops.neg(x))
         shard(x, mesh, {1: X})
     return Case(fd, [x], [_rand(31, (4, 8))],
-                lambda t: [t.mean(1), t.amax(1), -t], ["allreduce", "allgather"])
+                lambda t: [t.mean(1), t.amax(1), -t], ["allreduce", "allreduce"])
 
 
 CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
@@ -369,8 +375,25 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "cumsum_of_a_partial_sum": lambda m: _unary_case(
         m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cumsum(fd.ops.sum(x, [0]), 0),
         lambda t: t.sum(0).cumsum(0), ["allreduce"]),
+    # max, min and prod over a sharded dim: each rank reduces its piece, then one allreduce of that op
     "max_sharded_dim": lambda m: _unary_case(m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.max(x, [1]),
-                                             lambda t: t.amax(1), ["allgather"]),
+                                             lambda t: t.amax(1), ["allreduce"]),
+    "min_sharded_dim_keepdim": lambda m: _unary_case(
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.min(x, [1], keepdim=True), lambda t: t.amin(1, keepdim=True),
+        ["allreduce"]),
+    "prod_sharded_dim": lambda m: _unary_case(m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.prod(x, [1]),
+                                              lambda t: t.prod(1), ["allreduce"]),
+    "max_of_a_pending_max": lambda m: _unary_case(  # the second max keeps the first's pending max
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.max(fd.ops.max(x, [1]), [0]), lambda t: t.amax(), ["allreduce"]),
+    "max_reduce_scatter": lambda m: _unary_case(
+        m, [8, 8], {1: X}, {0: X}, lambda fd, x: fd.ops.max(x, [1]), lambda t: t.amax(1), ["reduce_scatter"]),
+    "max_then_sum_of_it": lambda m: _unary_case(  # exp is not linear: the pending max is done first
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.sum(fd.ops.exp(fd.ops.max(x, [1])), [0]),
+        lambda t: t.amax(1).exp().sum(0), ["allreduce"]),
+    # softmax over a sharded vocabulary (Megatron's vocab-parallel cross entropy): the logits stay sharded,
+    # only the row maxima and the row sums are reduced across ranks
+    "vocab_parallel_softmax": lambda m: _unary_case(
+        m, [4, 8], {1: X}, {1: X}, _decomposed_softmax, lambda t: torch.softmax(t, 1), ["allreduce", "allreduce"]),
     "min_prod_var_other_dim": lambda m: _unary_case(
         m, [8, 4], {0: X}, {0: X},
         lambda fd, x: fd.ops.add(fd.ops.min(x, 1), fd.ops.mul(fd.ops.prod(x, [1]), fd.ops.var(x, [1]))),

@@ -170,6 +170,41 @@ def test_split_reduction_axis_then_relu(multidevice_test):
     _run(fd, [a, b], full, out, torch.relu(full[0] @ full[1]), ["allreduce"] if d > 1 else [])
 
 
+@pytest.mark.parametrize("op", ["max", "min", "prod"])
+def test_split_reduction_axis_of_a_max_min_or_prod(multidevice_test, op):
+    """A device-parallel r{} piece of a max, min or prod leaves that op pending: one allreduce of it (it
+    used to be taken as a pending sum: the input gathered, reduced whole, then allreduced as a sum)."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 4 * d], dtype=DataType.Double)
+        m = getattr(fd.ops, op)(x, [1])
+        fd.add_output(fd.ops.relu(m))
+    for tv in (x, m):
+        tv.set_device_mesh(mesh)
+        tv.outer_split(1, d).axis(1).parallelize(X)
+    full = rand(18, 3, 4 * d)
+    want = {"max": full.amax(1), "min": full.amin(1), "prod": full.prod(1)}[op]
+    _run(fd, [x], [full], m, torch.relu(want), ["allreduce"] if d > 1 else [])
+
+
+def test_a_pending_max_reduced_into_one_device(multidevice_test):
+    """A max over a sharded dim, wanted on the last device alone: the pieces' maxima reduced into it."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 4 * d], dtype=DataType.Double)
+        m = fd.ops.max(x, [1])
+        y = fd.ops.set(m)
+        fd.add_output(y)
+    x.set_device_mesh(DeviceMesh(range(d)))
+    x.outer_split(1, d).axis(1).parallelize(X)
+    y.set_device_mesh(DeviceMesh([d - 1]))
+    full = rand(19, 3, 4 * d)
+    (got,) = fd.execute([shard_tensor(full, x)])
+    torch.testing.assert_close(got, shard_tensor(full.amax(1), fd.output_shardings()[0]))
+    assert fd.plan.collectives() == (["reduce"] if d > 1 else [])
+
+
 @pytest.mark.ranks(4)
 def test_context_and_tensor_parallel_execute(multidevice_test):
     """[b, s, e] with s split on mesh_x (outer) and mesh_y (inner), gathered to a replicated output."""

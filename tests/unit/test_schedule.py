@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Shard, Sharding, unshard_tensor
+from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Partial, Shard, Sharding, unshard_tensor
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, LoweringError, ParallelType, ShardingError, shard_tensor
 from tp_fusion.runtime.collectives import _stack_chunks, _unstack, local_slice
@@ -63,6 +63,26 @@ def test_split_reduction_axis_parallelized_is_partial_and_allreduced():
     plan = fd.compile([[4, 8], [6, 8]])
     assert plan.collectives() == ["allreduce"]  # relu is not linear: the pending sum is done first
     assert plan.output_shardings()[0].is_replicated
+
+
+@pytest.mark.parametrize("op,pending", [("max", "max"), ("min", "min"), ("prod", "prod"), ("sum", "sum"),
+                                        ("var", "sum")])
+def test_a_parallelized_reduction_axis_leaves_the_reductions_own_partial(op, pending):
+    """max, min and prod leave their own op pending (one allreduce of it); var, which no reduction of pieces
+    finishes, is computed whole and then taken as a pending sum, as a sum's axis would be."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        m = getattr(fd.ops, op)(x, [1])
+        fd.add_output(fd.ops.relu(m))
+    x.set_device_mesh(MESH2)
+    x.outer_split(1, 2).axis(1).parallelize(X)
+    m.set_device_mesh(MESH2)
+    m.outer_split(1, 2).axis(1).parallelize(X)
+    assert m.sharding.placements == (Partial(pending),)
+    assert f"partial({pending}: mesh_x)" in str(fd)
+    plan = fd.compile([[4, 8]])
+    assert plan.collectives() == (["allgather", "allreduce"] if op == "var" else ["allreduce"])
+    assert [o.attr("reduce_op", "sum") for o in plan.fusion.ops if o.kind == "allreduce"] == [pending]
 
 
 def test_an_output_without_a_mesh_has_the_unsharded_sharding():
@@ -370,6 +390,10 @@ def test_reshard_steps_between_places_of_one_dim():
     assert kinds((Shard(0, 2), Shard(0, 4)), (Shard(0, 2), REPLICATE), MESH22) == [(Collective.ALLGATHER, 1, 2)]
     # a shard going partial: gather, then the value on the axis' first rank (zeros elsewhere)
     assert kinds((Shard(0),), (PARTIAL_SUM,), MESH2) == [(Collective.ALLGATHER, 0, 1), (Collective.TO_PARTIAL, 0, 1)]
+    # partials of two reductions: the first is done (an allreduce of its op), then the value goes partial again
+    steps = reshard_steps(Sharding(MESH2, (Partial("max"),)), Sharding(MESH2, (PARTIAL_SUM,)), "test")
+    assert [(s.collective, s.attrs().get("reduce_op", "sum")) for s in steps] == [
+        (Collective.ALLREDUCE, "max"), (Collective.TO_PARTIAL, "sum")]
     # overlapping pieces of one dim (S(0) of 2 on mesh_y, S(0, outer=3) on mesh_x) are no sharding to reach:
     # an error, where the search for a step once looped forever
     with pytest.raises(LoweringError, match="overlap"):

@@ -595,9 +595,11 @@ def test_mean_and_amax_over_sharded_dim():
         fd.add_output(a)
         shard(x, MESH2, {1: X})
     f = lower(fd)
-    # mean is linear: partial sums then an allreduce; amax is not: the input is gathered first.
-    assert kinds(f) == ["mean", "allreduce", "allgather", "amax"]
+    # mean leaves partial sums, amax partial maxima: an allreduce of each (amax's of its op).
+    assert kinds(f) == ["mean", "allreduce", "amax", "allreduce"]
     assert placements(f, only(f, "mean").outputs[0]) == (Partial(),)
+    assert placements(f, only(f, "amax").outputs[0]) == (Partial("max"),)
+    assert [op.attr("reduce_op", "sum") for op in f.ops if op.kind == "allreduce"] == ["sum", "max"]
     assert out_placements(f, 0) == (R,) and out_placements(f, 1) == (R,)
 
 
@@ -976,6 +978,26 @@ def test_partial_shard_sums_to_the_full_value():
     pieces = {r: shard_tensor(full, s, rank=r) for r in (0, 1)}
     torch.testing.assert_close(pieces[0] + pieces[1], full)
     torch.testing.assert_close(unshard_tensor(pieces, s), full)
+
+
+@pytest.mark.parametrize("op,others", [("max", "the value"), ("min", "the value"), ("prod", "ones")])
+def test_a_partial_of_another_reduction_reduces_to_the_full_value(op, others):
+    """Off mesh index 0 a partial holds its reduction's identity (prod: ones) or, for max and min, the
+    value itself; reducing the pieces with the op gives the value back."""
+    full = torch.arange(6, dtype=torch.float64) - 2.0
+    s = Sharding(MESH4, (Partial(op),))
+    pieces = {r: shard_tensor(full, s, rank=r) for r in MESH4.devices}
+    torch.testing.assert_close(pieces[3], full if others == "the value" else torch.ones(6, dtype=torch.float64))
+    torch.testing.assert_close(unshard_tensor(pieces, s), full)
+    maxima = {0: full, 1: full + 1, 2: full - 1, 3: full}  # four devices' partial maxima of one value
+    if op == "max":
+        torch.testing.assert_close(unshard_tensor(maxima, s), full + 1)
+
+
+def test_a_partial_names_its_reduction():
+    assert str(Sharding(MESH2, (Partial("max"),))) == "mesh(0 1)(P(max))"
+    with pytest.raises(ShardingError, match=r"Partial\('mean'\): the reduction must be one of sum, max, min, prod"):
+        Partial("mean")
 
 
 def _sharded_4x6():

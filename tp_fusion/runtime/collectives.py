@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from tp_fusion.sharding.reshard import Collective
+from tp_fusion.sharding.sharding import Partial
 
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.program import Communicate, Program
@@ -88,17 +89,17 @@ def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: b
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False,
-                   order: GroupOrder | None = None):
+                   order: GroupOrder | None = None, reduce_op: str = "sum"):
     stacked = _rows(_stack_chunks(x, n, dim, outer), order and order.to_group)
     out = x.new_empty(stacked.shape[1:])
     work = dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg,
-                               async_op=async_op)
+                               op=reduce_op, async_op=async_op)
     return _result(work, lambda: out)
 
 
-def allreduce(x: torch.Tensor, pg, donate: bool, async_op: bool = False):
+def allreduce(x: torch.Tensor, pg, donate: bool, async_op: bool = False, reduce_op: str = "sum"):
     out = x if donate and x.is_contiguous() else x.contiguous().clone()
-    return _result(dist.all_reduce(out, pg, async_op=async_op), lambda: out)
+    return _result(dist.all_reduce(out, pg, op=reduce_op, async_op=async_op), lambda: out)
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, dim: int, pg, n: int, src_outer: int = 1,
@@ -147,10 +148,10 @@ def gather(x: torch.Tensor, root: int, rank: int, pg, n: int, dim: int, outer: i
     return _unstack(_rows(torch.stack(pieces), order and order.to_mesh), dim, outer)
 
 
-def reduce(x: torch.Tensor, root: int, rank: int, pg):
-    """The sum of the partial values into ``root``, which returns it; the others return None."""
+def reduce(x: torch.Tensor, root: int, rank: int, pg, reduce_op: str = "sum"):
+    """The partial values reduced (``reduce_op``) into ``root``, which returns it; the others return None."""
     out = x.contiguous().clone()
-    dist.reduce(out, root, pg)
+    dist.reduce(out, root, pg, reduce_op)
     return out if rank == root else None
 
 
@@ -170,6 +171,7 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
     ``program.schedule_collectives``): ``fn(x)`` returns ``finish()``, which waits and returns the result."""
     op, c, rank = s.op, s.collective, program.rank
     shape, dtype, device = s.out_shape, s.dtype.torch, program.device
+    reduce_op = op.attr("reduce_op", "sum")  # how partials combine (ALLREDUCE, REDUCE_SCATTER, REDUCE, TO_PARTIAL)
     if c is Collective.SEND_RECV:
         src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
         return lambda x: send_recv(x, src, dst, rank, shape, dtype, device)
@@ -180,7 +182,7 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
         src, dst, pg, dim, outer = op.attr("src_mesh"), op.attr("dst_mesh"), dist.group(s.group), \
             op.attr("dim", 0), op.attr("outer", 1)
         if c is Collective.REDUCE:
-            return lambda x: reduce(x, dst.devices[0], rank, pg)
+            return lambda x: reduce(x, dst.devices[0], rank, pg, reduce_op)
         mesh = src if c is Collective.GATHER else dst  # the 1-D side; its order is the pieces' order
         n, order = mesh.size, GroupOrder.of(mesh.devices)
         if c is Collective.GATHER:
@@ -189,15 +191,16 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
     n, index, dim, outer = len(s.group), s.group.index(rank), op.attr("dim"), op.attr("outer", 1)
     if c is Collective.LOCAL_SLICE:
         return lambda x: local_slice(x, n, dim, index, outer)
-    if c is Collective.TO_PARTIAL:  # Replicate -> Partial(sum): the value on index 0 of the axis, zeros elsewhere
-        return (lambda x: x) if index == 0 else torch.zeros_like
+    if c is Collective.TO_PARTIAL:  # Replicate -> Partial: e.g. the value on index 0 of the axis, zeros elsewhere
+        partial = Partial(reduce_op)
+        return lambda x: partial.of_whole(x, index)
     pg, order = dist.group(s.group), GroupOrder.of(s.group)
     if c is Collective.ALLGATHER:
         return lambda x: allgather(x, dim, pg, n, outer, async_op, order)
     if c is Collective.REDUCE_SCATTER:
-        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op, order)
+        return lambda x: reduce_scatter(x, dim, pg, n, outer, async_op, order, reduce_op)
     if c is Collective.ALLREDUCE:
         donate = s.donate
-        return lambda x: allreduce(x, pg, donate, async_op)
+        return lambda x: allreduce(x, pg, donate, async_op, reduce_op)
     src_dim, src_outer = op.attr("src_dim"), op.attr("src_outer", 1)
     return lambda x: all_to_all(x, src_dim, dim, pg, n, src_outer, outer, order)

@@ -149,9 +149,9 @@ def gather(t: torch.Tensor, pieces: list[torch.Tensor] | None, dst: int, pg: Pro
     _dist.gather(t, pieces, dst=dst, group=pg)
 
 
-def reduce(t: torch.Tensor, dst: int, pg: ProcessGroup | None) -> None:
-    """World rank ``dst``'s ``t`` becomes the sum of the group's ``t``s."""
-    _dist.reduce(t, dst=dst, group=pg)
+def reduce(t: torch.Tensor, dst: int, pg: ProcessGroup | None, op: str = "sum") -> None:
+    """World rank ``dst``'s ``t`` becomes the ``op``-reduction (sum, max, min, prod) of the group's ``t``s."""
+    _dist.reduce(t, dst=dst, op=_reduce_op(op), group=pg)
 
 
 def scatter(out: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, pg: ProcessGroup | None) -> None:
@@ -174,7 +174,7 @@ def barrier(pg: ProcessGroup | None = None) -> None:
 
 
 def _reduce_op(op: str):
-    return {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}[op]
+    return {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "prod": ReduceOp.PRODUCT}[op]
 
 
 # --- group geometry (used by overlap.py and symm.py) ---
