@@ -135,13 +135,15 @@ def is_biased_gemm(op) -> bool:
 
 @dataclass(frozen=True)
 class Localize:
-    """Shapes an op's ``localize`` may need: global and local operand shapes (None for scalars),
-    the local output shape, and the device it runs on."""
+    """What an op's ``localize`` may need: global and local operand shapes (None for scalars), the local
+    output shape, the device it runs on, and ``in_indices(i, d)``: the global indices along dim ``d`` of
+    operand ``i`` that this rank holds."""
 
     in_global: list[tuple[int, ...] | None]
     in_local: list[tuple[int, ...] | None]
     out_local: tuple[int, ...]
     device: torch.device
+    in_indices: Callable[[int, int], torch.Tensor]
 
 
 OPS: dict[str, OpDef] = {}
@@ -1349,10 +1351,30 @@ register("select", impl=lambda x, dim, index: x.select(dim, index),
          traits=Trait.VIEW, rule=rules.select, front=_select_front)
 
 
-def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0):
+def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0, vocab_local=None):
+    """``F.embedding``; with ``vocab_local`` (``weight`` holds some rows of the vocabulary: the local row of
+    each global one, -1 where another rank holds it), the rows held here and zeros for the others, this
+    rank's part of a sum over the ranks (Megatron's vocab-parallel embedding)."""
     if max_norm is not None:  # F.embedding renormalizes the looked-up rows of its weight in place
         weight = weight.clone()
-    return F.embedding(indices, weight, padding_idx, max_norm, norm_type)
+    if vocab_local is None:
+        return F.embedding(indices, weight, padding_idx, max_norm, norm_type)
+    # a negative index goes out of range, as F.embedding's does, rather than wrapping round the table
+    local = vocab_local[indices.masked_fill(indices < 0, vocab_local.shape[0])]
+    elsewhere = local < 0
+    out = F.embedding(local.clamp_min(0), weight, None, max_norm, norm_type)  # padding_idx: a backward matter
+    return out.masked_fill(elsewhere.unsqueeze(-1), 0)
+
+
+def _embedding_localize(attrs: dict, s: Localize) -> dict:
+    """Where the vocabulary is sharded, the local row of each global one (``_embedding``'s ``vocab_local``)."""
+    vocab = s.in_global[1][0]
+    if s.in_local[1][0] == vocab:
+        return attrs
+    rows = s.in_indices(1, 0)
+    table = torch.full((vocab,), -1, dtype=torch.int64)
+    table[rows] = torch.arange(len(rows))
+    return {**attrs, "padding_idx": None, "vocab_local": table.to(s.device)}
 
 
 def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_type=None, scale_grad_by_freq=None,
@@ -1360,7 +1382,9 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
     """nvFuser's ``embedding_fwd``, torch's ``F.embedding``: the rows of ``weight [v, h]`` at ``input``
     (Int or Int32, any shape) -> ``[*input.shape, h]``. ``max_norm`` renormalizes the rows it returns
     (the weight itself is not modified); ``scale_grad_by_freq`` and ``sparse`` only concern a backward
-    and are ignored. Index dims and h may be sharded; v is gathered where it is sharded."""
+    and are ignored. Index dims and h may be sharded. A sharded v makes each rank look up the rows it holds
+    (zeros for the others): a partial sum over the ranks, which an allreduce (or a reduce_scatter of the
+    tokens) finishes, as Megatron's vocab-parallel embedding does."""
     idx, w = rec.tv(input, "input"), rec.tv(weight, "weight")
     _integer_indices("embedding_fwd", idx, "input")
     if w.ndim != 2:
@@ -1379,7 +1403,7 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
 
 register("embedding_fwd", impl=_embedding,
          infer=lambda args, attrs: [TensorType((*args[0].shape, args[1].shape[1]), args[1].dtype)],
-         traits=Trait.NONE, rule=rules.embedding, front=_embedding_front)
+         traits=Trait.NONE, rule=rules.embedding, localize=_embedding_localize, front=_embedding_front)
 
 # --- normalization --------------------------------------------------------------------------------
 

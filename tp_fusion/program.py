@@ -278,10 +278,14 @@ def _compute(fusion: Fusion, op: Op, rank: int, device: torch.device) -> Compute
     attrs = dict(op.attrs)
     if od.localize is not None:
         ins = [a if isinstance(a, int) else None for a in op.inputs]
+
+        def in_indices(i: int, d: int) -> torch.Tensor:
+            t = fusion.tensor(ins[i])
+            return torch.arange(t.shape[d]) if t.sharding is None else t.sharding.local_indices(rank, d, t.shape[d])
         attrs = od.localize(attrs, Localize(
             in_global=[None if a is None else fusion.tensor(a).shape for a in ins],
             in_local=[None if a is None else local_shape(fusion, a) for a in ins],
-            out_local=local_shape(fusion, op.outputs[0]), device=device))
+            out_local=local_shape(fusion, op.outputs[0]), device=device, in_indices=in_indices))
     return Compute(op, tuple(attrs.items()), fusion.tensor(op.outputs[0]).held_by(rank))
 
 

@@ -366,6 +366,7 @@ def _indexed_case(mesh, x_shape, x_dims, idx_full, idx_dims, body, reference, co
 
 _INDEX = torch.tensor([5, 0, 3, 3, 1, 2, 0, 4])
 _TOKENS = torch.tensor([[7, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])
+_VOCAB_TOKENS = torch.tensor([[11, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])  # into 12 rows
 
 CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "cumsum_other_dim": lambda m: _unary_case(m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cumsum(x, 1),
@@ -426,6 +427,16 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "embedding_hidden_sharded": lambda m: _indexed_case(
         m, [10, 8], {1: X}, _TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
         lambda w, i: F.embedding(i, w), []),
+    # a sharded vocabulary: each rank looks up the rows it holds (zeros for the others), then one collective
+    "embedding_vocab_sharded": lambda m: _indexed_case(
+        m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
+        lambda w, i: F.embedding(i, w), ["allreduce"]),
+    "embedding_vocab_sharded_tokens_scattered": lambda m: _indexed_case(
+        m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, padding_idx=3),
+        lambda w, i: F.embedding(i, w, padding_idx=3), ["reduce_scatter"], out={0: X}),
+    "embedding_vocab_sharded_max_norm": lambda m: _indexed_case(
+        m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, None, 1.0),
+        lambda w, i: F.embedding(i, w.clone(), max_norm=1.0), ["allreduce"]),
     "embedding_tokens_sharded": lambda m: _indexed_case(
         m, [10, 8], {}, _TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
         lambda w, i: F.embedding(i, w), []),

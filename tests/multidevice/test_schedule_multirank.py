@@ -135,6 +135,22 @@ def test_strided_token_ids_through_an_embedding(multidevice_test):
     assert fd.plan.collectives() == []
 
 
+def test_a_vocabulary_in_strided_pieces(multidevice_test):
+    """Each rank looks up the rows of its strided piece of the vocabulary (zeros for the others), then
+    one allreduce, as for a block of rows."""
+    d = multidevice_test.size
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([5], dtype=DataType.Int)
+        weight = fd.define_tensor([3 * d, 4], dtype=DataType.Double)
+        fd.add_output(fd.ops.embedding_fwd(ids, weight))
+    weight.set_device_mesh(DeviceMesh(range(d)))
+    _inner_rows(weight, d)
+    full_ids, full_w = torch.tensor([3 * d - 1, 0, 1, d, 1]), rand(20, 3 * d, 4)
+    (got,) = fd.execute([full_ids, shard_tensor(full_w, weight)])
+    torch.testing.assert_close(got, F.embedding(full_ids, full_w))
+    assert fd.plan.collectives() == (["allreduce"] if d > 1 else [])
+
+
 def test_partial_to_strided_is_a_reduce_scatter(multidevice_test):
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))
