@@ -206,6 +206,26 @@ def _decomposed_softmax(fd, x):
     return fd.ops.div(e, fd.ops.sum(e, [1], keepdim=True))
 
 
+def vocab_parallel_cross_entropy_case(mesh) -> Case:
+    """Megatron's vocab-parallel cross entropy written from fd.ops: the LM head's weight sharded on the
+    vocabulary, so the logits are too; the row maxima, the sums of exponentials and the target logits (a
+    one-hot from iota) are reduced across ranks, the logits never gathered: three small allreduces."""
+    t, h, v = 6, 8, 16
+    with FusionDefinition() as fd:
+        hidden, w = fd.define_tensor([t, h], dtype=F64), fd.define_tensor([v, h], dtype=F64)
+        target = fd.define_tensor([t], dtype=DataType.Int)
+        logits = fd.ops.linear(hidden, w)
+        m = fd.ops.max(logits, [1], keepdim=True)
+        lse = fd.ops.add(fd.ops.log(fd.ops.sum(fd.ops.exp(fd.ops.sub(logits, m)), [1])), fd.ops.squeeze(m, [1]))
+        hit = fd.ops.eq(fd.ops.broadcast_in_dim(fd.ops.iota(v), [t, v], [1]),
+                        fd.ops.broadcast_in_dim(target, [t, v], [0]))
+        picked = fd.ops.sum(fd.ops.where(hit, logits, 0.0), [1])
+        fd.add_output(fd.ops.mean(fd.ops.sub(lse, picked), [0]))
+        shard(w, mesh, {0: X})
+    return Case(fd, [hidden, w, target], [_rand(32, (t, h)), _rand(33, (v, h)), torch.tensor([3, 15, 0, 8, 8, 12])],
+                lambda x, weight, tgt: [F.cross_entropy(x @ weight.T, tgt)], ["allreduce"] * 3)
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -393,6 +413,7 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda t: t.amax(1).exp().sum(0), ["allreduce"]),
     # softmax over a sharded vocabulary (Megatron's vocab-parallel cross entropy): the logits stay sharded,
     # only the row maxima and the row sums are reduced across ranks
+    "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy_case,
     "vocab_parallel_softmax": lambda m: _unary_case(
         m, [4, 8], {1: X}, {1: X}, _decomposed_softmax, lambda t: torch.softmax(t, 1), ["allreduce", "allreduce"]),
     "min_prod_var_other_dim": lambda m: _unary_case(
