@@ -244,15 +244,49 @@ def normalization_backward(whole_dims: Callable[[Op, int], tuple[int, ...]], sta
 
 def along(whole_dims: Callable[[Op, tuple[int, ...]], Iterable[int]],
           linear: Callable[[Op], bool] | None = None) -> Rule:
-    """Ops whose output keeps the input's dims (scans, pad, triu): the dims ``whole_dims(op, shape)`` of
-    the input stay whole, the others pass a Shard through; where ``linear(op)`` holds, the input may be
-    Partial."""
+    """Ops whose outputs keep the input's dims (scans, pad, triu, topk, argsort): the dims
+    ``whole_dims(op, shape)`` of the input stay whole, the others pass a Shard through; where ``linear(op)``
+    holds, the input may be Partial."""
     def build(op: Op, fusion: Fusion) -> LabelSpec:
-        (x, *_), _ = _shapes(op, fusion)
+        (x, *_), outs = _shapes(op, fusion)
         labels = tuple(range(len(x)))
-        return LabelSpec((labels,), (labels,), whole=frozenset(whole_dims(op, x)),
+        return LabelSpec((labels,), (labels,) * len(outs), whole=frozenset(whole_dims(op, x)),
                          partial_sets=(frozenset({0}),) if linear is not None and linear(op) else ())
     return from_spec(build)
+
+
+def _alike(a: tuple[int, ...], b: tuple[int, ...], d: int) -> bool:
+    """Whether dim ``d`` of two shapes is known to have one extent (a symbolic one is not)."""
+    return a[d] == b[d] >= 0
+
+
+def _take_along_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """take_along_axis / gather: out[..., j, ...] = x[..., index[..., j, ...], ...] along ``dim``. The index
+    and the output share every label: a shard of the index along ``dim`` shards the output; x's ``dim``
+    stays whole (an index may name any row). Another dim passes a Shard through x, the index and the output
+    where the index spans it alike with x; where it covers a prefix of it, the dim stays whole in all three
+    (a block of the index would need rows of x at other places). x may be Partial: the op is linear in it."""
+    (x, idx), _ = _shapes(op, fusion)
+    dim = op.attr("dim")
+    labels = tuple(d if d == dim or _alike(x, idx, d) else -1 - d for d in range(len(idx)))
+    lx = tuple(-1 - len(x) if d == dim else labels[d] for d in range(len(x)))
+    return LabelSpec((lx, labels), (labels,), whole=frozenset(lab for lab in (*lx, *labels) if lab < 0),
+                     partial_sets=(frozenset({0}),))
+
+
+def _scatter_spec(op: Op, fusion: Fusion) -> LabelSpec:
+    """scatter: out = x with out[..., index[..., j, ...], ...] = src[..., j, ...] along ``dim``. The output
+    shares x's labels; ``dim`` stays whole everywhere (an index may name any row), and so does every dim that
+    the index and src do not span alike with x. x and a tensor src may be Partial together (each position of
+    the output is either x's or src's)."""
+    (x, idx, src), _ = _shapes(op, fusion)
+    dim = op.attr("dim")
+    shared = [d != dim and _alike(x, idx, d) and (src is None or _alike(x, src, d)) for d in range(len(x))]
+    lx = tuple(d if shared[d] else -1 - d for d in range(len(x)))
+    lidx = tuple(d if shared[d] else -1 - len(x) - d for d in range(len(idx)))
+    whole = frozenset(lab for lab in (*lx, *lidx) if lab < 0)
+    return LabelSpec((lx, lidx, None if src is None else lidx), (lx,), whole=whole,
+                     partial_sets=(frozenset({0, 2}),) if src is not None else ())
 
 
 def _index_select_spec(op: Op, fusion: Fusion) -> LabelSpec:
@@ -388,6 +422,8 @@ slice_ = from_spec(_slice_spec)
 index_select = from_spec(_index_select_spec)
 select = from_spec(_select_spec)
 embedding = from_spec(_embedding_spec)
+take_along = from_spec(_take_along_spec)
+scatter = from_spec(_scatter_spec)
 cat = from_spec(_cat_spec)
 reshape = reshape_candidates
 

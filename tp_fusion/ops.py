@@ -1351,6 +1351,121 @@ register("select", impl=lambda x, dim, index: x.select(dim, index),
          traits=Trait.VIEW, rule=rules.select, front=_select_front)
 
 
+def _take_along_infer(args, attrs):
+    x, index = args
+    dim = attrs["dim"]
+    if index.ndim != x.ndim:
+        _bad(f"index {index} must have the {x.ndim} dims of x {x}")
+    for d in range(x.ndim):
+        if d != dim and x.shape[d] >= 0 and index.shape[d] > x.shape[d]:
+            _bad(f"dim {d} of index {index} must not exceed that of x {x}")
+    return [TensorType(index.shape, x.dtype)]
+
+
+def _take_along(rec, arg, index, dim: int, alike: bool):
+    """Record ``take_along_axis`` (errors name ``rec.kind``, the op the user called); ``alike``: the index's
+    dims other than ``dim`` must equal arg's."""
+    x, index = rec.tv(arg, "arg"), rec.tv(index, "index")
+    _integer_indices(rec.kind, index, "index")
+    d = rec.dim(x, dim)
+    if alike and index.ndim == x.ndim:
+        other = [e for e in range(x.ndim) if e != d and -1 not in (x.shape[e], index.shape[e])
+                 and x.shape[e] != index.shape[e]]
+        if other:
+            _fail(rec.kind, f"dim {other[0]} of index T{index.name} {index._ir.type_str()} must equal that of arg "
+                            f"T{x.name} {x._ir.type_str()} (only dim {d} may differ)")
+    return rec.other("take_along_axis", x, index, dim=d)
+
+
+def _take_along_axis_front(rec, arg, index, dim: int):
+    """nvFuser's ``take_along_axis(arg, index, dim)``: ``out[..., j, ...] = arg[..., index[..., j, ...], ...]``
+    along ``dim`` (torch's ``torch.gather(arg, dim, index)``); index (Int or Int32) has arg's dims and, but
+    for ``dim``, its extents. A sharded index shards the output with no communication; arg's ``dim`` is
+    gathered where it is sharded."""
+    return _take_along(rec, arg, index, dim, alike=True)
+
+
+def _gather_front(rec, arg, index, dim: int):
+    """nvFuser's ``gather(arg, index, dim)``, torch's ``torch.gather(arg, dim, index)``: as
+    ``take_along_axis`` (and recorded as it), but the index's dims other than ``dim`` may be shorter than
+    arg's (it takes a prefix of them)."""
+    return _take_along(rec, arg, index, dim, alike=False)
+
+
+# nvFuser's gather is this op too: fd.ops.gather records it (the op name ``gather`` is the collective's).
+register("take_along_axis", impl=lambda x, index, dim: torch.gather(x, dim, index), infer=_take_along_infer,
+         traits=Trait.NONE, rule=rules.take_along, front=_take_along_axis_front)
+SPELLINGS["gather"] = _gather_front
+
+
+def _scatter_infer(args, attrs):
+    x, index, src = args
+    dim = attrs["dim"]
+    if index.ndim != x.ndim or (isinstance(src, TensorType) and src.ndim != x.ndim):
+        _bad(f"index {index} and src must have the {x.ndim} dims of x {x}")
+    for d in range(x.ndim):
+        too_long = index.shape[d] > (src.shape[d] if isinstance(src, TensorType) else index.shape[d]) or \
+            (d != dim and x.shape[d] >= 0 and index.shape[d] > x.shape[d])
+        if index.shape[d] >= 0 and too_long:
+            _bad(f"dim {d} of index {index} must not exceed that of src or (but for dim {dim}) of x {x}")
+    if isinstance(src, TensorType) and src.dtype != x.dtype:
+        _bad(f"src {src} must have the dtype of x {x}")
+    return [x]
+
+
+def _scatter_front(rec, arg, index, src, dim: int):
+    """nvFuser's ``scatter(arg, index, src, dim)``, torch's ``torch.scatter(arg, dim, index, src)``: arg with
+    ``out[..., index[..., j, ...], ...] = src[..., j, ...]`` along ``dim`` (src a tensor of arg's dtype or a
+    number). Where an index repeats, which write wins is unspecified, as in torch. ``dim`` stays whole (any
+    row may be written); the other dims stay sharded where index and src span them alike with arg.
+    Recorded as ``scatter_along`` (the op name ``scatter`` is the collective's)."""
+    x, index = rec.tv(arg, "arg"), rec.tv(index, "index")
+    _integer_indices("scatter", index, "index")
+    src = _number("scatter", src, "src", (int, float, bool)) if isinstance(src, (int, float, bool, Const)) \
+        else rec.tv(src, "src (a TensorView, a Python number or a define_scalar)")
+    return rec.other("scatter_along", x, index, src, dim=rec.dim(x, dim))
+
+
+register("scatter_along", impl=lambda x, index, src, dim: torch.scatter(x, dim, index, src), infer=_scatter_infer,
+         traits=Trait.NONE, rule=rules.scatter)
+SPELLINGS["scatter"] = _scatter_front
+
+
+def _topk_front(rec, arg, k, dim: int = -1, largest: bool = True, sorted: bool = False):
+    """nvFuser's ``topk(arg, k, dim=-1, largest=True, sorted=False)`` -> (values, indices), torch's
+    ``torch.topk``: the ``k`` largest (or smallest) elements along ``dim``; unsorted, their order is
+    unspecified (as in torch and nvFuser). ``dim`` is gathered where it is sharded."""
+    x = rec.tv(arg, "arg")
+    d, k = rec.dim(x, dim), _number("topk", k, "k", (int,))
+    if k < 0 or (x.shape[d] >= 0 and k > x.shape[d]):
+        _fail("topk", f"k {k} is out of range for dim {d} of T{x.name} {x._ir.type_str()}")
+    return rec(x, k=k, dim=d, largest=bool(largest), sorted=bool(sorted))
+
+
+def _topk_infer(args, attrs):
+    (x,), shape = args, list(args[0].shape)
+    shape[attrs["dim"]] = attrs["k"]
+    return [TensorType(tuple(shape), x.dtype), TensorType(tuple(shape), DataType.Int)]
+
+
+register("topk", impl=lambda x, k, dim, largest, sorted: tuple(torch.topk(x, k, dim, largest, sorted)),
+         infer=_topk_infer, traits=Trait.NONE, rule=rules.along(lambda op, shape: (op.attr("dim"),)), num_outputs=2,
+         front=_topk_front)
+
+
+def _argsort_front(rec, arg, dim: int = -1, descending: bool = False, stable: bool = False):
+    """nvFuser's ``argsort(arg, dim=-1, descending=False, stable=False)``, torch's ``torch.argsort``: the
+    positions that sort ``arg`` along ``dim`` (Int). ``dim`` is gathered where it is sharded."""
+    x = rec.tv(arg, "arg")
+    return rec(x, dim=rec.dim(x, dim), descending=bool(descending), stable=bool(stable))
+
+
+register("argsort", impl=lambda x, dim, descending, stable: torch.argsort(x, dim=dim, descending=descending,
+                                                                          stable=stable),
+         infer=lambda args, attrs: [TensorType(args[0].shape, DataType.Int)], traits=Trait.NONE,
+         rule=rules.along(lambda op, shape: (op.attr("dim"),)), front=_argsort_front)
+
+
 def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0, vocab_local=None):
     """``F.embedding``; with ``vocab_local`` (``weight`` holds some rows of the vocabulary: the local row of
     each global one, -1 where another rank holds it), the rows held here and zeros for the others, this

@@ -386,6 +386,7 @@ def _indexed_case(mesh, x_shape, x_dims, idx_full, idx_dims, body, reference, co
 
 _INDEX = torch.tensor([5, 0, 3, 3, 1, 2, 0, 4])
 _TOKENS = torch.tensor([[7, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])
+_ALONG = torch.tensor([[5, 0, 3], [1, 1, 2], [0, 4, 5], [2, 3, 1], [4, 4, 0], [3, 5, 1], [0, 2, 5], [1, 0, 4]])
 _VOCAB_TOKENS = torch.tensor([[11, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])  # into 12 rows
 
 CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
@@ -458,6 +459,30 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "embedding_vocab_sharded_max_norm": lambda m: _indexed_case(
         m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, None, 1.0),
         lambda w, i: F.embedding(i, w.clone(), max_norm=1.0), ["allreduce"]),
+    # take_along_axis / gather / scatter: a shard of the index (and of arg's dims it spans alike) stays put
+    "take_along_axis_rows_sharded": lambda m: _indexed_case(
+        m, [8, 6], {0: X}, _ALONG, {0: X}, lambda fd, x, i: fd.ops.take_along_axis(x, i, 1),
+        lambda x, i: torch.gather(x, 1, i), []),
+    "take_along_axis_dim_sharded": lambda m: _indexed_case(
+        m, [8, 8], {1: X}, _ALONG, {}, lambda fd, x, i: fd.ops.take_along_axis(x, i, 1),
+        lambda x, i: torch.gather(x, 1, i), ["allgather"]),
+    "gather_prefix_of_rows": lambda m: _indexed_case(  # the index spans 4 of 8 rows: the rows of both gathered
+        m, [8, 6], {0: X}, _ALONG[:4], {0: X}, lambda fd, x, i: fd.ops.gather(x, i, 1),
+        lambda x, i: torch.gather(x, 1, i), ["allgather", "allgather"]),
+    "scatter_rows_sharded": lambda m: _indexed_case(
+        m, [8, 6], {0: X}, _ALONG, {0: X}, lambda fd, x, i: fd.ops.scatter(x, i, fd.ops.neg(fd.ops.slice(
+            x, [0, 0], [8, 3])), 1), lambda x, i: torch.scatter(x, 1, i, -x[:, :3]), []),
+    "scatter_dim_sharded": lambda m: _indexed_case(
+        m, [8, 8], {1: X}, _ALONG, {}, lambda fd, x, i: fd.ops.scatter(x, i, 2.5, 1),
+        lambda x, i: torch.scatter(x, 1, i, 2.5), ["allgather"]),
+    "topk_argsort_other_dim": lambda m: _unary_case(
+        m, [8, 6], {0: X}, None, lambda fd, x: fd.ops.add(fd.ops.topk(x, 2, 1, sorted=True)[0],
+                                                           fd.ops.cast(fd.ops.slice(fd.ops.argsort(x, 1), [0, 0],
+                                                                                    [8, 2]), F64)),
+        lambda t: t.topk(2, 1).values + t.argsort(1)[:, :2].double(), []),
+    "topk_sharded_dim": lambda m: _unary_case(
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.topk(x, 3, 1, largest=False, sorted=True)[1],
+        lambda t: t.topk(3, 1, largest=False).indices, ["allgather"]),
     "embedding_tokens_sharded": lambda m: _indexed_case(
         m, [10, 8], {}, _TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
         lambda w, i: F.embedding(i, w), []),

@@ -863,6 +863,41 @@ def test_a_lookup_in_a_piece_of_the_vocabulary():
             _ops.OPS["embedding_fwd"].impl(torch.tensor(bad), weight, vocab_local=table)
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+def test_take_along_axis_gather_scatter_topk_argsort(index_dtype):
+    x = _rand(52, 4, 6)
+    along = torch.tensor([[5, 0], [1, 1], [0, 4], [2, 3]], dtype=index_dtype)
+    rows = torch.tensor([[3, 0, 1, 1, 2, 0], [0, 2, 3, 1, 0, 2]], dtype=index_dtype)  # a prefix of x's rows
+    _, outs = _run(lambda fd, t, a, r: (
+        fd.ops.take_along_axis(t, a, 1), fd.ops.gather(t, r, 0), fd.ops.gather(t, a, 1),
+        fd.ops.scatter(t, a, fd.ops.neg(fd.ops.slice(t, [0, 0], [4, 2])), 1), fd.ops.scatter(t, r, -1.5, 0),
+        *fd.ops.topk(t, 3, sorted=True), *fd.ops.topk(t, 2, 0, largest=False, sorted=True),
+        fd.ops.argsort(t, 0, descending=True), fd.ops.argsort(t, stable=True)), [x, along, rows])
+    a, r = along.long(), rows.long()
+    want = [torch.gather(x, 1, a), torch.gather(x, 0, r), torch.gather(x, 1, a),
+            torch.scatter(x, 1, a, -x[:, :2]), torch.scatter(x, 0, r, -1.5),
+            *torch.topk(x, 3), *torch.topk(x, 2, 0, largest=False), x.argsort(0, descending=True), x.argsort(-1)]
+    for got, ref in zip(outs, want):
+        _check(got, ref)
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda fd, t, i: fd.ops.take_along_axis(t, i, 0), r"take_along_axis: dim 1 of index T1 i64\[2, 3\] must equal "
+                                                        r"that of arg T0 f32\[4, 6\] \(only dim 0 may differ\)"),
+    (lambda fd, t, i: fd.ops.gather(t, fd.ops.cast(i, DataType.Float), 0), "must be an Int or Int32 tensor"),
+    (lambda fd, t, i: fd.ops.gather(t, fd.ops.pad(i, [0, 5]), 0), r"dim 1 of index .* must not exceed that of x"),
+    (lambda fd, t, i: fd.ops.scatter(t, i, "a", 0),
+     r"scatter: expected a TensorView for src \(a TensorView, a Python number or a define_scalar\), got 'a'"),
+    (lambda fd, t, i: fd.ops.topk(t, 7, 1), r"topk: k 7 is out of range for dim 1 of T0 f32\[4, 6\]"),
+    (lambda fd, t, i: fd.ops.argsort(t, 2), "dim"),
+])
+def test_gather_scatter_topk_argsort_errors(build, match):
+    with FusionDefinition() as fd:
+        t, i = fd.define_tensor([4, 6]), fd.define_tensor([2, 3], dtype=DataType.Int)
+        with pytest.raises(DefinitionError, match=match):
+            build(fd, t, i)
+
+
 def test_indices_must_be_integers():
     with FusionDefinition() as fd:
         t, f = fd.define_tensor([5, 6]), fd.define_tensor([4])
