@@ -387,6 +387,7 @@ def _indexed_case(mesh, x_shape, x_dims, idx_full, idx_dims, body, reference, co
 _INDEX = torch.tensor([5, 0, 3, 3, 1, 2, 0, 4])
 _TOKENS = torch.tensor([[7, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])
 _ALONG = torch.tensor([[5, 0, 3], [1, 1, 2], [0, 4, 5], [2, 3, 1], [4, 4, 0], [3, 5, 1], [0, 2, 5], [1, 0, 4]])
+_DISTINCT = torch.tensor([[5, 0, 3], [1, 4, 2], [0, 4, 5], [2, 3, 1], [4, 1, 0], [3, 5, 1], [0, 2, 5], [1, 0, 4]])
 _VOCAB_TOKENS = torch.tensor([[11, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])  # into 12 rows
 
 CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
@@ -469,8 +470,8 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "gather_prefix_of_rows": lambda m: _indexed_case(  # the index spans 4 of 8 rows: the rows of both gathered
         m, [8, 6], {0: X}, _ALONG[:4], {0: X}, lambda fd, x, i: fd.ops.gather(x, i, 1),
         lambda x, i: torch.gather(x, 1, i), ["allgather", "allgather"]),
-    "scatter_rows_sharded": lambda m: _indexed_case(
-        m, [8, 6], {0: X}, _ALONG, {0: X}, lambda fd, x, i: fd.ops.scatter(x, i, fd.ops.neg(fd.ops.slice(
+    "scatter_rows_sharded": lambda m: _indexed_case(  # distinct indices per row: no write races another
+        m, [8, 6], {0: X}, _DISTINCT, {0: X}, lambda fd, x, i: fd.ops.scatter(x, i, fd.ops.neg(fd.ops.slice(
             x, [0, 0], [8, 3])), 1), lambda x, i: torch.scatter(x, 1, i, -x[:, :3]), []),
     "scatter_dim_sharded": lambda m: _indexed_case(
         m, [8, 8], {1: X}, _ALONG, {}, lambda fd, x, i: fd.ops.scatter(x, i, 2.5, 1),
