@@ -310,11 +310,13 @@ def _select_spec(op: Op, fusion: Fusion) -> LabelSpec:
 def _embedding_spec(op: Op, fusion: Fusion) -> LabelSpec:
     """indices[*b] into weight[v, h] -> out[*b, h]: the index dims and the embedding dim h pass a Shard
     through; a sharded vocabulary v is summed (each rank looks up the rows it holds, zeros for the others:
-    Megatron's vocab-parallel embedding); the weight may be Partial where the lookup is linear in it."""
+    Megatron's vocab-parallel embedding); the weight may be Partial where the lookup is linear in it. With
+    ``max_norm`` the rows are renormalized by their norm, so h stays whole."""
     (idx, _), _ = _shapes(op, fusion)
     batch, V, H = tuple(range(len(idx))), -1, -2
     linear = op.attr("max_norm") is None
     return LabelSpec((batch, (V, H)), ((*batch, H),), summed=frozenset({V}),
+                     whole=frozenset() if linear else frozenset({H}),  # max_norm: the norm of a whole row
                      partial_sets=(frozenset({1}),) if linear else ())
 
 

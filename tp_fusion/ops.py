@@ -1474,10 +1474,11 @@ def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0, 
         weight = weight.clone()
     if vocab_local is None:
         return F.embedding(indices, weight, padding_idx, max_norm, norm_type)
-    # a negative index goes out of range, as F.embedding's does, rather than wrapping round the table
-    local = vocab_local[indices.masked_fill(indices < 0, vocab_local.shape[0])]
-    elsewhere = local < 0
-    out = F.embedding(local.clamp_min(0), weight, None, max_norm, norm_type)  # padding_idx: a backward matter
+    # an index out of the vocabulary reaches F.embedding as it is, which refuses it as it would unsharded
+    bad = (indices < 0) | (indices >= vocab_local.shape[0])
+    local = torch.where(bad, indices, vocab_local[indices.clamp(0, vocab_local.shape[0] - 1)])
+    elsewhere = (local < 0) & ~bad
+    out = F.embedding(local.masked_fill(elsewhere, 0), weight, None, max_norm, norm_type)  # padding_idx: backward's
     return out.masked_fill(elsewhere.unsqueeze(-1), 0)
 
 

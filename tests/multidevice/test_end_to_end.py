@@ -484,6 +484,9 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "topk_sharded_dim": lambda m: _unary_case(
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.topk(x, 3, 1, largest=False, sorted=True)[1],
         lambda t: t.topk(3, 1, largest=False).indices, ["allgather"]),
+    "embedding_hidden_sharded_max_norm": lambda m: _indexed_case(  # a row's norm needs all of it: h gathered
+        m, [10, 8], {1: X}, _TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, None, 1.0),
+        lambda w, i: F.embedding(i, w.clone(), max_norm=1.0), ["allgather"]),
     "embedding_tokens_sharded": lambda m: _indexed_case(
         m, [10, 8], {}, _TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
         lambda w, i: F.embedding(i, w), []),

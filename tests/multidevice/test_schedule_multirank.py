@@ -204,6 +204,32 @@ def test_split_reduction_axis_of_a_max_min_or_prod(multidevice_test, op):
     _run(fd, [x], [full], m, torch.relu(want), ["allreduce"] if d > 1 else [])
 
 
+@pytest.mark.parametrize("scatter", [False, True], ids=["allreduce", "reduce_scatter"])
+def test_max_and_min_over_a_sharded_dim_keep_nan(multidevice_test, scatter):
+    """torch's amax and amin return NaN where the reduced row holds one; NCCL's and gloo's max and min drop
+    it, so a NaN on any rank but the first was lost (and a NaN beside an inf came back inf)."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    full = rand(21, 4, 2 * d)
+    full[0, 0], full[1, -1], full[2, -1], full[2, 0] = float("nan"), float("nan"), float("nan"), float("inf")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 2 * d], dtype=DataType.Double)
+        outs = fd.ops.max(x, [1]), fd.ops.min(x, [1])
+        for out in outs:
+            fd.add_output(out)
+    x.set_device_mesh(mesh)
+    x.outer_split(1, d).axis(1).parallelize(X)
+    if scatter:
+        for out in outs:
+            out.set_device_mesh(mesh)
+            out.outer_split(0, d).axis(0).parallelize(X)
+    got = fd.execute([shard_tensor(full, x)])
+    for out, want, sharding in zip(got, (full.amax(1), full.amin(1)), fd.output_shardings()):
+        torch.testing.assert_close(out, shard_tensor(want, sharding), equal_nan=True)
+    kind = "reduce_scatter" if scatter else "allreduce"
+    assert fd.plan.collectives() == ([kind, kind] if d > 1 else [])
+
+
 def test_a_pending_max_reduced_into_one_device(multidevice_test):
     """A max over a sharded dim, wanted on the last device alone: the pieces' maxima reduced into it."""
     d = multidevice_test.size

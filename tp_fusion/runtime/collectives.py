@@ -169,6 +169,34 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
     this rank; groups, indices and shapes are looked up once, here. ``s.donate``: ``x`` may be
     reduced in place. ``async_op`` (an allgather, reduce_scatter or allreduce that runs asynchronously,
     ``program.schedule_collectives``): ``fn(x)`` returns ``finish()``, which waits and returns the result."""
+    fn = _step_fn(s, program, async_op)
+    reduce_op = s.op.attr("reduce_op", "sum")
+    if reduce_op in ("max", "min") and s.dtype.is_floating and s.collective in _REDUCING:
+        return _keeping_nan(fn, reduce_op)
+    return fn
+
+
+_REDUCING = (Collective.ALLREDUCE, Collective.REDUCE_SCATTER, Collective.REDUCE)
+
+
+def _keeping_nan(fn, reduce_op: str):
+    """``fn``, a max or min collective over floats, made to keep NaN as torch's amax and amin do (NCCL's and
+    gloo's max and min drop it): each element travels with a flag in a trailing dim, 1 (max) or -1 (min)
+    where it is NaN and 0 elsewhere, which the same op combines into "some rank's element was NaN"."""
+    flag = 1.0 if reduce_op == "max" else -1.0
+
+    def unpack(out: torch.Tensor | None) -> torch.Tensor | None:
+        return None if out is None else torch.where(out[..., 1] != 0, float("nan"), out[..., 0])
+
+    def run(x: torch.Tensor):
+        nan = x.isnan()
+        got = fn(torch.stack([x.masked_fill(nan, 0), nan.to(x.dtype) * flag], -1))
+        return (lambda: unpack(got())) if callable(got) else unpack(got)
+    return run
+
+
+def _step_fn(s: Communicate, program: Program, async_op: bool):
+    """``step_fn`` without the NaN flags of a floating max or min."""
     op, c, rank = s.op, s.collective, program.rank
     shape, dtype, device = s.out_shape, s.dtype.torch, program.device
     reduce_op = op.attr("reduce_op", "sum")  # how partials combine (ALLREDUCE, REDUCE_SCATTER, REDUCE, TO_PARTIAL)
