@@ -1403,10 +1403,9 @@ def _scatter_infer(args, attrs):
     dim = attrs["dim"]
     if index.ndim != x.ndim or (isinstance(src, TensorType) and src.ndim != x.ndim):
         _bad(f"index {index} and src must have the {x.ndim} dims of x {x}")
-    for d in range(x.ndim):
-        too_long = index.shape[d] > (src.shape[d] if isinstance(src, TensorType) else index.shape[d]) or \
-            (d != dim and x.shape[d] >= 0 and index.shape[d] > x.shape[d])
-        if index.shape[d] >= 0 and too_long:
+    for d, n in enumerate(index.shape):  # a symbolic extent (-1) is checked when bound
+        over_src = isinstance(src, TensorType) and 0 <= src.shape[d] < n
+        if over_src or (d != dim and 0 <= x.shape[d] < n):
             _bad(f"dim {d} of index {index} must not exceed that of src or (but for dim {dim}) of x {x}")
     if isinstance(src, TensorType) and src.dtype != x.dtype:
         _bad(f"src {src} must have the dtype of x {x}")
@@ -1498,7 +1497,8 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
     """nvFuser's ``embedding_fwd``, torch's ``F.embedding``: the rows of ``weight [v, h]`` at ``input``
     (Int or Int32, any shape) -> ``[*input.shape, h]``. ``max_norm`` renormalizes the rows it returns
     (the weight itself is not modified); ``scale_grad_by_freq`` and ``sparse`` only concern a backward
-    and are ignored. Index dims and h may be sharded. A sharded v makes each rank look up the rows it holds
+    and are ignored. Index dims and h may be sharded (h not with ``max_norm``: a row's norm needs all of it;
+    it is gathered). A sharded v makes each rank look up the rows it holds
     (zeros for the others): a partial sum over the ranks, which an allreduce (or a reduce_scatter of the
     tokens) finishes, as Megatron's vocab-parallel embedding does."""
     idx, w = rec.tv(input, "input"), rec.tv(weight, "weight")

@@ -881,6 +881,15 @@ def test_take_along_axis_gather_scatter_topk_argsort(index_dtype):
         _check(got, ref)
 
 
+def test_scatter_from_a_src_of_symbolic_extents():
+    """A symbolic extent (-1) of src is checked when bound, not taken as shorter than the index."""
+    x, index, src = _rand(53, 4, 6), torch.tensor([[0, 5, 2]] * 4), _rand(54, 4, 3)
+    with FusionDefinition() as fd:
+        t, i, s = fd.define_tensor([4, 6]), fd.define_tensor([4, 3], dtype=DataType.Int), fd.define_tensor([-1, -1])
+        fd.add_output(fd.ops.scatter(t, i, s, 1))
+    _check(fd.execute([x, index, src])[0], torch.scatter(x, 1, index, src))
+
+
 @pytest.mark.parametrize("build,match", [
     (lambda fd, t, i: fd.ops.take_along_axis(t, i, 0), r"take_along_axis: dim 1 of index T1 i64\[2, 3\] must equal "
                                                         r"that of arg T0 f32\[4, 6\] \(only dim 0 may differ\)"),
