@@ -344,13 +344,9 @@ def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
 def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     """A reshape keeps a Shard when the sharded dim leads its group of merged/split dims on both
     sides and both leading extents divide by ``n`` (the local reshape is then the same reshape on
-    1/n of the leading dim). Otherwise the input must be gathered first. A strided shard of the input
-    (``Shard(d, outer)``: the dim viewed as [outer, n, rest]) stays strided at the same ``outer`` where
-    both leading extents divide by ``outer * n``: merging trailing dims into [outer, n, rest], or splitting
-    them off it, leaves each index's piece where it was."""
+    1/n of the leading dim). Otherwise the input must be gathered first. (A strided shard stays strided
+    where both leading extents divide by ``outer * n``: the strategy's strided candidates.)"""
     (x,), (out,) = _shapes(op, fusion)
-    have = fusion.tensor(op.inputs[0]).sharding
-    outers = [1, *sorted({p.outer for p in (have.placements if have else ()) if isinstance(p, Shard) and p.outer > 1})]
     cands = [Candidate((REPLICATE,), (REPLICATE,)), Candidate((PARTIAL_SUM,), (PARTIAL_SUM,))]
     i = o = 0
     while i < len(x) and o < len(out):
@@ -367,9 +363,8 @@ def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
                 po *= out[o]
         lead_i = next((d for d in gi if x[d] != 1), None)
         lead_o = next((d for d in go if out[d] != 1), None)
-        if lead_i is not None and lead_o is not None:
-            cands += [Candidate((Shard(lead_i, k),), (Shard(lead_o, k),)) for k in outers
-                      if x[lead_i] % (k * n) == 0 and out[lead_o] % (k * n) == 0]
+        if lead_i is not None and lead_o is not None and x[lead_i] % n == 0 and out[lead_o] % n == 0:
+            cands.append(Candidate((Shard(lead_i),), (Shard(lead_o),)))
         i, o = i + 1, o + 1
     return cands
 
@@ -429,9 +424,3 @@ scatter = from_spec(_scatter_spec)
 cat = from_spec(_cat_spec)
 reshape = reshape_candidates
 
-
-def keeps_indices(rule: Rule) -> bool:
-    """Whether every candidate of ``rule`` maps each index of a sharded dim to the same index of the
-    output's dim, or sums over it: true of every rule but reshape's, which regroups a dim's pieces. Such an
-    op computes any piece of a dim as it does a block (the strategy's strided candidates)."""
-    return rule is not reshape

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tp_fusion.sharding.reshard import is_free, step_collective
-from tp_fusion.sharding.rules import Candidate, keeps_indices
+from tp_fusion.sharding.rules import Candidate
 from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, Sharding
 
 from tp_fusion.errors import LoweringError
@@ -77,11 +77,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
-    any_piece = keeps_indices(rule)
     for axis in reversed(range(mesh.ndim)):
         cands = rule(op, fusion, mesh.shape[axis])
-        if any_piece:
-            cands = cands + _strided(cands, [h[axis] for h in have if h is not None])
+        cands = cands + _strided(cands, [h[axis] for h in have if h is not None], op, fusion, mesh.shape[axis])
         cands = [c for c in cands if _compatible(c, need_in, need_out, mesh, axis)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
@@ -108,17 +106,25 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                     tuple(Sharding(mesh, tuple(n)) for n in need_out))
 
 
-def _strided(cands: list[Candidate], have: list[Placement]) -> list[Candidate]:
-    """For an op whose rule keeps indices (``rules.keeps_indices``: every op but reshape), each candidate
-    that shards dims as blocks again at the place (``Shard(d, outer)``) an operand's strided shard has:
-    such an op maps each index of a sharded dim to the same index of the output (or sums over it), so any
-    piece of a dim works as the block does. (A reshape does not: it regroups a dim's pieces.)"""
+def _strided(cands: list[Candidate], have: list[Placement], op: Op, fusion: Fusion, n: int) -> list[Candidate]:
+    """Each candidate that shards dims as blocks again at the place (``Shard(d, outer)``: the dim viewed as
+    [outer, n, rest]) an operand's strided shard has, where every dim it shards divides into ``outer * n``
+    pieces. An op maps each index of a dim it keeps sharded to the same index of its output (or sums over
+    it), so any piece works as the block does. A reshape's block candidates shard the leading dim of a group
+    of merged or split dims: merging trailing dims into [outer, n, rest], or splitting them off it, leaves
+    each index's piece where it was too, given that both leading extents divide."""
     outers = sorted({p.outer for p in have if isinstance(p, Shard) and p.outer != 1})
+    shapes = [fusion.tensor(a).shape if isinstance(a, int) else None for a in op.inputs]
+    shapes += [fusion.tensor(o).shape for o in op.outputs]
 
     def at(p: Placement | None, outer: int) -> Placement | None:
         return Shard(p.dim, outer) if isinstance(p, Shard) else p
+
+    def divides(c: Candidate, outer: int) -> bool:  # an extent or an outer still symbolic is checked when bound
+        return all(not isinstance(p, Shard) or outer < 0 or shape[p.dim] < 0 or shape[p.dim] % (outer * n) == 0
+                   for p, shape in zip((*c.inputs, *c.outputs), shapes))
     return [Candidate(tuple(at(p, k) for p in c.inputs), tuple(at(p, k) for p in c.outputs))
-            for k in outers for c in cands if any(isinstance(p, Shard) for p in c.inputs)]
+            for k in outers for c in cands if any(isinstance(p, Shard) for p in c.inputs) and divides(c, k)]
 
 
 def _compatible(c: Candidate, need_in, need_out, mesh: DeviceMesh, axis: int) -> bool:

@@ -169,8 +169,8 @@ def step_fn(s: Communicate, program: Program, async_op: bool = False):
     this rank; groups, indices and shapes are looked up once, here. ``s.donate``: ``x`` may be
     reduced in place. ``async_op`` (an allgather, reduce_scatter or allreduce that runs asynchronously,
     ``program.schedule_collectives``): ``fn(x)`` returns ``finish()``, which waits and returns the result."""
-    fn = _step_fn(s, program, async_op)
-    reduce_op = s.op.attr("reduce_op", "sum")
+    reduce_op = s.op.attr("reduce_op", "sum")  # how partials combine (ALLREDUCE, REDUCE_SCATTER, REDUCE, TO_PARTIAL)
+    fn = _step_fn(s, program, async_op, reduce_op)
     if reduce_op in ("max", "min") and s.dtype.is_floating and s.collective in _REDUCING:
         return _keeping_nan(fn, reduce_op)
     return fn
@@ -195,11 +195,10 @@ def _keeping_nan(fn, reduce_op: str):
     return run
 
 
-def _step_fn(s: Communicate, program: Program, async_op: bool):
+def _step_fn(s: Communicate, program: Program, async_op: bool, reduce_op: str):
     """``step_fn`` without the NaN flags of a floating max or min."""
     op, c, rank = s.op, s.collective, program.rank
     shape, dtype, device = s.out_shape, s.dtype.torch, program.device
-    reduce_op = op.attr("reduce_op", "sum")  # how partials combine (ALLREDUCE, REDUCE_SCATTER, REDUCE, TO_PARTIAL)
     if c is Collective.SEND_RECV:
         src, dst = op.attr("src_mesh"), op.attr("dst_mesh")
         return lambda x: send_recv(x, src, dst, rank, shape, dtype, device)
