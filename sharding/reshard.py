@@ -19,7 +19,8 @@ afterwards), then the rest; a step that would shard a piece of a dim that anothe
 waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no step at all: every
 placement on it holds the whole value. A change of mesh moves the data with ``SEND_RECV`` (meshes of
 one shape, placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device,
-replicated), with same-mesh steps before and after; between a 1-D mesh and one of its devices, only
+replicated), with same-mesh steps before and after; a replicated value that goes replicated to some of
+its own devices does not move; between a 1-D mesh and one of its devices, only
 that device's share moves: ``GATHER`` (shards into it), ``REDUCE`` (partial sums into it) or
 ``SCATTER`` (shards out of it).
 """
@@ -171,6 +172,8 @@ def reshard_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:
     where the table has no way."""
     if src.mesh == dst.mesh:
         return same_mesh_steps(src, dst, what)
+    if held_already(src, dst):
+        return []
     if src.mesh.shape == dst.mesh.shape:
         kept = tuple(REPLICATE if isinstance(p, Partial) else p for p in src.placements)
         moved = Sharding(dst.mesh, kept)
@@ -214,6 +217,11 @@ def can_reshard(src: Sharding, dst: Sharding) -> bool:
     return True
 
 
-def equivalent(a: Sharding, b: Sharding) -> bool:
-    """Whether two shardings hold the same data on every rank (they differ at most on size-1 axes)."""
-    return a.mesh == b.mesh and _trivial_axes(a) == _trivial_axes(b)
+def held_already(src: Sharding, dst: Sharding) -> bool:
+    """Whether every device of ``dst`` already holds its data under ``src``: the shardings differ at
+    most on size-1 mesh axes, or a replicated value goes to some of its own devices, replicated. The
+    ``set`` between them stays a local copy."""
+    if src.mesh == dst.mesh:
+        return _trivial_axes(src) == _trivial_axes(dst)
+    return (_trivial_axes(src).is_replicated and _trivial_axes(dst).is_replicated
+            and set(dst.mesh.devices) <= set(src.mesh.devices))

@@ -11,6 +11,7 @@ Each op's entry in the op registry (``tp_fusion.ops``) names its rule, built her
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -342,12 +343,32 @@ def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
 
 
 def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
-    """A reshape keeps a Shard when the sharded dim leads its group of merged/split dims on both
-    sides and both leading extents divide by ``n`` (the local reshape is then the same reshape on
-    1/n of the leading dim). Otherwise the input must be gathered first. (A strided shard stays strided
-    where both leading extents divide by ``outer * n``: the strategy's strided candidates.)"""
+    """A reshape keeps a Shard where the elements each rank holds are one piece of an output dim too.
+    Within a group of merged or split dims, viewed as one flat dim, ``Shard(d, outer=k)`` holds the
+    blocks [O, n, rest] with O = k times the extents before d in the group. The output dim d' holds the
+    same blocks as ``Shard(d', O // Q)``, where Q, the extents before d', divides O and the extent of d'
+    divides by ``O // Q * n`` (at most one d' does). So a leading dim's block stays a block, splitting
+    the outer factor off a middle piece leaves a block, and merging a sharded dim into the dims before
+    it leaves a middle piece. Otherwise (a piece would straddle output dims) the input is gathered
+    first. Groups with a symbolic extent keep nothing."""
     (x,), (out,) = _shapes(op, fusion)
     cands = [Candidate((REPLICATE,), (REPLICATE,)), Candidate((PARTIAL_SUM,), (PARTIAL_SUM,))]
+    for gi, go in _reshape_groups(x, out):
+        if any(x[d] < 0 for d in gi) or any(out[d] < 0 for d in go):
+            continue
+        for d in gi:
+            for k in _divisors(x[d] // n) if x[d] % n == 0 else ():
+                blocks = math.prod(x[gi[0]:d]) * k
+                for d2 in go:
+                    before = math.prod(out[go[0]:d2])
+                    if blocks % before == 0 and out[d2] % (blocks // before * n) == 0:
+                        cands.append(Candidate((Shard(d, k),), (Shard(d2, blocks // before),)))
+    return cands
+
+
+def _reshape_groups(x: tuple[int, ...], out: tuple[int, ...]) -> Iterable[tuple[list[int], list[int]]]:
+    """The groups of a reshape's dims, input and output side, that hold the same elements (``[a, b]`` merged
+    into ``[a * b]``, ``[a * b]`` split into ``[a, b]``, or one dim kept)."""
     i = o = 0
     while i < len(x) and o < len(out):
         gi, go = [i], [o]
@@ -361,12 +382,14 @@ def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
                 o += 1
                 go.append(o)
                 po *= out[o]
-        lead_i = next((d for d in gi if x[d] != 1), None)
-        lead_o = next((d for d in go if out[d] != 1), None)
-        if lead_i is not None and lead_o is not None and x[lead_i] % n == 0 and out[lead_o] % n == 0:
-            cands.append(Candidate((Shard(lead_i),), (Shard(lead_o),)))
+        yield gi, go
         i, o = i + 1, o + 1
-    return cands
+
+
+def _divisors(m: int) -> list[int]:
+    """The divisors of ``m`` in increasing order (none for m < 1)."""
+    small = [k for k in range(1, math.isqrt(max(m, 0)) + 1) if m % k == 0]
+    return small + [m // k for k in reversed(small) if k * k != m]
 
 
 def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...]) -> Rule:

@@ -8,6 +8,7 @@ needs, so propagation and lowering agree by construction.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tp_fusion.sharding.reshard import is_free, step_collective
@@ -49,13 +50,32 @@ def _reachable(have: Placement, need: Placement) -> bool:
 
 
 def op_mesh(op: Op, fusion: Fusion, hint: Sharding | None, default: DeviceMesh) -> DeviceMesh:
-    if hint is not None:
-        return hint.mesh
-    for i in preference(op, fusion):
-        s = fusion.tensor(op.inputs[i]).sharding
-        if s is not None:
-            return s.mesh
-    return default
+    """The mesh an op runs on: its output's assigned mesh, else the mesh of its first operand in
+    preference order that has one, else ``default``. An op whose output goes to one device of the
+    1-D mesh that holds every operand, some sharded, runs on that mesh instead where its outputs are
+    smaller than those operands: then only the result moves to the device (a reduction's partial
+    sums with one ``reduce``, its shards with one ``gather``), not the operands."""
+    held = [fusion.tensor(op.inputs[i]).sharding for i in preference(op, fusion)]
+    if hint is None:
+        return next((s.mesh for s in held if s is not None), default)
+    if _result_moves_less(op, fusion, hint, held):
+        return held[0].mesh
+    return hint.mesh
+
+
+def _result_moves_less(op: Op, fusion: Fusion, hint: Sharding, held: list[Sharding | None]) -> bool:
+    if not held or any(s is None or s.mesh != held[0].mesh for s in held):
+        return False
+    mesh = held[0].mesh
+    if hint.mesh.size != 1 or mesh.ndim != 1 or hint.mesh.devices[0] not in mesh or mesh == hint.mesh \
+            or all(s.is_replicated for s in held):
+        return False
+    def nbytes(name: int) -> int:
+        t = fusion.tensor(name)
+        return -1 if any(e < 0 for e in t.shape) else math.prod(t.shape) * t.dtype.torch.itemsize
+    operands = [nbytes(a) for a in op.tensor_inputs if not fusion.tensor(a).sharding.is_replicated]
+    outputs = [nbytes(o) for o in op.outputs]
+    return min(operands + outputs) >= 0 and sum(outputs) < sum(operands)
 
 
 def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMesh) -> Strategy:
@@ -69,6 +89,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     if rule is None:
         raise LoweringError(f"{op.kind}: no sharding rule for this op")
     mesh = op_mesh(op, fusion, hint, default_mesh)
+    hint = hint if hint is not None and hint.mesh == mesh else None
     have = []
     for a in op.inputs:
         s = fusion.tensor(a).sharding if isinstance(a, int) else None
@@ -110,9 +131,8 @@ def _strided(cands: list[Candidate], have: list[Placement], op: Op, fusion: Fusi
     """Each candidate that shards dims as blocks again at the place (``Shard(d, outer)``: the dim viewed as
     [outer, n, rest]) an operand's strided shard has, where every dim it shards divides into ``outer * n``
     pieces. An op maps each index of a dim it keeps sharded to the same index of its output (or sums over
-    it), so any piece works as the block does. A reshape's block candidates shard the leading dim of a group
-    of merged or split dims: merging trailing dims into [outer, n, rest], or splitting them off it, leaves
-    each index's piece where it was too, given that both leading extents divide."""
+    it), so any piece works as the block does. (A reshape moves indices between dims: its rule places its
+    pieces itself, and its candidates of a block to a block lead their groups, where the same holds.)"""
     outers = sorted({p.outer for p in have if isinstance(p, Shard) and p.outer != 1})
     shapes = [fusion.tensor(a).shape if isinstance(a, int) else None for a in op.inputs]
     shapes += [fusion.tensor(o).shape for o in op.outputs]
@@ -124,7 +144,13 @@ def _strided(cands: list[Candidate], have: list[Placement], op: Op, fusion: Fusi
         return all(not isinstance(p, Shard) or outer < 0 or shape[p.dim] < 0 or shape[p.dim] % (outer * n) == 0
                    for p, shape in zip((*c.inputs, *c.outputs), shapes))
     return [Candidate(tuple(at(p, k) for p in c.inputs), tuple(at(p, k) for p in c.outputs))
-            for k in outers for c in cands if any(isinstance(p, Shard) for p in c.inputs) and divides(c, k)]
+            for k in outers for c in cands if _blocks(c) and divides(c, k)]
+
+
+def _blocks(c: Candidate) -> bool:
+    """Whether candidate ``c`` shards some operand, and every dim it shards as one block per device."""
+    shards = [p for p in (*c.inputs, *c.outputs) if isinstance(p, Shard)]
+    return any(isinstance(p, Shard) for p in c.inputs) and all(p.outer == 1 for p in shards)
 
 
 def _compatible(c: Candidate, need_in, need_out, mesh: DeviceMesh, axis: int) -> bool:

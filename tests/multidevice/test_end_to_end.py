@@ -65,6 +65,20 @@ def _unary_case(mesh, shape, src, dst, body, reference, collectives, dtype=F64, 
 # --- 1-D mesh cases (any world size; extents divide by 4) ------------------------------------
 
 
+def reshape_of_middle_piece_case(mesh) -> Case:
+    """[4, 16, 3] with dim 1 split [2, 8] and the 8 sharded (``S(1, outer=2)``), reshaped to [4, 2, 8, 3]:
+    the split takes the outer factor off, so the piece is a block of dim 2, with no communication."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 16, 3], dtype=F64)
+        z = fd.ops.reshape(x, [4, 2, 8, 3])
+        fd.add_output(z)
+        x.set_device_mesh(mesh)
+        x.split(1, 8)
+        x.outer_split(2, mesh.size)
+        x.axis(2).parallelize(X)
+    return Case(fd, [x], [_rand(3, (4, 16, 3))], lambda t: [t.reshape(4, 2, 8, 3)], [])
+
+
 def linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
     """column: w and b sharded on out features; row: x and w on in features (bias added once);
     rs: row-parallel with the tokens scattered; sp: tokens sharded in, gathered before the GEMM."""
@@ -308,8 +322,14 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [4, 6, 8], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [24, 8]), lambda t: t.reshape(24, 8), []),
     "reshape_split_keeps_sharding": lambda m: _unary_case(
         m, [24, 8], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [4, 6, 8]), lambda t: t.reshape(4, 6, 8), []),
-    "reshape_needs_allgather": lambda m: _unary_case(
-        m, [3, 8, 2], {1: X}, None, lambda fd, x: fd.ops.reshape(x, [24, 2]), lambda t: t.reshape(24, 2),
+    "reshape_merge_keeps_a_middle_piece": lambda m: _unary_case(  # [3, 8] -> [24]: S(0, outer=3)
+        m, [3, 8, 2], {1: X}, None, lambda fd, x: fd.ops.reshape(x, [24, 2]), lambda t: t.reshape(24, 2), []),
+    "reshape_merge_and_split_back": lambda m: _unary_case(  # the middle piece is a block again
+        m, [3, 8, 2], {1: X}, {1: X}, lambda fd, x: fd.ops.reshape(fd.ops.mul(fd.ops.reshape(x, [24, 2]), 2.0),
+                                                                   [3, 8, 2]), lambda t: t * 2, []),
+    "reshape_split_off_a_middle_piece": reshape_of_middle_piece_case,
+    "reshape_needs_allgather": lambda m: _unary_case(  # a block of 12 // n rows straddles the rows of 4
+        m, [12, 2], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [3, 4, 2]), lambda t: t.reshape(3, 4, 2),
         ["allgather"]),
     "softmax_sharded_dim": lambda m: _unary_case(
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), ["allgather"]),
@@ -701,6 +721,45 @@ def scatter_case(world: int) -> Case:
     return Case(fd, [x], [_rand(75, (3, 2 * world))], lambda t: [t], ["scatter"])
 
 
+def kept_on_own_device_case(world: int) -> Case:
+    """A replicated value moved to one of its own devices: that device holds it already, so nothing
+    moves (a broadcast before)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 4], dtype=F64)
+        z = fd.ops.set(x)
+        fd.add_output(fd.ops.mul(z, 2.0))
+        shard(x, _reversed_mesh(world))
+        shard(z, DeviceMesh([world - 1]))
+    return Case(fd, [x], [_rand(76, (3, 4))], lambda t: [t * 2], [])
+
+
+def reduced_into_one_device_case(world: int, body: str) -> Case:
+    """An op on a 1-D mesh's shards whose smaller result goes to one of its devices runs on the whole
+    mesh, and only its result moves: a sum over the sharded dim or a row-parallel linear (with a bias
+    added once, on the device) with one ``reduce``, a sum over another dim with one ``gather``. (Before,
+    the operands were gathered into the device and the op ran there alone.)"""
+    mesh = _reversed_mesh(world)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 4 * world], dtype=F64)
+        if body == "sum_sharded_dim":
+            z = fd.ops.sum(x, [1])
+            args, ref, expected = [x], lambda a: [a.sum(1)], ["reduce"]
+        elif body == "sum_other_dim":
+            z = fd.ops.sum(x, [0])
+            args, ref, expected = [x], lambda a: [a.sum(0)], ["gather"]
+        else:
+            w, b = fd.define_tensor([5, 4 * world], dtype=F64), fd.define_tensor([5], dtype=F64)
+            z = fd.ops.linear(x, w, b)
+            args, ref, expected = [x, w, b], lambda a, m, c: [F.linear(a, m, c)], ["reduce"]
+            shard(w, mesh, {1: X})
+            shard(b, mesh)
+        fd.add_output(z)
+        shard(x, mesh, {1: X})
+        shard(z, DeviceMesh([world // 2]))
+    full = [_rand(77 + i, fd.fusion.tensor(tv.name).shape) for i, tv in enumerate(args)]
+    return Case(fd, args, full, ref, expected)
+
+
 CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its devices
     "send_recv_between_meshes": lambda w: move_case(w, {0: X}),
     "send_recv_then_all_to_all": lambda w: move_case(w, {1: X}),
@@ -709,6 +768,10 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
     "gather_columns_into_one_device": lambda w: gather_case(w, 1),
     "reduce_into_one_device": reduce_case,
     "scatter_from_one_device": scatter_case,
+    "replicated_kept_on_one_of_its_devices": kept_on_own_device_case,
+    "sum_of_shards_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_sharded_dim"),
+    "sum_of_other_dim_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_other_dim"),
+    "row_parallel_linear_into_one_device": lambda w: reduced_into_one_device_case(w, "linear"),
 }
 
 

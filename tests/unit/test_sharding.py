@@ -8,6 +8,8 @@ factory ops, a ``set`` that adds one sharding and removes another).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor, unshard_tensor
@@ -514,6 +516,9 @@ MESH_10 = DeviceMesh([1, 0])
     ({}, DeviceMesh([1]), MESH4, ["scatter"], {"dim": 0}),  # the destination is sharded on dim 0 below
     ({0: X}, MESH2, DeviceMesh([2]), ["allgather", "broadcast"], {}),  # a device outside the mesh
     ({0: X, 1: Y}, MESH22, DeviceMesh([0]), ["allgather", "allgather", "broadcast"], {}),  # a 2-D mesh
+    ({}, MESH_10, DeviceMesh([0]), [], {}),  # replicated: the device holds it already
+    ({}, MESH22, DeviceMesh([3]), [], {}),
+    ({}, MESH2, DeviceMesh([2]), ["broadcast"], {}),  # replicated, but not on that device
 ])
 def test_moves_between_a_mesh_and_one_of_its_devices(src, src_mesh, dst_mesh, expected, attrs):
     with FusionDefinition() as fd:
@@ -548,6 +553,29 @@ def test_partial_sum_into_one_device_is_a_reduce():
         shard(z, DeviceMesh([1]))
     f = lower(fd)
     assert comms(f) == ["reduce"] and placements(f, z) == (R,)
+
+
+@pytest.mark.parametrize("dim,expected", [(1, ["sum", "reduce"]), (0, ["sum", "gather"])])
+def test_a_reduction_into_one_device_runs_on_the_mesh_and_moves_its_result(dim, expected):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.sum(x, [dim])
+        fd.add_output(z)
+        shard(x, MESH_10, {1: X})
+        shard(z, DeviceMesh([0]))
+    f = lower(fd)
+    assert kinds(f) == expected and placements(f, z) == (R,)
+    assert f.tensor(only(f, "sum").inputs[0]).sharding.mesh == MESH_10
+
+
+def test_an_op_into_one_device_whose_result_is_not_smaller_moves_its_operands():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.exp(x)
+        fd.add_output(z)
+        shard(x, MESH_10, {1: X})
+        shard(z, DeviceMesh([0]))
+    assert kinds(lower(fd)) == ["gather", "exp"]
 
 
 def test_sum_over_sharded_dim_to_replicated_is_allreduce():
@@ -887,16 +915,48 @@ def test_reshape_split_keeps_sharding_of_leading_dim():
     assert out_placements(f) == (Shard(0),)
 
 
-def test_reshape_merge_of_non_leading_sharded_dim_needs_allgather():
+def test_reshape_merge_of_non_leading_sharded_dim_keeps_a_middle_piece():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6, 8])
         z = fd.ops.reshape(x, [24, 8])
         fd.add_output(z)
-        shard(x, MESH2, {1: X})  # s sharded: its pieces are not contiguous in b*s
+        shard(x, MESH2, {1: X})  # s sharded: each rank holds 3 of every 6 rows of b*s
     f = lower(fd)
-    assert kinds(f) == ["allgather", "reshape"]
-    assert only(f, "allgather").attr("dim") == 1
-    assert out_placements(f) == (R,)
+    assert kinds(f) == ["reshape"] and out_placements(f) == (Shard(0, 4),)
+
+
+@pytest.mark.parametrize("src,shape,out,dst", [
+    (Shard(0), [12, 2], [3, 4, 2], None),  # a block of 6 rows straddles the rows of 4: gathered
+    (Shard(0), [12, 2], [2, 6, 2], Shard(0)),
+    (Shard(0, 2), [12, 2], [2, 6, 2], Shard(1)),  # the outer factor split off: a block
+    (Shard(0, 2), [12, 2], [4, 3, 2], Shard(0, 2)),  # pieces of 3 rows are rows 0 and 2 of [4, 3]
+    (Shard(0, 2), [12, 2], [6, 2, 2], None),  # pieces of 3 rows straddle the rows of 2
+    (Shard(1), [4, 6, 2], [2, 12, 2], Shard(1, 2)),  # [4, 6] -> [2, 12]: 3 of 6 columns -> 2 pieces of 3 of 12
+    (Shard(1), [2, 6, 2], [3, 4, 2], None),
+    (Shard(1), [2, 4, 3], [2, 2, 6], Shard(1)),  # [4, 3] -> [2, 6]: blocks of 2 rows of 3 are 1 row of 6
+    (Shard(2), [4, 2, 6], [8, 6], Shard(1)),  # an untouched dim
+])
+def test_reshape_keeps_a_piece_where_it_maps_onto_one_output_dim(src, shape, out, dst):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(shape)
+        z = fd.ops.reshape(x, out)
+        fd.add_output(z)
+        x.set_device_mesh(MESH2)
+        if src.outer != 1:
+            x.split(src.dim, shape[src.dim] // src.outer)
+        x.outer_split(src.dim + (src.outer != 1), 2)
+        x.axis(src.dim + (src.outer != 1)).parallelize(X)
+    f = lower(fd)
+    assert placements(f, x) == (src,)
+    assert kinds(f) == (["reshape"] if dst else ["allgather", "reshape"])
+    assert out_placements(f) == ((dst,) if dst else (R,))
+    full = torch.arange(float(math.prod(shape))).reshape(shape)
+    for rank in range(2):  # each rank's piece reshaped alone is its piece of the output
+        local = shard_tensor(full, Sharding(MESH2, (src,)), rank)
+        if dst:
+            torch.testing.assert_close(local.reshape(shard_tensor(full.reshape(out), Sharding(MESH2, (dst,)),
+                                                                  rank).shape),
+                                       shard_tensor(full.reshape(out), Sharding(MESH2, (dst,)), rank))
 
 
 def test_reshape_of_untouched_dim_keeps_its_sharding():
