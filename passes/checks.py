@@ -61,7 +61,8 @@ def lowered(fusion: Fusion) -> None:
     for op in fusion.ops:
         if traits(op.kind) & Trait.RESHARD:
             src, dst = fusion.tensor(op.inputs[0]).sharding, fusion.tensor(op.outputs[0]).sharding
-            assert src is None or held_already(src, dst), f"{op}: a resharding set survived lowering"
+            shape = fusion.tensor(op.outputs[0]).shape
+            assert src is None or held_already(src, dst, shape), f"{op}: a resharding set survived lowering"
 
 
 def segmented(fusion: Fusion) -> None:

@@ -11,8 +11,9 @@ from tp_fusion.ops import Trait, traits
 def lower_communications(fusion: Fusion) -> Fusion:
     """Requires: insert_reshardings ran. Ensures: every ``set`` whose input and output shardings
     differ is replaced by one op per ``ReshardStep`` (a collective, or a local slice), each acting
-    on one mesh axis or moving between meshes; intermediate tensors are new. A set whose shardings
-    differ only on mesh axes of size 1 stays a local copy: it needs no communication."""
+    on one mesh axis or moving between meshes; intermediate tensors are new. A set whose destination's
+    devices hold their pieces already (``held_already``: shardings that differ only on mesh axes of
+    size 1, a replicated value kept on some of its devices) stays a local copy."""
     if not fusion.has_meshes:
         return fusion
     tensors, ops = list(fusion.tensors), []
@@ -21,7 +22,7 @@ def lower_communications(fusion: Fusion) -> Fusion:
             ops.append(op)
             continue
         src_t, dst_t = tensors[op.inputs[0]], tensors[op.outputs[0]]
-        steps = reshard_steps(src_t.sharding, dst_t.sharding, f"set T{src_t.name} -> T{dst_t.name}")
+        steps = reshard_steps(src_t.sharding, dst_t.sharding, dst_t.shape, f"set T{src_t.name} -> T{dst_t.name}")
         if not steps:
             ops.append(op)
             continue

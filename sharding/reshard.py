@@ -16,13 +16,14 @@ Partial(a) -> Partial(b)      ``ALLREDUCE`` then ``TO_PARTIAL`` (two reductions,
 
 A change on several mesh axes becomes a sequence: free local steps first (less data to move
 afterwards), then the rest; a step that would shard a piece of a dim that another mesh axis shards
-waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no step at all: every
-placement on it holds the whole value. A change of mesh moves the data with ``SEND_RECV`` (meshes of
-one shape, placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device,
-replicated), with same-mesh steps before and after; a replicated value that goes replicated to some of
-its own devices does not move; between a 1-D mesh and one of its devices, only
-that device's share moves: ``GATHER`` (shards into it), ``REDUCE`` (partial sums into it) or
-``SCATTER`` (shards out of it).
+waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no
+step at all: every placement on it holds the whole value. Nothing moves where each device of the
+destination holds its piece already (``held_already``: e.g. a replicated value kept on some of its
+own devices). Otherwise a change of mesh moves the data with ``SEND_RECV`` (meshes of one shape,
+placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device, replicated), with
+same-mesh steps before and after; between a 1-D mesh and one of its devices, only that device's
+share moves: ``GATHER`` (shards into it), ``REDUCE`` (partial sums into it) or ``SCATTER`` (shards
+out of it).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
 
-from tp_fusion.errors import LoweringError
+from tp_fusion.errors import LoweringError, ShardingError
 from tp_fusion.mesh import DeviceMesh
 
 
@@ -167,13 +169,14 @@ def _step(collective: Collective, axis: int, cur: list, b: Placement, mesh: Devi
                        dst_outer=after.local_outer(axis) if isinstance(b, Shard) else 1)
 
 
-def reshard_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:
-    """Every step from ``src`` to ``dst``, on one mesh or between meshes. Raises LoweringError
-    where the table has no way."""
+def reshard_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], what: str) -> list[ReshardStep]:
+    """Every step from ``src`` to ``dst`` of a tensor of global ``shape``, on one mesh or between meshes;
+    none where the devices of ``dst`` hold their pieces already (``held_already``). Raises
+    LoweringError where the table has no way."""
+    if held_already(src, dst, shape):
+        return []
     if src.mesh == dst.mesh:
         return same_mesh_steps(src, dst, what)
-    if held_already(src, dst):
-        return []
     if src.mesh.shape == dst.mesh.shape:
         kept = tuple(REPLICATE if isinstance(p, Partial) else p for p in src.placements)
         moved = Sharding(dst.mesh, kept)
@@ -208,20 +211,19 @@ def _one_device_move(src: Sharding, dst: Sharding) -> ReshardStep | None:
     return None
 
 
-def can_reshard(src: Sharding, dst: Sharding) -> bool:
-    """Whether the table has a way from ``src`` to ``dst``."""
-    try:
-        reshard_steps(src, dst, "")
-    except LoweringError:
+def held_already(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether every device of ``dst`` already holds its piece of a tensor of global ``shape`` under
+    ``src``: the shardings differ at most on size-1 mesh axes, or (neither holding partial values)
+    each device of ``dst`` is in ``src``'s mesh and holds the same indices of every dim there, e.g. a
+    replicated value kept on some of its own devices, or a 1-D mesh's shards on a 2x1 mesh of its
+    devices. The ``set`` between them stays a local copy."""
+    if src.mesh == dst.mesh and _trivial_axes(src) == _trivial_axes(dst):
+        return True
+    if src.has_partial or dst.has_partial or any(e < 0 for e in shape) \
+            or not set(dst.mesh.devices) <= set(src.mesh.devices):
         return False
-    return True
-
-
-def held_already(src: Sharding, dst: Sharding) -> bool:
-    """Whether every device of ``dst`` already holds its data under ``src``: the shardings differ at
-    most on size-1 mesh axes, or a replicated value goes to some of its own devices, replicated. The
-    ``set`` between them stays a local copy."""
-    if src.mesh == dst.mesh:
-        return _trivial_axes(src) == _trivial_axes(dst)
-    return (_trivial_axes(src).is_replicated and _trivial_axes(dst).is_replicated
-            and set(dst.mesh.devices) <= set(src.mesh.devices))
+    try:
+        return all(torch.equal(src.local_indices(r, d, n), dst.local_indices(r, d, n))
+                   for r in dst.mesh.devices for d, n in enumerate(shape))
+    except ShardingError:  # a piece that does not divide: lowering reports it
+        return False

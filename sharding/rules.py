@@ -202,11 +202,16 @@ def _unsqueeze_spec(op: Op, fusion: Fusion) -> LabelSpec:
 
 def _broadcast_in_dim_spec(op: Op, fusion: Fusion) -> LabelSpec:
     """Input dim i lands on output dim broadcast_dims[i]; new and expanded output dims are labels
-    of the output alone (the op can produce any slice of them from a replicated input)."""
+    of the output alone (the op can produce any slice of them from a replicated input). A pending sum
+    passes through only where no dim grows: one that did would be summed at the larger size (e.g. the
+    row sums of a softmax over a sharded dim: an allreduce of [rows] then, not a reduce_scatter of the
+    broadcast [rows, vocab])."""
     (x,), (out,) = _shapes(op, fusion)
     bdims = op.attr("broadcast_dims")
     lin = tuple(d if x[i] == out[d] else None for i, d in enumerate(bdims))
-    return LabelSpec((lin,), (tuple(range(len(out))),), partial_sets=(frozenset({0}),))
+    kept = {d for i, d in enumerate(bdims) if x[i] == out[d]}
+    grows = any(e != 1 for d, e in enumerate(out) if d not in kept)
+    return LabelSpec((lin,), (tuple(range(len(out))),), partial_sets=() if grows else (frozenset({0}),))
 
 
 def normalization(whole_dims: Callable[[Op, int], tuple[int, ...]]) -> Rule:

@@ -38,6 +38,8 @@ import torch
 from tp_fusion.compile import as_declared
 from tp_fusion.errors import DefinitionError, ShardingError
 from tp_fusion.fusion_definition import FusionDefinition
+from tp_fusion.runtime.dist import is_dtensor
+from tp_fusion.sharding.reshard import held_already
 
 
 def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inputs: Sequence[int] = (),
@@ -50,8 +52,8 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     ``grad_inputs``: the forward inputs the backward fusion's outputs are the gradients of (default
     all). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
     here (a ``DefinitionError`` says which); dtypes of the returned outputs decide which of them are
-    differentiable. A gradient whose local shape is not its input's raises a ``ShardingError`` in
-    backward. See the module docstring for the conventions.
+    differentiable. A gradient whose local shape or sharding is not its input's raises a
+    ``ShardingError`` in backward. See the module docstring for the conventions.
     """
     n_in, n_out = len(forward.fusion.inputs), len(forward.fusion.outputs)
     saved_inputs = _indices(saved_inputs, n_in, "saved_inputs", "input")
@@ -104,15 +106,9 @@ class _Spec:
     grad_inputs: tuple[int, ...]
 
 
-def _is_dtensor(x) -> bool:
-    from tp_fusion.dtensor import _dtensor_api
-
-    return isinstance(x, _dtensor_api().DTensor)
-
-
 def _run(fd: FusionDefinition, tensors: list) -> list:
     """``fd`` on local shards, or through ``execute_with_dtensors`` when any tensor is a DTensor."""
-    if any(_is_dtensor(t) for t in tensors):
+    if any(is_dtensor(t) for t in tensors):
         from tp_fusion.dtensor import execute_with_dtensors
 
         return execute_with_dtensors(fd, tensors)
@@ -125,12 +121,12 @@ class _Meta:
 
     def __init__(self, t):
         self.shape, self.dtype = t.shape, t.dtype
-        self.mesh, self.placements = (t.device_mesh, tuple(t.placements)) if _is_dtensor(t) else (None, None)
+        self.mesh, self.placements = (t.device_mesh, tuple(t.placements)) if is_dtensor(t) else (None, None)
 
     def redistribute(self, grad):
         """``grad`` as this tensor is: with its placements if it is a DTensor, else this rank's local
         shard (a backward that ran on DTensors gives DTensors for the plain inputs too)."""
-        if not _is_dtensor(grad):
+        if not is_dtensor(grad):
             return grad
         if self.mesh is None:
             return grad.to_local()
@@ -151,6 +147,8 @@ class _FusionFunction(torch.autograd.Function):
         ctx.save_for_backward(*[inputs[i] for i in spec.saved_inputs], *[outs[i] for i in spec.saved_outputs])
         ctx.output_meta = [_Meta(outs[i]) for i in spec.differentiable]
         ctx.input_meta = [_Meta(x) for x in inputs]
+        plan = spec.forward.plan.fusion  # the sharding each input had: its gradient must have it too
+        ctx.input_shardings = [plan.tensor(name).sharding for name in plan.inputs]
         return returned[0] if len(returned) == 1 else tuple(returned)
 
     @staticmethod
@@ -163,16 +161,26 @@ class _FusionFunction(torch.autograd.Function):
                      for j, (i, meta) in enumerate(zip(spec.differentiable, ctx.output_meta))]
         results = _run(spec.backward, [*saved, *out_grads])
         input_grads: list = [None] * len(ctx.input_meta)
-        for i, grad in zip(spec.grad_inputs, results):
+        grad_shardings = spec.backward.plan.output_shardings()
+        for k, (i, grad) in enumerate(zip(spec.grad_inputs, results)):
             if not ctx.needs_input_grad[i]:
                 continue
             inp = ctx.input_meta[i]
             grad = inp.redistribute(grad)
             if grad.shape != inp.shape:
                 raise ShardingError(
-                    f"{spec.name}.backward: the backward fusion's output {spec.grad_inputs.index(i)} is the "
-                    f"gradient of forward input {i}, which has local shape {list(inp.shape)}, but it came out "
-                    f"{list(grad.shape)}; give that backward output the sharding of forward input {i}")
+                    f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
+                    f"{i}, which has local shape {list(inp.shape)}, but it came out {list(grad.shape)}; give "
+                    f"that backward output the sharding of forward input {i}")
+            want, got = ctx.input_shardings[i], grad_shardings[k]
+            if inp.mesh is None and want is not None and got.mesh is not None \
+                    and not held_already(got, want, spec.backward.plan.fusion.tensor(
+                        spec.backward.plan.fusion.outputs[k]).shape):
+                raise ShardingError(
+                    f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
+                    f"{i}, which is sharded {want}, but it came out sharded {got}: each rank would get "
+                    f"other elements than its shard of the input; give that backward output the sharding of "
+                    f"forward input {i}")
             input_grads[i] = grad.to(inp.dtype) if grad.dtype != inp.dtype else grad
         return tuple(input_grads)
 

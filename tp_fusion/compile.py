@@ -21,6 +21,7 @@ from tp_fusion.ir import Fusion, Op, Tensor, resolve_sizes
 from tp_fusion.ops import opdef, operand_types, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
+from tp_fusion.runtime.dist import is_dtensor
 
 if TYPE_CHECKING:
     from tp_fusion.fusion_definition import Layout  # (it imports this module)
@@ -38,6 +39,10 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
         t = fusion.tensor(name)
         if not isinstance(x, torch.Tensor):
             raise InputError(f"execute: input T{name} must be a torch.Tensor, got {type(x).__name__}")
+        if is_dtensor(x):
+            raise InputError(f"execute: input T{name} is a DTensor; execute takes this rank's local shards. Run "
+                             "the fusion on DTensors with tp_fusion.execute_with_dtensors(fd, inputs), or pass "
+                             "x.to_local()")
         if not t.held_by(rank):
             check_unheld(name, t, x, rank)
             shapes.append(t.shape)  # this rank holds no shard of it: its extents are its holders' to say

@@ -249,6 +249,39 @@ def test_gradient_of_the_wrong_shape_is_a_clear_error():
         z.sum().backward()
 
 
+@pytest.mark.ranks(2, 4)
+def test_gradient_of_another_sharding_with_the_right_shape_is_a_clear_error(multidevice_test):
+    """x is sharded by blocks of rows, its gradient by strided rows: the local shapes agree, but each rank
+    would get other rows' gradients (found by a black-box hunt: x.grad came back wrong, silently)."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+
+    def rows(tv, strided=False):
+        tv.set_device_mesh(mesh)
+        if strided:
+            tv.inner_split(0, d)
+            tv.axis(1).parallelize(ParallelType.mesh_x)
+        else:
+            tv.outer_split(0, d)
+            tv.axis(0).parallelize(ParallelType.mesh_x)
+    with FusionDefinition() as fwd:
+        x = fwd.define_tensor([T, H], dtype=F64)
+        y = fwd.ops.mul(x, x)
+        fwd.add_output(y)
+        rows(x), rows(y)
+    with FusionDefinition() as bwd:
+        xs, gy = bwd.define_tensor([T, H], dtype=F64), bwd.define_tensor([T, H], dtype=F64)
+        gx = bwd.ops.mul(bwd.ops.mul(xs, 2.0), gy)
+        bwd.add_output(gx)
+        rows(xs), rows(gy), rows(gx, strided=True)
+    square = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0])
+    x_local = torch.arange(float(T * H), dtype=torch.float64).reshape(T, H).chunk(d)[multidevice_test.rank]
+    out = square.apply(x_local.clone().requires_grad_())
+    with pytest.raises(ShardingError, match=r"gradient of forward input 0, which is sharded mesh\(.*\)\(S\(0\)\), "
+                                             r"but it came out sharded mesh\(.*\)\(S\(0, outer=.*\)\)"):
+        out.sum().backward()
+
+
 @pytest.mark.ranks(2)
 def test_dtensor_activation_with_local_shard_parameters(multidevice_test):
     """x a DTensor, the weights plain nn.Parameters holding this rank's shards: the backward runs on

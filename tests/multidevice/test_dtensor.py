@@ -71,6 +71,12 @@ def _check_1d(rank: int, world: int) -> None:
     (z2,) = tp_fusion.execute_with_dtensors(fd2, mixed)
     torch.testing.assert_close(z2.full_tensor(), want)
 
+    # DTensors handed to execute (not execute_with_dtensors) are a clear error, scheduled fusion or not
+    # (before: a raw storage error, or an InputError about the wrong local extent).
+    for fusion in (fd2, _mlp_fusion()):
+        with pytest.raises(tp_fusion.InputError, match=r"input T0 is a DTensor; .*execute_with_dtensors"):
+            fusion.execute([distribute_tensor(t, mesh, p) for t, p in zip(full, tp)])
+
     # A hand-written schedule that disagrees with the DTensor is an error, not overwritten.
     fd3 = _mlp_fusion()
     w1_tv = tp_fusion.TensorView(fd3, fd3.fusion.inputs[1])

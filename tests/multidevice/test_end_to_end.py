@@ -733,6 +733,18 @@ def kept_on_own_device_case(world: int) -> Case:
     return Case(fd, [x], [_rand(76, (3, 4))], lambda t: [t * 2], [])
 
 
+def shards_kept_on_a_2d_mesh_case(world: int) -> Case:
+    """Shards of a 1-D mesh set onto a [world, 1] mesh of the same devices, sharded on its first axis:
+    every device holds its piece already, so nothing moves (an allgather and a broadcast before)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2 * world, 3], dtype=F64)
+        z = fd.ops.set(x)
+        fd.add_output(fd.ops.neg(z))
+        shard(x, _reversed_mesh(world), {0: X})
+        shard(z, DeviceMesh(torch.tensor(_reversed_mesh(world).devices).reshape(world, 1)), {0: Y})
+    return Case(fd, [x], [_rand(80, (2 * world, 3))], lambda t: [-t], [])
+
+
 def reduced_into_one_device_case(world: int, body: str) -> Case:
     """An op on a 1-D mesh's shards whose smaller result goes to one of its devices runs on the whole
     mesh, and only its result moves: a sum over the sharded dim or a row-parallel linear (with a bias
@@ -769,6 +781,7 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
     "reduce_into_one_device": reduce_case,
     "scatter_from_one_device": scatter_case,
     "replicated_kept_on_one_of_its_devices": kept_on_own_device_case,
+    "shards_kept_on_a_2d_mesh_of_their_devices": shards_kept_on_a_2d_mesh_case,
     "sum_of_shards_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_sharded_dim"),
     "sum_of_other_dim_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_other_dim"),
     "row_parallel_linear_into_one_device": lambda w: reduced_into_one_device_case(w, "linear"),

@@ -377,7 +377,7 @@ def test_reshard_steps_between_places_of_one_dim():
     from tp_fusion.sharding.reshard import Collective, reshard_steps
 
     def kinds(src, dst, mesh):
-        steps = reshard_steps(Sharding(mesh, src), Sharding(mesh, dst), "test")
+        steps = reshard_steps(Sharding(mesh, src), Sharding(mesh, dst), (8, 8), "test")
         return [(s.collective, s.mesh_axis, s.attrs().get("outer", 1)) for s in steps]
     # another place on the same mesh axis: gather (interleaving), then slice
     assert kinds((Shard(0, 4),), (Shard(0),), MESH2) == [(Collective.ALLGATHER, 0, 4), (Collective.LOCAL_SLICE, 0, 1)]
@@ -391,7 +391,7 @@ def test_reshard_steps_between_places_of_one_dim():
     # a shard going partial: gather, then the value on the axis' first rank (zeros elsewhere)
     assert kinds((Shard(0),), (PARTIAL_SUM,), MESH2) == [(Collective.ALLGATHER, 0, 1), (Collective.TO_PARTIAL, 0, 1)]
     # partials of two reductions: the first is done (an allreduce of its op), then the value goes partial again
-    steps = reshard_steps(Sharding(MESH2, (Partial("max"),)), Sharding(MESH2, (PARTIAL_SUM,)), "test")
+    steps = reshard_steps(Sharding(MESH2, (Partial("max"),)), Sharding(MESH2, (PARTIAL_SUM,)), (8,), "test")
     assert [(s.collective, s.attrs().get("reduce_op", "sum")) for s in steps] == [
         (Collective.ALLREDUCE, "max"), (Collective.TO_PARTIAL, "sum")]
     # overlapping pieces of one dim (S(0) of 2 on mesh_y, S(0, outer=3) on mesh_x) are no sharding to reach:

@@ -631,6 +631,23 @@ def test_mean_and_amax_over_sharded_dim():
     assert out_placements(f, 0) == (R,) and out_placements(f, 1) == (R,)
 
 
+@pytest.mark.parametrize("shape,grows", [([4, 8], True), ([4, 1], False)])
+def test_a_pending_sum_is_summed_before_a_broadcast_that_grows_it(shape, grows):
+    """Row sums over a sharded dim broadcast back over it: the [4] sums are allreduced, not the broadcast
+    [4, 8] reduce_scattered (a black-box hunt found 1000x the bytes). A broadcast adding only dims of
+    extent 1 keeps them pending."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        s = fd.ops.sum(x, [1])
+        b = fd.ops.broadcast_in_dim(s, shape, [0])
+        fd.add_output(fd.ops.mul(b, 2.0))
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    assert placements(f, b) == ((R,) if grows else (Partial(),))
+    assert kinds(f) == (["sum", "allreduce", "broadcast_in_dim", "mul"] if grows else
+                        ["sum", "broadcast_in_dim", "mul", "allreduce"])
+
+
 def test_partial_is_materialized_before_a_nonlinear_op():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6])

@@ -257,3 +257,13 @@ def warm_up_before_init() -> None:
     group; a program that initializes torch.distributed itself may call it first too.
     """
     torch.empty(1, device="meta").relu()
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` is a torch DTensor (for a plain tensor or parameter, without importing
+    torch.distributed.tensor)."""
+    if type(x) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
