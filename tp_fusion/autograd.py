@@ -24,8 +24,9 @@ Inputs may be local shards (plain tensors or ``nn.Parameter``s holding this rank
 fusions carry their own schedules, and each gradient must have its input's local shape) or DTensors
 (``nn.Parameter(distribute_tensor(...))`` included): then both fusions run through
 ``execute_with_dtensors``, which annotates their inputs, incoming gradients are redistributed to their
-output's placements and outgoing ones to their input's placements. Every rank calls ``apply`` and
-``backward`` in the same order, as with ``execute``.
+output's placements, and each backward output that the backward fusion leaves unscheduled is computed
+in its DTensor input's sharding (a reduce_scatter where the gradient sums over ranks, not an allreduce
+and a slice). Every rank calls ``apply`` and ``backward`` in the same order, as with ``execute``.
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ class _FusionFunction(torch.autograd.Function):
         # torch makes the incoming gradients (y.sum() gives a stride-0 one): lay them out as declared
         out_grads = [as_declared(spec.backward.fusion, len(saved) + j, meta.redistribute(by_output[i]))
                      for j, (i, meta) in enumerate(zip(spec.differentiable, ctx.output_meta))]
+        if any(is_dtensor(t) for t in [*saved, *out_grads]):
+            from tp_fusion.dtensor import schedule_output
+
+            for k, i in enumerate(spec.grad_inputs):
+                if ctx.input_meta[i].mesh is not None:  # a DTensor input: its gradient in its sharding
+                    schedule_output(spec.backward, k, ctx.input_shardings[i], tuple(ctx.input_meta[i].shape),
+                                    f"{spec.name}.backward: output {k}")
         results = _run(spec.backward, [*saved, *out_grads])
         input_grads: list = [None] * len(ctx.input_meta)
         grad_shardings = spec.backward.plan.output_shardings()

@@ -154,8 +154,7 @@ def _fmt(placements) -> str:
 
 
 def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, shape, what: str) -> None:
-    """Give the input ``tv`` (of global ``shape``) ``sharding`` through its schedule methods (a no-op if
-    it has it)."""
+    """Give ``tv`` (of global ``shape``) ``sharding`` through its schedule methods (a no-op if it has it)."""
     if tv.sharding == sharding:
         return
     ours = getattr(fd, "_dtensor_annotated", frozenset())
@@ -176,6 +175,16 @@ def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, shape, w
             if axis is not None:
                 tv.axis(dim + i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
     fd._dtensor_annotated = ours | {tv.name}
+
+
+def schedule_output(fd: FusionDefinition, index: int, sharding: Sharding, shape, what: str) -> None:
+    """Give output ``index`` of ``fd`` (of global ``shape``) ``sharding``, unless the user scheduled it:
+    autograd computes each gradient of a DTensor input in that input's sharding, so that it is
+    reduce_scattered, not allreduced and then sliced."""
+    tv = TensorView(fd, fd.fusion.outputs[index])
+    if tv._ir.annotated and tv.name not in getattr(fd, "_dtensor_annotated", frozenset()):
+        return
+    _annotate(fd, tv, sharding, shape, what)
 
 
 def _agree_on_inputs(shardings: list[Sharding | None], error: Exception | None) -> None:

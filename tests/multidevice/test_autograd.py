@@ -207,6 +207,40 @@ def test_three_adam_steps_with_dtensor_parameters(multidevice_test):
         torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad, msg=f"step {step}: grad of x")
 
 
+@pytest.mark.ranks(2, 4)
+def test_dtensor_gradients_are_computed_in_their_inputs_sharding(multidevice_test):
+    """tanh(x w^T) with x and w row-sharded DTensors and an unscheduled backward fusion: each gradient is
+    computed in its input's sharding, so its sum over ranks is a reduce_scatter (before: an allreduce of
+    the whole gradient, then a local slice)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    d = multidevice_test.size
+    mesh = init_device_mesh("cpu", (d,))
+    with FusionDefinition() as fwd:
+        x, w = fwd.define_tensor([T, H], dtype=F64), fwd.define_tensor([2 * H, H], dtype=F64)
+        fwd.add_output(fwd.ops.tanh(fwd.ops.linear(x, w)))
+    with FusionDefinition() as bwd:
+        x, w = bwd.define_tensor([T, H], dtype=F64), bwd.define_tensor([2 * H, H], dtype=F64)
+        y, grad_y = bwd.define_tensor([T, 2 * H], dtype=F64), bwd.define_tensor([T, 2 * H], dtype=F64)
+        grad_h = bwd.ops.mul(grad_y, bwd.ops.sub(1.0, bwd.ops.mul(y, y)))
+        bwd.add_output(bwd.ops.matmul(grad_h, w))
+        bwd.add_output(bwd.ops.matmul(bwd.ops.permute(grad_h, [1, 0]), x))
+    layer = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0, 1], saved_outputs=[0])
+    x_full, w_full = _full(5)[0], _full(5)[1][:2 * H]
+    c = torch.randn(T, 2 * H, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    x = distribute_tensor(x_full, mesh, [Shard(0)]).requires_grad_()
+    w = torch.nn.Parameter(distribute_tensor(w_full, mesh, [Shard(0)]))
+    y = layer.apply(x, w)
+    (y * distribute_tensor(c, mesh, y.placements)).sum().backward()
+    x_ref, w_ref = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+    (torch.tanh(F.linear(x_ref, w_ref)) * c).sum().backward()
+    torch.testing.assert_close(x.grad.full_tensor(), x_ref.grad)
+    torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad)
+    assert tuple(x.grad.placements) == tuple(w.grad.placements) == (Shard(0),)
+    assert "allreduce" not in bwd.plan.collectives() and bwd.plan.collectives().count("reduce_scatter") == 2
+
+
 def test_without_mesh_matches_torch_autograd():
     """No mesh: one process, no process group; x gets no gradient when grad_inputs leaves it out."""
     x, *weights, target = _full(1)
