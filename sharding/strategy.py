@@ -82,7 +82,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
-    3. else replicate everything.
+    3. else one that produces ``hint`` (e.g. a max the user parallelized over the dim it reduces, of a
+       pending sum: a reduce_scatter of its operand to that dim, not an allreduce of it and then of the
+       max's result);
+    4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
     """
     rule = opdef(op.kind).rule
@@ -117,6 +120,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 pick = min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                        for h, q in zip(have, c.inputs)))
                 break
+        if pick is None and hint is not None:  # produce the hint, from operands that reach its inputs
+            pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]), None)
         pick = pick or cands[0]
         for i, p in enumerate(pick.inputs):
             if need_in[i] is not None:

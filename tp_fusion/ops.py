@@ -1519,7 +1519,8 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
 
 register("embedding_fwd", impl=_embedding,
          infer=lambda args, attrs: [TensorType((*args[0].shape, args[1].shape[1]), args[1].dtype)],
-         traits=Trait.NONE, rule=rules.embedding, localize=_embedding_localize, front=_embedding_front)
+         traits=Trait.NONE, rule=rules.embedding, localize=_embedding_localize, front=_embedding_front,
+         follow=(1, 0))  # the table's sharding, as linear's weight: its ids are far smaller than it
 
 # --- normalization --------------------------------------------------------------------------------
 

@@ -240,6 +240,26 @@ def vocab_parallel_cross_entropy_case(mesh) -> Case:
                 lambda x, weight, tgt: [F.cross_entropy(x @ weight.T, tgt)], ["allreduce"] * 3)
 
 
+def max_of_a_pending_sum_case(mesh) -> Case:
+    """A row-parallel linear's pending sum, then a max the user parallelized over the dim it reduces: the
+    sums are reduce_scattered to that dim, each rank takes the max of its piece, and one allreduce of
+    the [4] maxima finishes it (before: an allreduce of the [4, 8] sums, then a second of the maxima)."""
+    n = mesh.size
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([4, 8], dtype=F64), fd.define_tensor([8, 8], dtype=F64)
+        y = fd.ops.linear(x, w)
+        m = fd.ops.max(y, [1])
+        fd.add_output(m)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        for tv in (y, m):  # y: r{K} on mesh_x, a pending sum; m: its reduced dim on mesh_x, a pending max
+            tv.set_device_mesh(mesh)
+            tv.outer_split(-1 if tv is y else 1, n)
+            tv.axis(-2 if tv is y else 1).parallelize(X)
+    full = [_rand(90, (4, 8)), _rand(91, (8, 8))]
+    return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b).amax(1)], ["reduce_scatter", "allreduce"])
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -430,6 +450,7 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.max(fd.ops.max(x, [1]), [0]), lambda t: t.amax(), ["allreduce"]),
     "max_reduce_scatter": lambda m: _unary_case(
         m, [8, 8], {1: X}, {0: X}, lambda fd, x: fd.ops.max(x, [1]), lambda t: t.amax(1), ["reduce_scatter"]),
+    "max_of_a_pending_sum": max_of_a_pending_sum_case,
     "max_then_sum_of_it": lambda m: _unary_case(  # exp is not linear: the pending max is done first
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.sum(fd.ops.exp(fd.ops.max(x, [1])), [0]),
         lambda t: t.amax(1).exp().sum(0), ["allreduce"]),
@@ -477,6 +498,9 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "embedding_vocab_sharded_tokens_scattered": lambda m: _indexed_case(
         m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, padding_idx=3),
         lambda w, i: F.embedding(i, w, padding_idx=3), ["reduce_scatter"], out={0: X}),
+    "embedding_vocab_and_tokens_sharded": lambda m: _indexed_case(  # the table stays sharded: the ids move
+        m, [12, 8], {0: X}, _VOCAB_TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
+        lambda w, i: F.embedding(i, w), ["allgather", "reduce_scatter"], out={0: X}),
     "embedding_vocab_sharded_max_norm": lambda m: _indexed_case(
         m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, None, 1.0),
         lambda w, i: F.embedding(i, w.clone(), max_norm=1.0), ["allreduce"]),
