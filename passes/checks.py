@@ -55,8 +55,8 @@ def resharded(fusion: Fusion) -> None:
 
 
 def lowered(fusion: Fusion) -> None:
-    """lower_communications: no set moves data any more (``held_already``: it differs on size-1 mesh
-    axes, or keeps a replicated value on some of its own devices)."""
+    """lower_communications: no set moves data any more (``held_already``: each device of its output
+    holds its piece already under its input's sharding)."""
     resharded(fusion)
     for op in fusion.ops:
         if traits(op.kind) & Trait.RESHARD:

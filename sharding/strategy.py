@@ -64,12 +64,15 @@ def op_mesh(op: Op, fusion: Fusion, hint: Sharding | None, default: DeviceMesh) 
 
 
 def _result_moves_less(op: Op, fusion: Fusion, hint: Sharding, held: list[Sharding | None]) -> bool:
+    """See ``op_mesh``: the operands (sharded as ``held``) share a 1-D mesh, ``hint`` is one of its devices,
+    and the op's outputs have fewer bytes than its operands that are not replicated."""
     if not held or any(s is None or s.mesh != held[0].mesh for s in held):
         return False
     mesh = held[0].mesh
     if hint.mesh.size != 1 or mesh.ndim != 1 or hint.mesh.devices[0] not in mesh or mesh == hint.mesh \
             or all(s.is_replicated for s in held):
         return False
+
     def nbytes(name: int) -> int:
         t = fusion.tensor(name)
         return -1 if any(e < 0 for e in t.shape) else math.prod(t.shape) * t.dtype.torch.itemsize
