@@ -76,8 +76,9 @@ class GroupOrder:
 
 def _rows(buf: torch.Tensor, order: list[int] | None) -> torch.Tensor:
     """``buf``'s dim-0 rows permuted by ``order`` (row i of the result is row ``order[i]``); ``buf``
-    itself for None."""
-    return buf if order is None else buf[order]
+    itself for None. Stacked from views: indexing with the list would copy it to the GPU as an index
+    tensor, which a CUDA graph cannot capture."""
+    return buf if order is None else torch.stack([buf[i] for i in order])
 
 
 def allgather(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_op: bool = False,
