@@ -148,8 +148,14 @@ class _FusionFunction(torch.autograd.Function):
         ctx.save_for_backward(*[inputs[i] for i in spec.saved_inputs], *[outs[i] for i in spec.saved_outputs])
         ctx.output_meta = [_Meta(outs[i]) for i in spec.differentiable]
         ctx.input_meta = [_Meta(x) for x in inputs]
-        plan = spec.forward.plan.fusion  # the sharding each input had: its gradient must have it too
-        ctx.input_shardings = [plan.tensor(name).sharding for name in plan.inputs]
+        plan = spec.forward.plan  # the sharding each input had: its gradient must have it too
+        ctx.input_shardings = [plan.fusion.tensor(name).sharding for name in plan.fusion.inputs]
+        # what the backward fusion's inputs are laid out as: saved inputs and outputs, then output gradients
+        # (torch gives each the layout of its output); a DTensor's, the backward annotates from it
+        out_shardings = plan.output_shardings()
+        ctx.backward_input_shardings = (
+            [None if is_dtensor(inputs[i]) else ctx.input_shardings[i] for i in spec.saved_inputs]
+            + [None if is_dtensor(outs[i]) else out_shardings[i] for i in (*spec.saved_outputs, *spec.differentiable)])
         return returned[0] if len(returned) == 1 else tuple(returned)
 
     @staticmethod
@@ -169,6 +175,7 @@ class _FusionFunction(torch.autograd.Function):
                                     f"{spec.name}.backward: output {k}")
         results = _run(spec.backward, [*saved, *out_grads])
         input_grads: list = [None] * len(ctx.input_meta)
+        _check_backward_inputs(spec, ctx.backward_input_shardings)
         grad_shardings = spec.backward.plan.output_shardings()
         for k, (i, grad) in enumerate(zip(spec.grad_inputs, results)):
             if not ctx.needs_input_grad[i]:
@@ -191,6 +198,21 @@ class _FusionFunction(torch.autograd.Function):
                     f"forward input {i}")
             input_grads[i] = grad.to(inp.dtype) if grad.dtype != inp.dtype else grad
         return tuple(input_grads)
+
+
+def _check_backward_inputs(spec: _Spec, given: list) -> None:
+    """ShardingError unless each backward fusion input's sharding holds the pieces it was given in (the
+    forward's sharding of that tensor; None: a DTensor, whose sharding the backward takes): a saved
+    tensor or a gradient scheduled otherwise, with the same local shape, would be read as other rows."""
+    fusion = spec.backward.plan.fusion
+    for j, (name, want) in enumerate(zip(fusion.inputs, given)):
+        got = fusion.tensor(name).sharding
+        if want is not None and want.mesh is not None and got is not None \
+                and not held_already(want, got, fusion.tensor(name).shape):
+            raise ShardingError(
+                f"{spec.name}.backward: the backward fusion's input {j} (T{name}) is scheduled as {got}, but "
+                f"the tensor handed to it is sharded {want} by the forward fusion; schedule that backward input "
+                "as the forward schedules the tensor")
 
 
 def _spec_of(ctx) -> _Spec:

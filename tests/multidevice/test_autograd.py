@@ -284,9 +284,11 @@ def test_gradient_of_the_wrong_shape_is_a_clear_error():
 
 
 @pytest.mark.ranks(2, 4)
-def test_gradient_of_another_sharding_with_the_right_shape_is_a_clear_error(multidevice_test):
-    """x is sharded by blocks of rows, its gradient by strided rows: the local shapes agree, but each rank
-    would get other rows' gradients (found by a black-box hunt: x.grad came back wrong, silently)."""
+@pytest.mark.parametrize("strided", ["grad_x", "saved_x", "grad_y"])
+def test_a_backward_tensor_of_another_sharding_with_the_right_shape_is_a_clear_error(multidevice_test, strided):
+    """x and y are sharded by blocks of rows; the backward fusion schedules one of its tensors by strided
+    rows: the local shapes agree, but each rank would read or get other rows (found by black-box hunts:
+    x.grad came back wrong, silently)."""
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))
 
@@ -307,12 +309,15 @@ def test_gradient_of_another_sharding_with_the_right_shape_is_a_clear_error(mult
         xs, gy = bwd.define_tensor([T, H], dtype=F64), bwd.define_tensor([T, H], dtype=F64)
         gx = bwd.ops.mul(bwd.ops.mul(xs, 2.0), gy)
         bwd.add_output(gx)
-        rows(xs), rows(gy), rows(gx, strided=True)
+        rows(xs, strided == "saved_x"), rows(gy, strided == "grad_y"), rows(gx, strided == "grad_x")
     square = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0])
     x_local = torch.arange(float(T * H), dtype=torch.float64).reshape(T, H).chunk(d)[multidevice_test.rank]
     out = square.apply(x_local.clone().requires_grad_())
-    with pytest.raises(ShardingError, match=r"gradient of forward input 0, which is sharded mesh\(.*\)\(S\(0\)\), "
-                                             r"but it came out sharded mesh\(.*\)\(S\(0, outer=.*\)\)"):
+    message = (r"gradient of forward input 0, which is sharded mesh\(.*\)\(S\(0\)\), but it came out sharded "
+               r"mesh\(.*\)\(S\(0, outer=.*\)\)" if strided == "grad_x" else
+               rf"backward fusion's input {int(strided == 'grad_y')} \(T\d\) is scheduled as mesh\(.*\)\(S\(0, "
+               r"outer=.*\)\), but the tensor handed to it is sharded mesh\(.*\)\(S\(0\)\)")
+    with pytest.raises(ShardingError, match=message):
         out.sum().backward()
 
 
