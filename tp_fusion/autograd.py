@@ -154,7 +154,7 @@ class _FusionFunction(torch.autograd.Function):
         # (torch gives each the layout of its output); a DTensor's, the backward annotates from it
         out_shardings = plan.output_shardings()
         ctx.backward_input_shardings = (
-            [None if is_dtensor(inputs[i]) else ctx.input_shardings[i] for i in spec.saved_inputs]
+            [None if ctx.input_meta[i].mesh is not None else ctx.input_shardings[i] for i in spec.saved_inputs]
             + [None if is_dtensor(outs[i]) else out_shardings[i] for i in (*spec.saved_outputs, *spec.differentiable)])
         return returned[0] if len(returned) == 1 else tuple(returned)
 
@@ -174,9 +174,9 @@ class _FusionFunction(torch.autograd.Function):
                     schedule_output(spec.backward, k, ctx.input_shardings[i], tuple(ctx.input_meta[i].shape),
                                     f"{spec.name}.backward: output {k}")
         results = _run(spec.backward, [*saved, *out_grads])
-        input_grads: list = [None] * len(ctx.input_meta)
         _check_backward_inputs(spec, ctx.backward_input_shardings)
-        grad_shardings = spec.backward.plan.output_shardings()
+        bwd = spec.backward.plan.fusion
+        input_grads: list = [None] * len(ctx.input_meta)
         for k, (i, grad) in enumerate(zip(spec.grad_inputs, results)):
             if not ctx.needs_input_grad[i]:
                 continue
@@ -187,10 +187,8 @@ class _FusionFunction(torch.autograd.Function):
                     f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
                     f"{i}, which has local shape {list(inp.shape)}, but it came out {list(grad.shape)}; give "
                     f"that backward output the sharding of forward input {i}")
-            want, got = ctx.input_shardings[i], grad_shardings[k]
-            if inp.mesh is None and want is not None and got.mesh is not None \
-                    and not held_already(got, want, spec.backward.plan.fusion.tensor(
-                        spec.backward.plan.fusion.outputs[k]).shape):
+            want, got = ctx.input_shardings[i], bwd.tensor(bwd.outputs[k]).sharding
+            if inp.mesh is None and not _holds(got, want, bwd.tensor(bwd.outputs[k]).shape):
                 raise ShardingError(
                     f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
                     f"{i}, which is sharded {want}, but it came out sharded {got}: each rank would get "
@@ -207,12 +205,18 @@ def _check_backward_inputs(spec: _Spec, given: list) -> None:
     fusion = spec.backward.plan.fusion
     for j, (name, want) in enumerate(zip(fusion.inputs, given)):
         got = fusion.tensor(name).sharding
-        if want is not None and want.mesh is not None and got is not None \
-                and not held_already(want, got, fusion.tensor(name).shape):
+        if not _holds(want, got, fusion.tensor(name).shape):
             raise ShardingError(
                 f"{spec.name}.backward: the backward fusion's input {j} (T{name}) is scheduled as {got}, but "
                 f"the tensor handed to it is sharded {want} by the forward fusion; schedule that backward input "
                 "as the forward schedules the tensor")
+
+
+def _holds(given, expected, shape) -> bool:
+    """Whether a tensor laid out as ``given`` holds on every rank the pieces that ``expected`` reads (either
+    None or without a mesh: nothing to compare; a local shape that differs is reported apart)."""
+    return (given is None or expected is None or given.mesh is None or expected.mesh is None
+            or held_already(given, expected, shape))
 
 
 def _spec_of(ctx) -> _Spec:

@@ -555,27 +555,22 @@ def test_partial_sum_into_one_device_is_a_reduce():
     assert comms(f) == ["reduce"] and placements(f, z) == (R,)
 
 
-@pytest.mark.parametrize("dim,expected", [(1, ["sum", "reduce"]), (0, ["sum", "gather"])])
-def test_a_reduction_into_one_device_runs_on_the_mesh_and_moves_its_result(dim, expected):
+@pytest.mark.parametrize("body,expected,op_mesh", [
+    (lambda fd, x: fd.ops.sum(x, [1]), ["sum", "reduce"], MESH_10),
+    (lambda fd, x: fd.ops.sum(x, [0]), ["sum", "gather"], MESH_10),
+    (lambda fd, x: fd.ops.exp(x), ["gather", "exp"], DeviceMesh([0])),  # its result is no smaller
+])
+def test_an_op_into_one_device_moves_the_smaller_of_its_result_and_its_operands(body, expected, op_mesh):
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 8])
-        z = fd.ops.sum(x, [dim])
+        z = body(fd, x)
         fd.add_output(z)
         shard(x, MESH_10, {1: X})
         shard(z, DeviceMesh([0]))
     f = lower(fd)
     assert kinds(f) == expected and placements(f, z) == (R,)
-    assert f.tensor(only(f, "sum").inputs[0]).sharding.mesh == MESH_10
-
-
-def test_an_op_into_one_device_whose_result_is_not_smaller_moves_its_operands():
-    with FusionDefinition() as fd:
-        x = fd.define_tensor([4, 8])
-        z = fd.ops.exp(x)
-        fd.add_output(z)
-        shard(x, MESH_10, {1: X})
-        shard(z, DeviceMesh([0]))
-    assert kinds(lower(fd)) == ["gather", "exp"]
+    op = next(op for op in f.ops if op.kind in ("sum", "exp"))
+    assert f.tensor(op.inputs[0]).sharding.mesh == op_mesh
 
 
 def test_sum_over_sharded_dim_to_replicated_is_allreduce():
