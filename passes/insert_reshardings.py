@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tp_fusion.sharding.reshard import is_free
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy
 
@@ -36,6 +37,9 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         if tensors[name].sharding == target:
             return name
         if (name, target) not in cache:
+            source = _summed_copy(name, target, tensors, cache)
+            if source is not None:
+                return reshard(source, target)
             cache[(name, target)] = out = new_tensor(name, target)
             ops.append(Op("set", (name,), (out,)))
         return cache[(name, target)]
@@ -82,6 +86,18 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         ops.extend(after)
     outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)
+
+
+def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:
+    """A copy of the pending sum ``name`` that a ``set`` already summed and from which ``target`` is a
+    local slice away (so the sum is not run again); None where there is none."""
+    if not tensors[name].sharding.has_partial:
+        return None
+    for (src, have), copy in cache.items():
+        if src == name and not have.has_partial and have.mesh == target.mesh \
+                and all(is_free(a, b) for a, b in zip(have.placements, target.placements)):
+            return copy
+    return None
 
 
 def _no_longer_reduced(t: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ class _Draft:
 
     def __init__(self, fusion: Fusion):
         self.tensors = list(fusion.tensors)
+        self.summed: dict[int, Sharding] = {}  # pending sums an op needs summed: how (the first such need)
 
     def tensor(self, name: int):
         return self.tensors[name]
@@ -48,7 +49,10 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     outputs = set(fusion.outputs)
     ops = []
     for op in fusion.ops:
-        st = choose(op, draft, _hint(draft, op.outputs[0]), mesh)
+        st = choose(op, draft, _hint(draft, op.outputs[0]), mesh, draft.summed)
+        for a, need in zip(op.inputs, st.inputs):
+            if need is not None and draft.tensor(a).sharding.has_partial and not need.has_partial:
+                draft.summed.setdefault(a, need)
         for o, s in zip(op.outputs, st.outputs):
             if draft.tensor(o).annotated:
                 continue

@@ -9,11 +9,12 @@ needs, so propagation and lowering agree by construction.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tp_fusion.sharding.reshard import is_free, step_collective
 from tp_fusion.sharding.rules import Candidate
-from tp_fusion.sharding.sharding import REPLICATE, Placement, Replicate, Shard, Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
 
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
@@ -81,7 +82,8 @@ def _result_moves_less(op: Op, fusion: Fusion, hint: Sharding, held: list[Shardi
     return min(operands + outputs) >= 0 and sum(outputs) < sum(operands)
 
 
-def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMesh) -> Strategy:
+def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMesh,
+           summed: Mapping[int, Sharding] | None = None) -> Strategy:
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
@@ -90,6 +92,11 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
        max's result);
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
+
+    A pending sum is summed at most once: an operand that ``summed`` maps to a sharding without
+    partials (one an earlier op needs it in, so its sum runs anyway) counts as held that way, and a
+    pending sum that is two operands of the op gets one placement for both (``y * y``: both summed,
+    not one summed and one kept pending, which would sum the product again).
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -99,6 +106,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     have = []
     for a in op.inputs:
         s = fusion.tensor(a).sharding if isinstance(a, int) else None
+        if s is not None and s.has_partial and summed and a in summed:
+            s = summed[a]
         have.append(None if not isinstance(a, int) else
                     s.placements if s is not None and s.mesh == mesh else (REPLICATE,) * mesh.ndim)
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
@@ -110,6 +119,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         cands = [c for c in cands if _compatible(c, need_in, need_out, mesh, axis)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
+        cands = [c for c in cands if _sums_once(c, op.inputs, have, axis)] or cands
         pick = None
         if hint is not None:
             pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]
@@ -133,6 +143,16 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             need_out[j][axis] = p
     return Strategy(mesh, tuple(None if n is None else Sharding(mesh, tuple(n)) for n in need_in),
                     tuple(Sharding(mesh, tuple(n)) for n in need_out))
+
+
+def _sums_once(c: Candidate, inputs: tuple, have: list, axis: int) -> bool:
+    """Whether candidate ``c`` gives a tensor that is a pending sum on mesh axis ``axis`` and two operands
+    of the op one placement for both."""
+    placed = {}
+    for a, h, p in zip(inputs, have, c.inputs):
+        if h is not None and isinstance(h[axis], Partial) and placed.setdefault(a, p) != p:
+            return False
+    return True
 
 
 def _strided(cands: list[Candidate], have: list[Placement], op: Op, fusion: Fusion, n: int) -> list[Candidate]:

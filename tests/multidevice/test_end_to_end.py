@@ -260,6 +260,34 @@ def max_of_a_pending_sum_case(mesh) -> Case:
     return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b).amax(1)], ["reduce_scatter", "allreduce"])
 
 
+def pending_sum_used_twice_case(mesh, use: str) -> Case:
+    """A row-parallel linear's pending sum y read by two ops: summed once, by one allreduce, for both.
+    square: sum(y * y); max: y - max(y) (the max needs y summed; the sub reads that sum, not y again);
+    rms: RMSNorm of y from primitives; max_scatter: y - max(y) with the result sharded on its rows (a
+    slice of the one sum, not a reduce_scatter of y besides)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 12], dtype=F64), fd.define_tensor([4, 12], dtype=F64)
+        y = fd.ops.linear(x, w)
+        if use == "square":
+            z = fd.ops.sum(fd.ops.mul(y, y), [1])
+        elif use == "rms":
+            r = fd.ops.rsqrt(fd.ops.add(fd.ops.mean(fd.ops.mul(y, y), [1]), 1e-5))
+            z = fd.ops.mul(y, fd.ops.broadcast_in_dim(r, [8, 4], [0]))
+        else:
+            z = fd.ops.sub(y, fd.ops.broadcast_in_dim(fd.ops.max(y, [1]), [8, 4], [0]))
+        fd.add_output(z)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        if use == "max_scatter":
+            shard(z, mesh, {0: X})
+    references = {
+        "square": lambda a, b: [F.linear(a, b).square().sum(1)],
+        "rms": lambda a, b: [F.rms_norm(F.linear(a, b), [4], eps=1e-5)],
+    }
+    reference = references.get(use, lambda a, b: [F.linear(a, b) - F.linear(a, b).amax(1, keepdim=True)])
+    return Case(fd, [x, w], [_rand(92, (8, 12)), _rand(93, (4, 12))], reference, ["allreduce"])
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -359,6 +387,10 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[4, 8], [8]], [{1: X}, None], lambda fd, x, w: fd.ops.layer_norm(x, [8], w),
         lambda x, w: F.layer_norm(x, [8], w), ["allgather"]),
     "mean_amax_multi_output": multi_output_case,
+    "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
+    "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
+    "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max_scatter"),
+    "pending_sum_rms_norm": lambda m: pending_sum_used_twice_case(m, "rms"),
     "row_linear_bias_scatter_features": lambda m: row_bias_scatter_case(m),
     "var_mean_sharded_dim": lambda m: _unary_case(
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.var_mean(x, [1])[0], lambda t: t.var(1), ["allgather"]),
