@@ -13,8 +13,9 @@ from tp_fusion.ops import Trait, is_biased_gemm, traits
 def insert_reshardings(fusion: Fusion) -> Fusion:
     """Requires: every tensor has a sharding and every op its ``strategy`` (propagate_shardings).
     Ensures: every op but ``set`` gets its inputs in the shardings its strategy needs and produces
-    exactly its outputs' shardings; every change of sharding is a ``set`` of its own (one per tensor
-    and target, reused); no fusion output is Partial (an output the user scheduled with a pending
+    exactly its outputs' shardings (an output that nothing reads takes the sharding the op gives it);
+    every change of sharding is a ``set`` of its own (one per tensor and target, reused); no fusion
+    output is Partial (an output the user scheduled with a pending
     sum is summed by a ``set``, as nvFuser's device-parallel reduction axis finishes its reduction).
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
@@ -27,6 +28,7 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     tensors = list(fusion.tensors)
     ops: list[Op] = []
     cache: dict[tuple[int, Sharding], int] = {}
+    read = {a for op in fusion.ops for a in op.tensor_inputs} | set(fusion.outputs)
 
     def new_tensor(like: int, sharding: Sharding) -> int:
         t = tensors[like]
@@ -75,6 +77,8 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
             continue
         outs, after = [], []
         for o, natural in zip(op.outputs, st.outputs):
+            if o not in read:  # an output nothing reads (layer_norm's mean): left as the op makes it
+                tensors[o] = tensors[o].replace(sharding=natural)
             if natural == tensors[o].sharding:
                 outs.append(o)
             else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tp_fusion.sharding.sharding import Sharding
-from tp_fusion.sharding.strategy import Strategy, choose
+from tp_fusion.sharding.strategy import Strategy, choose, moves
 
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
@@ -20,7 +20,7 @@ class _Draft:
 
     def __init__(self, fusion: Fusion):
         self.tensors = list(fusion.tensors)
-        self.summed: dict[int, Sharding] = {}  # pending sums an op needs summed: how (the first such need)
+        self.copies: dict[int, Sharding] = {}  # tensors an op needs moved (summed, gathered): the first need
 
     def tensor(self, name: int):
         return self.tensors[name]
@@ -49,10 +49,10 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     outputs = set(fusion.outputs)
     ops = []
     for op in fusion.ops:
-        st = choose(op, draft, _hint(draft, op.outputs[0]), mesh, draft.summed)
+        st = choose(op, draft, _hint(draft, op.outputs[0]), mesh, draft.copies)
         for a, need in zip(op.inputs, st.inputs):
-            if need is not None and draft.tensor(a).sharding.has_partial and not need.has_partial:
-                draft.summed.setdefault(a, need)
+            if need is not None and not need.has_partial and moves(draft.tensor(a).sharding, need):
+                draft.copies.setdefault(a, need)
         for o, s in zip(op.outputs, st.outputs):
             if draft.tensor(o).annotated:
                 continue

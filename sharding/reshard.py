@@ -19,11 +19,14 @@ afterwards), then the rest; a step that would shard a piece of a dim that anothe
 waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no
 step at all: every placement on it holds the whole value. Nothing moves where each device of the
 destination holds its piece already (``held_already``: e.g. a replicated value kept on some of its
-own devices). Otherwise a change of mesh moves the data with ``SEND_RECV`` (meshes of one shape,
-placements kept) or ``BROADCAST`` (otherwise, from the source mesh's first device, replicated), with
-same-mesh steps before and after; between a 1-D mesh and one of its devices, only that device's
-share moves: ``GATHER`` (shards into it), ``REDUCE`` (partial sums into it) or ``SCATTER`` (shards
-out of it).
+own devices). Otherwise, between a 1-D mesh and one of its devices, only that device's share moves:
+``GATHER`` (shards into it), ``REDUCE`` (partial sums into it) or ``SCATTER`` (shards out of it).
+Onto some of the source mesh's own devices that hold the whole value once its pending sums are summed,
+nothing moves between the meshes: the sums run on the source mesh, ``KEEP`` (a local copy) relabels the
+value onto the destination mesh, local slices shard it. Else a change of mesh moves the data with
+``SEND_RECV`` (meshes of one shape, placements kept), or gathers it whole on the source mesh and
+keeps it (destination devices all in the source mesh) or ``BROADCAST``s it (otherwise, from the
+source mesh's first device), with same-mesh steps before and after.
 """
 
 from __future__ import annotations
@@ -52,10 +55,11 @@ class Collective(enum.Enum):
     SCATTER = "scatter"
     LOCAL_SLICE = "local_slice"
     TO_PARTIAL = "to_partial"
+    KEEP = "set"  # onto another mesh whose devices hold the value already: a local copy
 
     @property
     def communicates(self) -> bool:
-        return self not in (Collective.LOCAL_SLICE, Collective.TO_PARTIAL)
+        return self not in (Collective.LOCAL_SLICE, Collective.TO_PARTIAL, Collective.KEEP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +82,8 @@ class ReshardStep:
         """The attributes of the op this step lowers to; ``outer``/``src_outer`` (a strided shard: the
         collective chunks the dim viewed as [outer, devices, rest]) only where they are not 1, and
         ``reduce_op`` (how partials combine) only where it is not a sum."""
+        if self.collective is Collective.KEEP:
+            return {}
         partial = next((p for p in (self.src, self.dst) if isinstance(p, Partial)), None)
         out = {"reduce_op": partial.op} if partial is not None and partial.op != "sum" else {}
         if self.mesh_axis is None:  # a move between meshes; GATHER and SCATTER also chunk a dim
@@ -177,18 +183,23 @@ def reshard_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], what: st
         return []
     if src.mesh == dst.mesh:
         return same_mesh_steps(src, dst, what)
+    one = _one_device_move(src, dst)
+    if one is not None:
+        return [one]
+    whole_dst = Sharding.replicated(dst.mesh)
+
+    def via(src_step: Sharding, move: Collective) -> list[ReshardStep]:  # src -> src_step; move; slice on dst
+        hop = ReshardStep(move, None, None, None, whole_dst, src.mesh, dst.mesh)
+        return same_mesh_steps(src, src_step, what) + [hop] + same_mesh_steps(whole_dst, dst, what)
+    own_devices = set(dst.mesh.devices) <= set(src.mesh.devices)
+    if own_devices and held_already(src.materialized(), whole_dst, shape):
+        return via(src.materialized(), Collective.KEEP)  # pending sums summed where they are, then kept
     if src.mesh.shape == dst.mesh.shape:
         kept = tuple(REPLICATE if isinstance(p, Partial) else p for p in src.placements)
         moved = Sharding(dst.mesh, kept)
         move = ReshardStep(Collective.SEND_RECV, None, None, None, moved, src.mesh, dst.mesh)
         return same_mesh_steps(src, Sharding(src.mesh, kept), what) + [move] + same_mesh_steps(moved, dst, what)
-    one = _one_device_move(src, dst)
-    if one is not None:
-        return [one]
-    replicated_dst = Sharding.replicated(dst.mesh)
-    move = ReshardStep(Collective.BROADCAST, None, None, None, replicated_dst, src.mesh, dst.mesh)
-    return (same_mesh_steps(src, Sharding.replicated(src.mesh), what) + [move]
-            + same_mesh_steps(replicated_dst, dst, what))
+    return via(Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST)
 
 
 def _one_device_move(src: Sharding, dst: Sharding) -> ReshardStep | None:

@@ -19,7 +19,7 @@ from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate
 from tp_fusion.errors import LoweringError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.ops import opdef
+from tp_fusion.ops import Trait, opdef, traits
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,12 @@ def preference(op: Op, fusion: Fusion) -> list[int]:
         s = fusion.tensor(op.inputs[i]).sharding
         return s.num_device_axes() if s else 0
     return sorted(tensors, key=lambda i: -parallel_axes(i))
+
+
+def moves(src: Sharding | None, dst: Sharding) -> bool:
+    """Whether a tensor sharded ``src`` must communicate to become ``dst`` (on the same mesh)."""
+    return src is not None and src.mesh == dst.mesh \
+        and not all(is_free(a, b) for a, b in zip(src.placements, dst.placements))
 
 
 def _reachable(have: Placement, need: Placement) -> bool:
@@ -83,7 +89,7 @@ def _result_moves_less(op: Op, fusion: Fusion, hint: Sharding, held: list[Shardi
 
 
 def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMesh,
-           summed: Mapping[int, Sharding] | None = None) -> Strategy:
+           copies: Mapping[int, Sharding] | None = None) -> Strategy:
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
@@ -93,10 +99,12 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
 
-    A pending sum is summed at most once: an operand that ``summed`` maps to a sharding without
-    partials (one an earlier op needs it in, so its sum runs anyway) counts as held that way, and a
-    pending sum that is two operands of the op gets one placement for both (``y * y``: both summed,
-    not one summed and one kept pending, which would sum the product again).
+    ``copies`` maps a tensor to the sharding an earlier op needs it moved to (the move runs anyway;
+    the resharding pass makes it once). A pending sum with such a copy counts as held that way, so it
+    is summed once; so does a tensor a view (``permute``, ``reshape``, ...) reads, where the copy is
+    replicated (``g @ w`` and ``permute(g) @ r`` gather ``g`` once). A pending sum that is two operands
+    of the op gets one placement for both (``y * y``: both summed, not one kept pending, which would
+    sum the product again).
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -106,8 +114,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     have = []
     for a in op.inputs:
         s = fusion.tensor(a).sharding if isinstance(a, int) else None
-        if s is not None and s.has_partial and summed and a in summed:
-            s = summed[a]
+        copy = copies.get(a) if copies and s is not None else None
+        if copy is not None and (s.has_partial or copy.is_replicated and traits(op.kind) & Trait.VIEW):
+            s = copy
         have.append(None if not isinstance(a, int) else
                     s.placements if s is not None and s.mesh == mesh else (REPLICATE,) * mesh.ndim)
     need_in = [None if h is None else [None] * mesh.ndim for h in have]

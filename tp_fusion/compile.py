@@ -43,6 +43,8 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
             raise InputError(f"execute: input T{name} is a DTensor; execute takes this rank's local shards. Run "
                              "the fusion on DTensors with tp_fusion.execute_with_dtensors(fd, inputs), or pass "
                              "x.to_local()")
+        if x.layout != torch.strided:
+            raise InputError(f"execute: input T{name} has layout {x.layout}; pass a dense tensor (x.to_dense())")
         if not t.held_by(rank):
             check_unheld(name, t, x, rank)
             shapes.append(t.shape)  # this rank holds no shard of it: its extents are its holders' to say

@@ -186,8 +186,10 @@ class TensorView:
         loop = list(self._loop())
         axis = self._check_axis(axis, len(loop), "split")
         old = loop[axis]
-        if not isinstance(factor, int) or factor < 1:
+        ints = _integers([factor])
+        if ints is None or ints[0] < 1:
             raise ShardingError(f"T{self.name}.split: factor must be a positive int, got {factor!r}")
+        factor = ints[0]
         if old.ptype.is_device:
             raise ShardingError(f"T{self.name}.split: loop axis {axis} is parallelized on {old.ptype.value}; "
                                 "split before parallelizing")
@@ -502,9 +504,11 @@ class FusionDefinition:
             shape, contiguity, stride_order = _descriptor(sizes, strides, static_sizes)
         if shape is None:
             raise DefinitionError("define_tensor: missing its shape")
-        shape = tuple(shape)
-        if not all(isinstance(e, int) and not isinstance(e, bool) and (e >= 0 or e == -1) for e in shape):
-            raise DefinitionError(f"define_tensor: shape {list(shape)} must hold extents >= 0 or -1 (symbolic)")
+        ints = _integers(shape)
+        if ints is None or not all(e >= 0 or e == -1 for e in ints):
+            raise DefinitionError(f"define_tensor: shape {list(shape)} must hold integer extents >= 0 or -1 "
+                                  "(symbolic)")
+        shape = ints
         if isinstance(contiguity, DataType):
             raise DefinitionError(f"define_tensor: the second argument is contiguity (nvFuser's order: shape, "
                                   f"contiguity, dtype, is_cpu, stride_order); pass dtype={contiguity} by keyword")
@@ -647,12 +651,13 @@ class FusionDefinition:
         """
         from tp_fusion.compile import compile_program
 
-        shapes = [tuple(s) for s in input_shapes]
+        shapes = [_integers(s) or tuple(s) for s in input_shapes]
         if len(shapes) != len(self._inputs):
             raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(shapes)} shapes")
         for name, shape in zip(self._inputs, shapes):
             t = self._tensors[name]
-            if len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
+            if _integers(shape) is None or any(e < 0 for e in shape) or len(shape) != t.ndim \
+                    or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
                 raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
                                  f"{list(shape)}")
         return compile_program(self.fusion, shapes, rank, torch.device(device))
@@ -663,6 +668,18 @@ class FusionDefinition:
             raise DefinitionError("output_shardings: run execute() first, or ask the plan of given global "
                                   "shapes: fd.compile(shapes).output_shardings(); shardings depend on the sizes")
         return self.plan.output_shardings()
+
+
+def _integers(values: Iterable) -> tuple[int, ...] | None:
+    """``values`` as Python ints where each is an integer (an int or a numpy integer, not a bool);
+    None otherwise."""
+    try:
+        values = tuple(values)
+    except TypeError:
+        return None
+    if any(isinstance(v, bool) or not hasattr(v, "__index__") for v in values):
+        return None
+    return tuple(v.__index__() for v in values)
 
 
 class _OpsNamespace:

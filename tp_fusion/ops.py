@@ -651,19 +651,15 @@ def _var_mean(x, dims, correction=1, keepdim=False):
 
 
 def _reduced_dims(rec, x, dims) -> tuple[int, ...]:
-    """``dims`` (an int, a sequence, or None for every dim) as sorted non-negative dims of ``x``."""
-    return tuple(range(x.ndim)) if dims is None else rec.dims(x, dims)
+    """``dims`` (an int, a sequence, or None for every dim) as sorted non-negative dims of ``x``; an
+    empty sequence is every dim too, as in torch (nvFuser reduces over none)."""
+    return rec.dims(x, dims) if isinstance(dims, int) or dims else tuple(range(x.ndim))
 
 
 def _reduction(rec, x, dims, keepdim, **attrs):
-    """Records a reduction of ``x`` over ``dims``; over no dims (``dims=[]``) it is a copy of ``x``, cast
-    to ``attrs["dtype"]`` where given (torch would reduce over every dim)."""
+    """Records a reduction of ``x`` over ``dims`` (``_reduced_dims``)."""
     x = rec.tv(x, "x")
-    dims = _reduced_dims(rec, x, dims)
-    if not dims and x.ndim:
-        dtype = attrs.get("dtype")
-        return rec.other("set", x) if dtype in (None, DataType.Null) else rec.other("cast", x, dtype=rec.dtype(dtype))
-    return rec(x, dims=dims, keepdim=bool(keepdim), **attrs)
+    return rec(x, dims=_reduced_dims(rec, x, dims), keepdim=bool(keepdim), **attrs)
 
 
 def _nvfuser_overloads(rec, dims, dim, dtype):
@@ -716,8 +712,6 @@ def _extremum_front(torch_name: str):
 
 def _var_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
     """``torch.var(x, dims, correction=..., keepdim=...)``; ``dims`` an int, a list, or None (every dim)."""
-    if dims is not None and not isinstance(dims, int) and len(dims) == 0:
-        _fail("var", "dims is empty; give the dims to take the variance over (or None for every dim)")
     return _reduction(rec, x, dims, keepdim, correction=correction)
 
 

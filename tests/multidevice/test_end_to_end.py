@@ -387,6 +387,14 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[4, 8], [8]], [{1: X}, None], lambda fd, x, w: fd.ops.layer_norm(x, [8], w),
         lambda x, w: F.layer_norm(x, [8], w), ["allgather"]),
     "mean_amax_multi_output": multi_output_case,
+    "gathered_once_for_a_matmul_and_its_transpose": lambda m: binary_case(  # SP MLP backward: g @ w, g^T @ r
+        m, [[8, 4], [4, 8], [8, 8]], [{0: X}, {1: X}, {1: X}],
+        lambda fd, g, w, r: _outputs(fd, fd.ops.matmul(g, w), fd.ops.matmul(fd.ops.permute(g, [1, 0]), r)),
+        lambda g, w, r: (g.T @ r, g @ w), ["allgather"], out={1: X}),
+    "unread_outputs_stay_where_made": lambda m: binary_case(  # layer_norm's mean and rstd are not gathered
+        m, [[8, 4], [8, 4]], [{}, {0: X}],
+        lambda fd, x, r: fd.ops.add(fd.ops.native_layer_norm(x, [4], None, None, eps=1e-5)[0], r),
+        lambda x, r: F.layer_norm(x, [4], eps=1e-5) + r, [], out={0: X}),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
     "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max_scatter"),
@@ -416,6 +424,13 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[8, 4], [8, 4]], [{0: X}, None], lambda fd, a, b: _two_outputs(fd, a, b),
         lambda a, b: (a + b, (a + b) * 2.0), []),
 }
+
+
+def _outputs(fd, first, *more):
+    """``first``, with ``more`` added as outputs before it (binary_case adds the one it returns)."""
+    for tv in more:
+        fd.add_output(tv)
+    return first
 
 
 def _two_outputs(fd, a, b):
@@ -789,6 +804,28 @@ def kept_on_own_device_case(world: int) -> Case:
     return Case(fd, [x], [_rand(76, (3, 4))], lambda t: [t * 2], [])
 
 
+def onto_own_devices_case(world: int, held: str) -> Case:
+    """A ``set`` onto some of the source mesh's own devices, in another order (world 2: [1, 0]; world 4:
+    [1, 0] of [0, 1, 2, 3]). A replicated value is sliced where it is, a pending sum is summed on its
+    mesh and kept: nothing moves between the meshes (a send_recv or a broadcast before). Shards move
+    by send_recv between meshes of one shape, else are gathered on their mesh and sliced (not gathered
+    and then broadcast)."""
+    src, dst = DeviceMesh(range(world)), DeviceMesh([1, 0])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4 * world], dtype=F64)
+        w = fd.define_tensor([4, 4 * world], dtype=F64)
+        y = fd.ops.linear(x, w)  # partial: a pending sum over the sharded in features
+        z = fd.ops.set(y)
+        fd.add_output(fd.ops.exp(z))
+        shard(x, src, {1: X} if held == "partial" else {0: X} if held == "shards" else {})
+        shard(w, src, {1: X} if held == "partial" else {})
+        shard(z, dst, {} if held == "partial" else {0: X})
+    expected = {"replicated": [], "partial": ["allreduce"],
+                "shards": ["send_recv"] if world == 2 else ["allgather"]}[held]
+    full = [_rand(81, (8, 4 * world)), _rand(82, (4, 4 * world))]
+    return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b).exp()], expected)
+
+
 def shards_kept_on_a_2d_mesh_case(world: int) -> Case:
     """Shards of a 1-D mesh set onto a [world, 1] mesh of the same devices, sharded on its first axis:
     every device holds its piece already, so nothing moves (an allgather and a broadcast before)."""
@@ -838,6 +875,9 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
     "scatter_from_one_device": scatter_case,
     "replicated_kept_on_one_of_its_devices": kept_on_own_device_case,
     "shards_kept_on_a_2d_mesh_of_their_devices": shards_kept_on_a_2d_mesh_case,
+    "replicated_sliced_on_its_own_devices": lambda w: onto_own_devices_case(w, "replicated"),
+    "pending_sum_kept_on_its_own_devices": lambda w: onto_own_devices_case(w, "partial"),
+    "shards_onto_some_of_their_devices": lambda w: onto_own_devices_case(w, "shards"),
     "sum_of_shards_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_sharded_dim"),
     "sum_of_other_dim_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_other_dim"),
     "row_parallel_linear_into_one_device": lambda w: reduced_into_one_device_case(w, "linear"),

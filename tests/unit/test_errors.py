@@ -366,6 +366,29 @@ def test_non_tensor_input(value, name):
     _raises(InputError, rf"execute: input T0 must be a torch.Tensor, got {name}", lambda: _relu_fd().execute([value]))
 
 
+def test_sparse_input():
+    sparse = torch.eye(4, 8).to_sparse()
+    _raises(InputError, r"execute: input T0 has layout torch.sparse_coo; pass a dense tensor",
+            lambda: _relu_fd().execute([sparse]))
+
+
+def test_extents_and_factors_are_integers():
+    """numpy integers are extents, as torch takes them; bools and floats are not."""
+    np = pytest.importorskip("numpy")
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([np.int64(4), 8])
+        assert x.shape == (4, 8) and all(type(e) is int for e in x.shape)
+        _raises(DefinitionError, r"define_tensor: shape \[2.0, 3\] must hold integer extents",
+                lambda: fd.define_tensor([2.0, 3]))
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(DeviceMesh([0]))
+        _raises(ShardingError, r"T0.split: factor must be a positive int, got True", lambda: x.outer_split(0, True))
+        x.outer_split(0, np.int64(1))
+    for bad in ([4.5, 8], [-2, 8], [True, 8]):
+        _raises(InputError, r"compile: input T0 is defined as \[4, 8\], got global shape",
+                lambda bad=bad: fd.compile([bad]))
+
+
 def test_a_rejected_input_does_not_poison_the_fusion():
     fd = _relu_fd()
     _raises(InputError, r"local extent 7", lambda: fd.execute([torch.ones(4, 7)]))

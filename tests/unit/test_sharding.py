@@ -515,7 +515,7 @@ MESH_10 = DeviceMesh([1, 0])
     ({1: X}, MESH4, DeviceMesh([2]), ["gather"], {"dim": 1}),
     ({}, DeviceMesh([1]), MESH4, ["scatter"], {"dim": 0}),  # the destination is sharded on dim 0 below
     ({0: X}, MESH2, DeviceMesh([2]), ["allgather", "broadcast"], {}),  # a device outside the mesh
-    ({0: X, 1: Y}, MESH22, DeviceMesh([0]), ["allgather", "allgather", "broadcast"], {}),  # a 2-D mesh
+    ({0: X, 1: Y}, MESH22, DeviceMesh([0]), ["allgather", "allgather"], {}),  # a 2-D mesh: gathered, then kept
     ({}, MESH_10, DeviceMesh([0]), [], {}),  # replicated: the device holds it already
     ({}, MESH22, DeviceMesh([3]), [], {}),
     ({}, MESH2, DeviceMesh([2]), ["broadcast"], {}),  # replicated, but not on that device
