@@ -339,6 +339,23 @@ def _slice_spec(op: Op, fusion: Fusion) -> LabelSpec:
     return LabelSpec((labels,), (labels,), whole=narrowed, partial_sets=(frozenset({0}),))
 
 
+def slice_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
+    """``_slice_spec``'s candidates, and a narrowed dim's strided shard where the slice takes whole
+    blocks: ``Shard(d, outer=k)`` holds [k, n, e/(k n)] of extent e, so bounds on multiples of e/k keep
+    a piece of each block taken: ``Shard(d, (end - start) k / e)`` (one block: a block shard). So a fused
+    gate/up activation sharded with its halves interleaved slices into two block-sharded halves."""
+    cands = from_spec(_slice_spec)(op, fusion, n)
+    (x,), (out,) = _shapes(op, fusion)
+    for d, (start, end, stride) in enumerate(zip(op.attr("starts"), op.attr("ends"), op.attr("strides"))):
+        if out[d] == x[d] or stride != 1 or x[d] < 0 or not isinstance(start, int) or not isinstance(end, int):
+            continue
+        for k in _divisors(x[d]):
+            block = x[d] // k
+            if k > 1 and block % n == 0 and start % block == 0 and end % block == 0 and end > start:
+                cands.append(Candidate((Shard(d, k),), (Shard(d, (end - start) // block),)))
+    return cands
+
+
 def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
     """The concatenated dim stays whole; the others pass a Shard through; Partial operands sum."""
     ins, (out,) = _shapes(op, fusion)
@@ -443,7 +460,7 @@ factory = from_spec(_factory_spec)
 # Random factories: each rank draws the whole tensor and keeps its slice (a free local slice), so a
 # sharded draw equals the matching slice of the unsharded one.
 replicated_factory = from_spec(_replicated_spec)
-slice_ = from_spec(_slice_spec)
+slice_ = slice_candidates
 index_select = from_spec(_index_select_spec)
 select = from_spec(_select_spec)
 embedding = from_spec(_embedding_spec)

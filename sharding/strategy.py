@@ -95,7 +95,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
     3. else one that produces ``hint`` (e.g. a max the user parallelized over the dim it reduces, of a
        pending sum: a reduce_scatter of its operand to that dim, not an allreduce of it and then of the
-       max's result);
+       max's result); also instead of 2's where it moves fewer elements (``_moved``) and ``hint`` is not
+       replicated on the axis, so the op's work stays split (``g^T @ x`` with g sharded on its columns, x
+       on its rows and the output on its rows gathers x, not an all_to_all of g and a reduce_scatter of
+       the result);
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
 
@@ -111,10 +114,12 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         raise LoweringError(f"{op.kind}: no sharding rule for this op")
     mesh = op_mesh(op, fusion, hint, default_mesh)
     hint = hint if hint is not None and hint.mesh == mesh else None
-    have = []
+    have, copied = [], []  # per operand: its placements here (None: not a tensor); those of its copy here
     for a in op.inputs:
         s = fusion.tensor(a).sharding if isinstance(a, int) else None
         copy = copies.get(a) if copies and s is not None else None
+        copy = copy if copy is not None and copy.mesh == mesh else None
+        copied.append(None if copy is None else copy.placements)
         if copy is not None and (s.has_partial or copy.is_replicated and traits(op.kind) & Trait.VIEW):
             s = copy
         have.append(None if not isinstance(a, int) else
@@ -142,8 +147,13 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 pick = min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                        for h, q in zip(have, c.inputs)))
                 break
-        if pick is None and hint is not None:  # produce the hint, from operands that reach its inputs
-            pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]), None)
+        if hint is not None:  # produce the hint, from operands that reach its inputs, where that moves less
+            target = hint.placements[axis]
+            produce = next((c for c in cands if c.outputs[0] == target), None)
+            args = (op, fusion, have, copied, target, axis)
+            if pick is None or produce is not None and not isinstance(target, Replicate) \
+                    and _moved(produce, *args) < _moved(pick, *args):
+                pick = produce or pick
         pick = pick or cands[0]
         for i, p in enumerate(pick.inputs):
             if need_in[i] is not None:
@@ -152,6 +162,18 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             need_out[j][axis] = p
     return Strategy(mesh, tuple(None if n is None else Sharding(mesh, tuple(n)) for n in need_in),
                     tuple(Sharding(mesh, tuple(n)) for n in need_out))
+
+
+def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement, axis: int) -> float:
+    """The elements candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to
+    reach its placement (unless the copy an earlier op made, ``copied``, has it so), and the output where
+    it must communicate to reach ``hint``. Infinite where an extent is symbolic (no comparison then)."""
+    def size(name: int) -> float:
+        shape = fusion.tensor(name).shape
+        return math.inf if any(e < 0 for e in shape) else math.prod(shape)
+    moved = sum(size(a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
+                if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
+    return moved + (0 if is_free(c.outputs[0], hint) else size(op.outputs[0]))
 
 
 def _sums_once(c: Candidate, inputs: tuple, have: list, axis: int) -> bool:

@@ -198,7 +198,12 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
     if failures or any(c != 0 for c in codes):
         detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         note = f" (killed: ranks {killed}, still running after the others failed or the deadline)" if killed else ""
-        raise RanksFailed(f"ranks failed (exit codes {codes}){note}:\n{detail}", codes, failures)
+        if not failures and not killed:  # no rank reached fn: each failed starting, its error on stderr above
+            note = (" before running the function: see the ranks' errors above. A script that calls "
+                    "run_on_ranks when imported must call it under `if __name__ == \"__main__\":` (each rank "
+                    "imports the script again)")
+        raise RanksFailed(f"ranks failed (exit codes {codes}){note}" + (f":\n{detail}" if detail else ""), codes,
+                          failures)
 
 
 def run_program(main_on_rank, args, nproc: int) -> None:

@@ -1188,12 +1188,18 @@ def _normalized_slice(start, end, n: int) -> tuple:
 
 
 def _slice_localize(attrs: dict, s: Localize) -> dict:
-    """A sharded dim is never narrowed (the rule keeps narrowed dims whole): it runs in full, whatever
-    bounds normalized to its whole extent (e.g. ``[-n:n + 2]``)."""
+    """A sharded dim runs in full, whatever bounds normalized to its whole extent (e.g. ``[-n:n + 2]``),
+    unless the slice narrows it: then it takes whole blocks of a strided shard (``rules.slice_candidates``),
+    and each rank the same share of each, so the local bounds are the global ones over the device count."""
     (glob, local) = s.in_global[0], s.in_local[0]
-    sharded = [local[d] != glob[d] for d in range(len(glob))]
-    starts = tuple(0 if sh else b for sh, b in zip(sharded, attrs["starts"]))
-    ends = tuple(local[d] if sh else e for d, (sh, e) in enumerate(zip(sharded, attrs["ends"])))
+
+    def local_bound(d: int, b, whole):
+        if local[d] == glob[d]:
+            return b
+        narrowed = s.out_local[d] != local[d]
+        return b * local[d] // glob[d] if narrowed else whole
+    starts = tuple(local_bound(d, b, 0) for d, b in enumerate(attrs["starts"]))
+    ends = tuple(local_bound(d, e, local[d]) for d, e in enumerate(attrs["ends"]))
     return {**attrs, "starts": starts, "ends": ends}
 
 

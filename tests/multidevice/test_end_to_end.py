@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import rand, shard
+from conftest import rand, run_python, shard
 
 from tp_fusion import (
     DataType,
@@ -77,6 +77,21 @@ def reshape_of_middle_piece_case(mesh) -> Case:
         x.outer_split(2, mesh.size)
         x.axis(2).parallelize(X)
     return Case(fd, [x], [_rand(3, (4, 16, 3))], lambda t: [t.reshape(4, 2, 8, 3)], [])
+
+
+def slice_of_interleaved_halves_case(mesh, start: int, end: int, collectives: list[str]) -> Case:
+    """[4, 32] with dim 1 split [2, 16] and the 16 sharded (``S(1, outer=2)``: each rank holds a piece of
+    both halves, as a fused gate/up weight's activation), sliced on dim 1: whole halves keep their
+    pieces, with no communication; a slice across the halves' pieces gathers first."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 32], dtype=F64)
+        z = fd.ops.exp(fd.ops.slice(x, [0, start], [4, end]))
+        fd.add_output(z)
+        x.set_device_mesh(mesh)
+        x.split(1, 16)
+        x.outer_split(2, mesh.size)
+        x.axis(2).parallelize(X)
+    return Case(fd, [x], [_rand(4, (4, 32))], lambda t: [t[:, start:end].exp()], collectives)
 
 
 def linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
@@ -376,6 +391,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [3, 8, 2], {1: X}, {1: X}, lambda fd, x: fd.ops.reshape(fd.ops.mul(fd.ops.reshape(x, [24, 2]), 2.0),
                                                                    [3, 8, 2]), lambda t: t * 2, []),
     "reshape_split_off_a_middle_piece": reshape_of_middle_piece_case,
+    "slice_of_the_second_interleaved_half": lambda m: slice_of_interleaved_halves_case(m, 16, 32, []),
+    "slice_of_both_interleaved_halves": lambda m: slice_of_interleaved_halves_case(m, 0, 32, []),
+    "slice_across_interleaved_pieces": lambda m: slice_of_interleaved_halves_case(m, 4, 20, ["allgather"]),
     "reshape_needs_allgather": lambda m: _unary_case(  # a block of 12 // n rows straddles the rows of 4
         m, [12, 2], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [3, 4, 2]), lambda t: t.reshape(3, 4, 2),
         ["allgather"]),
@@ -391,6 +409,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[8, 4], [4, 8], [8, 8]], [{0: X}, {1: X}, {1: X}],
         lambda fd, g, w, r: _outputs(fd, fd.ops.matmul(g, w), fd.ops.matmul(fd.ops.permute(g, [1, 0]), r)),
         lambda g, w, r: (g.T @ r, g @ w), ["allgather"], out={1: X}),
+    "weight_gradient_gathers_the_tokens": lambda m: binary_case(  # not all_to_all(grad_a) + reduce_scatter
+        m, [[8, 16], [8, 4]], [{1: X}, {0: X}], lambda fd, ga, x: fd.ops.matmul(fd.ops.permute(ga, [1, 0]), x),
+        lambda ga, x: ga.T @ x, ["allgather"], out={0: X}),
     "unread_outputs_stay_where_made": lambda m: binary_case(  # layer_norm's mean and rstd are not gathered
         m, [[8, 4], [8, 4]], [{}, {0: X}],
         lambda fd, x, r: fd.ops.add(fd.ops.native_layer_norm(x, [4], None, None, eps=1e-5)[0], r),
@@ -545,8 +566,8 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "embedding_vocab_sharded_tokens_scattered": lambda m: _indexed_case(
         m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, padding_idx=3),
         lambda w, i: F.embedding(i, w, padding_idx=3), ["reduce_scatter"], out={0: X}),
-    "embedding_vocab_and_tokens_sharded": lambda m: _indexed_case(  # the table stays sharded: the ids move
-        m, [12, 8], {0: X}, _VOCAB_TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
+    "embedding_vocab_and_tokens_sharded": lambda m: _indexed_case(  # the table (larger) stays sharded: the ids move
+        m, [48, 8], {0: X}, _VOCAB_TOKENS, {0: X}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
         lambda w, i: F.embedding(i, w), ["allgather", "reduce_scatter"], out={0: X}),
     "embedding_vocab_sharded_max_norm": lambda m: _indexed_case(
         m, [12, 8], {0: X}, _VOCAB_TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w, None, 1.0),
@@ -971,6 +992,17 @@ def test_case_between_meshes(multidevice_test, name):
 def test_run_on_ranks_reports_failures():
     with pytest.raises(RuntimeError, match="ranks failed"):
         run_on_ranks(_fail_on_rank_1, 2, timeout_s=30)
+
+
+def test_run_on_ranks_unguarded_in_a_script_says_what_to_do(tmp_path):
+    """Each spawned rank imports the script again; called at import, run_on_ranks fails on every rank
+    before the function runs: the error says to guard the call."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from tp_fusion.launch import run_on_ranks\n\n\ndef f(rank, world):\n    pass\n\n\n"
+                      "run_on_ranks(f, 2, timeout_s=30)\n")
+    proc = run_python(str(script), timeout=120)
+    assert proc.returncode != 0
+    assert 'must call it under `if __name__ == "__main__":`' in proc.stderr.splitlines()[-1]
 
 
 def _fail_on_rank_1(rank: int, world: int) -> None:
