@@ -17,6 +17,7 @@ destroy_process_group`` releases every live graph first (``release_all``); a pro
 
 from __future__ import annotations
 
+import gc
 import os
 import weakref
 from collections.abc import Callable
@@ -66,10 +67,14 @@ class GraphedRun:
         may reuse what an earlier one freed, and the plan's intermediates are held once, not once per
         graph. A capture that fails leaves the caching allocator with a capture underway (torch 2.11),
         which aborts the process at exit; it is ended before the error goes on, and the phases are put
-        back (nothing captured ran)."""
+        back (nothing captured ran). Python's garbage collector is off meanwhile: it could free another
+        plan's graphs mid-capture, and a graph's reset is not permitted while a stream captures (it
+        invalidated the capture: a random case in one of about 100 fell back to eager launches)."""
         self.inputs = [x.clone() if copied else x for x, copied in zip(inputs, self._copied)]
         start = self.mailboxes.phases()
         stream, pool = torch.cuda.current_stream(), torch.cuda.graph_pool_handle()
+        collecting = gc.isenabled()
+        gc.disable()  # torch.cuda.graph collects once as it starts; nothing is collected until the end
         try:
             for _ in range(symm.Mailbox.PHASES):
                 phases, graph = self.mailboxes.phases(), torch.cuda.CUDAGraph()
@@ -89,6 +94,9 @@ class GraphedRun:
             self.release()
             self.mailboxes.set_phases(start)
             raise
+        finally:
+            if collecting:
+                gc.enable()
         self._next = 0
 
     @property
