@@ -181,6 +181,12 @@ class _FusionFunction(torch.autograd.Function):
             if not ctx.needs_input_grad[i]:
                 continue
             inp = ctx.input_meta[i]
+            if inp.mesh is not None and is_dtensor(grad) and grad.device_mesh != inp.mesh:
+                raise ShardingError(
+                    f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
+                    f"{i}, a DTensor on {inp.mesh}, but it came out on {grad.device_mesh}; give that backward "
+                    f"output the input's mesh, or leave it unscheduled (it is then computed in the input's "
+                    f"sharding)")
             grad = inp.redistribute(grad)
             if grad.shape != inp.shape:
                 raise ShardingError(

@@ -323,6 +323,33 @@ def test_a_backward_tensor_of_another_sharding_with_the_right_shape_is_a_clear_e
 
 
 @pytest.mark.ranks(2)
+def test_dtensor_gradient_scheduled_on_another_mesh_is_a_clear_error(multidevice_test):
+    """A DTensor input whose gradient the backward fusion puts on one device: a ShardingError naming the
+    input and both meshes (was torch's NotImplementedError from DTensor.redistribute)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with FusionDefinition() as fwd:
+        x, w = fwd.define_tensor([T, H], dtype=F64), fwd.define_tensor([T, H], dtype=F64)
+        fwd.add_output(fwd.ops.linear(x, w))
+    with FusionDefinition() as bwd:
+        x, w, gy = (bwd.define_tensor(s, dtype=F64) for s in ([T, H], [T, H], [T, T]))
+        bwd.add_output(bwd.ops.matmul(gy, w))
+        gw = bwd.ops.matmul(bwd.ops.permute(gy, [1, 0]), x)
+        bwd.add_output(gw)
+        gw.set_device_mesh(DeviceMesh([0]))
+    linear = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0, 1])
+    mesh = init_device_mesh("cpu", (multidevice_test.size,))
+    x_full, w_full = (torch.randn(T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+                      for s in (7, 8))
+    x = distribute_tensor(x_full, mesh, [Shard(0)]).requires_grad_()
+    w = torch.nn.Parameter(distribute_tensor(w_full, mesh, [Shard(0)]))
+    with pytest.raises(ShardingError, match=r"output 1 is the gradient of forward input 1, a DTensor on "
+                                            r"DeviceMesh\(\(2,\).*but it came out on DeviceMesh\(\(1,\)"):
+        linear.apply(x, w).sum().backward()
+
+
+@pytest.mark.ranks(2)
 def test_dtensor_activation_with_local_shard_parameters(multidevice_test):
     """x a DTensor, the weights plain nn.Parameters holding this rank's shards: the backward runs on
     DTensors, and the plain parameters get plain local gradients that an optimizer steps with."""
