@@ -57,21 +57,27 @@ def test_failed_capture_leaves_the_process_healthy():
 def test_capture_is_not_broken_by_collecting_another_plans_graphs():
     """A graph freed mid-capture (another plan's, in a reference cycle that Python's collector frees) is
     reset, which a capturing stream does not permit: that invalidated the capture (5 of about 850
-    plans fell back to eager launches). The collector is off while a plan is captured: with it collecting at
-    every allocation, no capture fails."""
+    plans fell back to eager launches). The collector is off while a plan is captured: here it would
+    run at the capture's first allocations, with an earlier plan's graphs waiting in a cycle."""
     import gc
 
     from tp_fusion.runtime import graphs
 
     x = torch.arange(8.0, device="cuda")
+
+    def run(xs):
+        if torch.cuda.is_current_stream_capturing():
+            gc.set_threshold(1)  # a collection at (almost) every allocation from here on
+            _ = [[] for _ in range(100)]
+        return [xs[0] + 1]
     threshold = gc.get_threshold()
-    gc.set_threshold(1)
+    gc.set_threshold(10**9)  # the cycle below stays until the capture
     try:
-        for i in range(20):
-            cycle = [graphs.GraphedRun(lambda xs: [xs[0] * 2], [x])]
-            cycle.append(cycle)  # garbage only the collector frees, at any allocation from now on
-            del cycle
-            (out,) = graphs.GraphedRun(lambda xs, i=i: [xs[0] + i], [x]).replay([x])
-            assert torch.equal(out, x + i)
+        cycle = [graphs.GraphedRun(lambda xs: [xs[0] * 2], [x])]
+        cycle.append(cycle)
+        del cycle
+        (out,) = graphs.GraphedRun(run, [x]).replay([x])
+        assert torch.equal(out, x + 1)
     finally:
         gc.set_threshold(*threshold)
+        gc.collect()
