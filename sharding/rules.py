@@ -349,6 +349,7 @@ def slice_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     for d, (start, end, stride) in enumerate(zip(op.attr("starts"), op.attr("ends"), op.attr("strides"))):
         if out[d] == x[d] or stride != 1 or x[d] < 0 or not isinstance(start, int) or not isinstance(end, int):
             continue
+        start, end, _ = slice(start, end).indices(x[d])  # bounds on an extent bound at execute: as Python's
         for k in _divisors(x[d]):
             block = x[d] // k
             if k > 1 and block % n == 0 and start % block == 0 and end % block == 0 and end > start:

@@ -1193,13 +1193,17 @@ def _slice_localize(attrs: dict, s: Localize) -> dict:
     and each rank the same share of each, so the local bounds are the global ones over the device count."""
     (glob, local) = s.in_global[0], s.in_local[0]
 
+    bounds = [_normalized_slice(b, e, n) for b, e, n in zip(attrs["starts"], attrs["ends"], glob)]
+
     def local_bound(d: int, b, whole):
         if local[d] == glob[d]:
             return b
         narrowed = s.out_local[d] != local[d]
         return b * local[d] // glob[d] if narrowed else whole
-    starts = tuple(local_bound(d, b, 0) for d, b in enumerate(attrs["starts"]))
-    ends = tuple(local_bound(d, e, local[d]) for d, e in enumerate(attrs["ends"]))
+    starts = tuple(local_bound(d, b, 0) if local[d] != glob[d] else a
+                   for d, (a, (b, _)) in enumerate(zip(attrs["starts"], bounds)))
+    ends = tuple(local_bound(d, e, local[d]) if local[d] != glob[d] else a
+                 for d, (a, (_, e)) in enumerate(zip(attrs["ends"], bounds)))
     return {**attrs, "starts": starts, "ends": ends}
 
 

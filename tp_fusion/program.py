@@ -65,8 +65,9 @@ class FusedGemm:
     epilogue: tuple[tuple[str, tuple[tuple[str, object], ...]], ...]  # (kind, local attrs) in order
     out: int
     dim: int | None  # the gathered or scattered dim
-    group: tuple[int, ...]
+    group: tuple[int, ...]  # this rank's group (empty where the segment does not run here)
     runs_here: bool
+    group_size: int  # the group's size, known on every rank (so that static choices agree everywhere)
     mode: str | None = None
     tuning: object | None = None  # tp_fusion.runtime.overlap.Tuning (the runtime is not imported here)
 
@@ -336,7 +337,7 @@ def _fused(fusion: Fusion, ops: list[Op], steps: list[Instruction], rank: int) -
         residual=addends.get("residual"),
         epilogue=tuple((op.kind, by_op[id(op)].attrs) for op in after), out=ops[-1].outputs[0],
         dim=comm.attr("dim"), group=mesh.axis_group(comm.attr("mesh_axis"), rank) if runs_here else (),
-        runs_here=runs_here)
+        runs_here=runs_here, group_size=mesh.shape[comm.attr("mesh_axis")])
 
 
 def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:

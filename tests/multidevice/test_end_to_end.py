@@ -79,12 +79,13 @@ def reshape_of_middle_piece_case(mesh) -> Case:
     return Case(fd, [x], [_rand(3, (4, 16, 3))], lambda t: [t.reshape(4, 2, 8, 3)], [])
 
 
-def slice_of_interleaved_halves_case(mesh, start: int, end: int, collectives: list[str]) -> Case:
+def slice_of_interleaved_halves_case(mesh, start: int, end: int, collectives: list[str], extent: int = 32) -> Case:
     """[4, 32] with dim 1 split [2, 16] and the 16 sharded (``S(1, outer=2)``: each rank holds a piece of
     both halves, as a fused gate/up weight's activation), sliced on dim 1: whole halves keep their
-    pieces, with no communication; a slice across the halves' pieces gathers first."""
+    pieces, with no communication; a slice across the halves' pieces gathers first. With ``extent`` -1
+    (32 at execute), bounds from the end or past it are Python's, as they are on a known extent."""
     with FusionDefinition() as fd:
-        x = fd.define_tensor([4, 32], dtype=F64)
+        x = fd.define_tensor([4, extent], dtype=F64)
         z = fd.ops.exp(fd.ops.slice(x, [0, start], [4, end]))
         fd.add_output(z)
         x.set_device_mesh(mesh)
@@ -394,6 +395,10 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "slice_of_the_second_interleaved_half": lambda m: slice_of_interleaved_halves_case(m, 16, 32, []),
     "slice_of_both_interleaved_halves": lambda m: slice_of_interleaved_halves_case(m, 0, 32, []),
     "slice_across_interleaved_pieces": lambda m: slice_of_interleaved_halves_case(m, 4, 20, ["allgather"]),
+    "slice_of_a_symbolic_interleaved_half_from_the_end": lambda m: slice_of_interleaved_halves_case(
+        m, -16, 32, [], extent=-1),
+    "slice_of_a_symbolic_interleaved_half_past_the_end": lambda m: slice_of_interleaved_halves_case(
+        m, 16, 48, [], extent=-1),
     "reshape_needs_allgather": lambda m: _unary_case(  # a block of 12 // n rows straddles the rows of 4
         m, [12, 2], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [3, 4, 2]), lambda t: t.reshape(3, 4, 2),
         ["allgather"]),
@@ -886,6 +891,22 @@ def reduced_into_one_device_case(world: int, body: str) -> Case:
     return Case(fd, args, full, ref, expected)
 
 
+def row_parallel_linear_of_one_row_case(world: int) -> Case:
+    """A row-parallel linear of one row on every rank but rank 0: its rows do not split over the ranks,
+    so the fused segment runs sequentially, and rank 0, outside the mesh, prints the same plan (it
+    printed "fused")."""
+    mesh = DeviceMesh(range(1, world))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([1, 6 * world], dtype=F64), fd.define_tensor([8, 6 * world], dtype=F64)
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        shard(y, mesh)
+    full = [_rand(83, (1, 6 * world)), _rand(84, (8, 6 * world))]
+    return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b)], ["allreduce"] if world > 2 else [])
+
+
 CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its devices
     "send_recv_between_meshes": lambda w: move_case(w, {0: X}),
     "send_recv_then_all_to_all": lambda w: move_case(w, {1: X}),
@@ -896,6 +917,7 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
     "scatter_from_one_device": scatter_case,
     "replicated_kept_on_one_of_its_devices": kept_on_own_device_case,
     "shards_kept_on_a_2d_mesh_of_their_devices": shards_kept_on_a_2d_mesh_case,
+    "row_parallel_linear_of_one_row_on_some_ranks": row_parallel_linear_of_one_row_case,
     "replicated_sliced_on_its_own_devices": lambda w: onto_own_devices_case(w, "replicated"),
     "pending_sum_kept_on_its_own_devices": lambda w: onto_own_devices_case(w, "partial"),
     "shards_onto_some_of_their_devices": lambda w: onto_own_devices_case(w, "shards"),

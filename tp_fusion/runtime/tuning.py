@@ -195,8 +195,7 @@ def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, overl
         why = (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
                f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
         return SEQUENTIAL, None, False, why, False
-    if f.runs_here and f.collective is Collective.ALLREDUCE and \
-            math.prod(local_shape(program.fusion, f.x)[:-1]) % len(f.group):
+    if f.collective is Collective.ALLREDUCE and math.prod(local_shape(program.fusion, f.x)[:-1]) % f.group_size:
         return SEQUENTIAL, None, False, "", False  # rows that do not split over the ranks: nothing to pipeline
     if not _measures(program) or not f.runs_here:
         return FUSED, None, False, "", False
