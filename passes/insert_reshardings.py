@@ -14,9 +14,10 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     """Requires: every tensor has a sharding and every op its ``strategy`` (propagate_shardings).
     Ensures: every op but ``set`` gets its inputs in the shardings its strategy needs and produces
     exactly its outputs' shardings (an output that nothing reads takes the sharding the op gives it);
-    every change of sharding is a ``set`` of its own (one per tensor and target, reused); no fusion
-    output is Partial (an output the user scheduled with a pending
-    sum is summed by a ``set``, as nvFuser's device-parallel reduction axis finishes its reduction).
+    every change of sharding is a ``set`` of its own (one per tensor and target, reused; a pending sum
+    summed once is sliced from that copy for another target); no fusion output is Partial (an output
+    the user scheduled with a pending sum is summed by a ``set``, as nvFuser's device-parallel
+    reduction axis finishes its reduction).
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
     (Partial), the resharding of that result, and an add of the bias: the bias is added once. (A

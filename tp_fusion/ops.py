@@ -1192,19 +1192,16 @@ def _slice_localize(attrs: dict, s: Localize) -> dict:
     unless the slice narrows it: then it takes whole blocks of a strided shard (``rules.slice_candidates``),
     and each rank the same share of each, so the local bounds are the global ones over the device count."""
     (glob, local) = s.in_global[0], s.in_local[0]
-
-    bounds = [_normalized_slice(b, e, n) for b, e, n in zip(attrs["starts"], attrs["ends"], glob)]
-
-    def local_bound(d: int, b, whole):
-        if local[d] == glob[d]:
-            return b
-        narrowed = s.out_local[d] != local[d]
-        return b * local[d] // glob[d] if narrowed else whole
-    starts = tuple(local_bound(d, b, 0) if local[d] != glob[d] else a
-                   for d, (a, (b, _)) in enumerate(zip(attrs["starts"], bounds)))
-    ends = tuple(local_bound(d, e, local[d]) if local[d] != glob[d] else a
-                 for d, (a, (_, e)) in enumerate(zip(attrs["ends"], bounds)))
-    return {**attrs, "starts": starts, "ends": ends}
+    starts, ends = list(attrs["starts"]), list(attrs["ends"])
+    for d, (n, m) in enumerate(zip(glob, local)):
+        if m == n:  # not sharded: the global bounds
+            continue
+        if s.out_local[d] == m:  # the whole dim
+            starts[d], ends[d] = 0, m
+        else:
+            start, end = _normalized_slice(attrs["starts"][d], attrs["ends"][d], n)
+            starts[d], ends[d] = start * m // n, end * m // n
+    return {**attrs, "starts": tuple(starts), "ends": tuple(ends)}
 
 
 register("slice", impl=_slice, infer=_slice_infer, traits=Trait.VIEW, rule=rules.slice_,
