@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tp_fusion.sharding.reshard import is_free
+from tp_fusion.sharding.reshard import free_between
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy
 
@@ -99,8 +99,7 @@ def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict
     if not tensors[name].sharding.has_partial:
         return None
     for (src, have), copy in cache.items():
-        if src == name and not have.has_partial and have.mesh == target.mesh \
-                and all(is_free(a, b) for a, b in zip(have.placements, target.placements)):
+        if src == name and not have.has_partial and free_between(have, target):
             return copy
     return None
 

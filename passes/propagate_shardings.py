@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from tp_fusion.sharding.reshard import free_between
 from tp_fusion.sharding.sharding import Sharding
-from tp_fusion.sharding.strategy import Strategy, choose, moves
+from tp_fusion.sharding.strategy import Strategy, choose
 
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
@@ -50,8 +51,9 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     ops = []
     for op in fusion.ops:
         st = choose(op, draft, _hint(draft, op.outputs[0]), mesh, draft.copies)
-        for a, need in zip(op.inputs, st.inputs):
-            if need is not None and not need.has_partial and moves(draft.tensor(a).sharding, need):
+        for a, need in zip(op.inputs, st.inputs):  # a move on the operand's own mesh that communicates
+            if need is not None and not need.has_partial and draft.tensor(a).sharding.mesh == need.mesh \
+                    and not free_between(draft.tensor(a).sharding, need):
                 draft.copies.setdefault(a, need)
         for o, s in zip(op.outputs, st.outputs):
             if draft.tensor(o).annotated:

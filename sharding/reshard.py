@@ -126,6 +126,12 @@ def is_free(src: Placement, dst: Placement) -> bool:
     return src == dst or (isinstance(src, Replicate) and isinstance(dst, Shard))
 
 
+def free_between(src: Sharding, dst: Sharding) -> bool:
+    """Whether ``dst`` is reached from ``src`` on the same mesh with no communication (``is_free`` on every
+    mesh axis)."""
+    return src.mesh == dst.mesh and all(is_free(a, b) for a, b in zip(src.placements, dst.placements))
+
+
 def _trivial_axes(s: Sharding) -> Sharding:
     """``s`` with every placement on a mesh axis of size 1 replaced by Replicate (they are equal)."""
     if all(n > 1 for n in s.mesh.shape):
@@ -186,20 +192,18 @@ def reshard_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], what: st
     one = _one_device_move(src, dst)
     if one is not None:
         return [one]
-    whole_dst = Sharding.replicated(dst.mesh)
 
-    def via(src_step: Sharding, move: Collective) -> list[ReshardStep]:  # src -> src_step; move; slice on dst
-        hop = ReshardStep(move, None, None, None, whole_dst, src.mesh, dst.mesh)
-        return same_mesh_steps(src, src_step, what) + [hop] + same_mesh_steps(whole_dst, dst, what)
+    def via(before: Sharding, move: Collective, landed: Sharding) -> list[ReshardStep]:
+        """src -> ``before`` on src's mesh; ``move`` to ``landed`` on dst's mesh; -> dst there."""
+        hop = ReshardStep(move, None, None, None, landed, src.mesh, dst.mesh)
+        return same_mesh_steps(src, before, what) + [hop] + same_mesh_steps(landed, dst, what)
+    summed, whole_dst = src.materialized(), Sharding.replicated(dst.mesh)
     own_devices = set(dst.mesh.devices) <= set(src.mesh.devices)
-    if own_devices and held_already(src.materialized(), whole_dst, shape):
-        return via(src.materialized(), Collective.KEEP)  # pending sums summed where they are, then kept
-    if src.mesh.shape == dst.mesh.shape:
-        kept = tuple(REPLICATE if isinstance(p, Partial) else p for p in src.placements)
-        moved = Sharding(dst.mesh, kept)
-        move = ReshardStep(Collective.SEND_RECV, None, None, None, moved, src.mesh, dst.mesh)
-        return same_mesh_steps(src, Sharding(src.mesh, kept), what) + [move] + same_mesh_steps(moved, dst, what)
-    return via(Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST)
+    if own_devices and held_already(summed, whole_dst, shape):
+        return via(summed, Collective.KEEP, whole_dst)  # pending sums summed where they are, then kept
+    if src.mesh.shape == dst.mesh.shape:  # placements kept
+        return via(summed, Collective.SEND_RECV, Sharding(dst.mesh, summed.placements))
+    return via(Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST, whole_dst)
 
 
 def _one_device_move(src: Sharding, dst: Sharding) -> ReshardStep | None:

@@ -469,4 +469,3 @@ take_along = from_spec(_take_along_spec)
 scatter = from_spec(_scatter_spec)
 cat = from_spec(_cat_spec)
 reshape = reshape_candidates
-

@@ -46,12 +46,6 @@ def preference(op: Op, fusion: Fusion) -> list[int]:
     return sorted(tensors, key=lambda i: -parallel_axes(i))
 
 
-def moves(src: Sharding | None, dst: Sharding) -> bool:
-    """Whether a tensor sharded ``src`` must communicate to become ``dst`` (on the same mesh)."""
-    return src is not None and src.mesh == dst.mesh \
-        and not all(is_free(a, b) for a, b in zip(src.placements, dst.placements))
-
-
 def _reachable(have: Placement, need: Placement) -> bool:
     return have == need or step_collective(have, need) is not None
 
@@ -80,12 +74,15 @@ def _result_moves_less(op: Op, fusion: Fusion, hint: Sharding, held: list[Shardi
             or all(s.is_replicated for s in held):
         return False
 
-    def nbytes(name: int) -> int:
-        t = fusion.tensor(name)
-        return -1 if any(e < 0 for e in t.shape) else math.prod(t.shape) * t.dtype.torch.itemsize
-    operands = [nbytes(a) for a in op.tensor_inputs if not fusion.tensor(a).sharding.is_replicated]
-    outputs = [nbytes(o) for o in op.outputs]
-    return min(operands + outputs) >= 0 and sum(outputs) < sum(operands)
+    operands = sum(_nbytes(fusion, a) for a in op.tensor_inputs if not fusion.tensor(a).sharding.is_replicated)
+    outputs = sum(_nbytes(fusion, o) for o in op.outputs)
+    return outputs < operands < math.inf
+
+
+def _nbytes(fusion: Fusion, name: int) -> float:
+    """The bytes of tensor ``name``; infinite where an extent is symbolic (then no size comparison holds)."""
+    t = fusion.tensor(name)
+    return math.inf if any(e < 0 for e in t.shape) else math.prod(t.shape) * t.dtype.torch.itemsize
 
 
 def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMesh,
@@ -95,7 +92,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
     3. else one that produces ``hint`` (e.g. a max the user parallelized over the dim it reduces, of a
        pending sum: a reduce_scatter of its operand to that dim, not an allreduce of it and then of the
-       max's result); also instead of 2's where it moves fewer elements (``_moved``) and ``hint`` is not
+       max's result); also instead of 2's where it moves fewer bytes (``_moved``) and ``hint`` is not
        replicated on the axis, so the op's work stays split (``g^T @ x`` with g sharded on its columns, x
        on its rows and the output on its rows gathers x, not an all_to_all of g and a reduce_scatter of
        the result);
@@ -165,15 +162,12 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
 
 
 def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement, axis: int) -> float:
-    """The elements candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to
-    reach its placement (unless the copy an earlier op made, ``copied``, has it so), and the output where
-    it must communicate to reach ``hint``. Infinite where an extent is symbolic (no comparison then)."""
-    def size(name: int) -> float:
-        shape = fusion.tensor(name).shape
-        return math.inf if any(e < 0 for e in shape) else math.prod(shape)
-    moved = sum(size(a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
+    """The bytes candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to reach
+    its placement (unless the copy an earlier op made, ``copied``, has it so), and the output where it
+    must communicate to reach ``hint``. Infinite where an extent is symbolic (no comparison then)."""
+    moved = sum(_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
                 if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
-    return moved + (0 if is_free(c.outputs[0], hint) else size(op.outputs[0]))
+    return moved + (0 if is_free(c.outputs[0], hint) else _nbytes(fusion, op.outputs[0]))
 
 
 def _sums_once(c: Candidate, inputs: tuple, have: list, axis: int) -> bool:

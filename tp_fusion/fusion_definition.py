@@ -651,15 +651,15 @@ class FusionDefinition:
         """
         from tp_fusion.compile import compile_program
 
-        shapes = [_integers(s) or tuple(s) for s in input_shapes]
-        if len(shapes) != len(self._inputs):
-            raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(shapes)} shapes")
-        for name, shape in zip(self._inputs, shapes):
+        if len(input_shapes) != len(self._inputs):
+            raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(input_shapes)} shapes")
+        shapes = [_integers(s) for s in input_shapes]
+        for name, shape, given in zip(self._inputs, shapes, input_shapes):
             t = self._tensors[name]
-            if _integers(shape) is None or any(e < 0 for e in shape) or len(shape) != t.ndim \
+            if shape is None or any(e < 0 for e in shape) or len(shape) != t.ndim \
                     or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
                 raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
-                                 f"{list(shape)}")
+                                 f"{list(given)}")
         return compile_program(self.fusion, shapes, rank, torch.device(device))
 
     def output_shardings(self) -> list:
