@@ -144,16 +144,6 @@ class Config:
             tv.axis(axis).parallelize(ParallelType.mesh_x)
 
 
-def gathered(fd: FusionDefinition, tv, cfg: Config):
-    """``tv`` (sharded on rows in sp) with all its rows: one allgather, shared by the GEMMs that read it
-    (left alone, each GEMM would gather for itself, or reduce the weight's gradient across ranks instead)."""
-    if cfg.mode != "sp":
-        return tv
-    full = fd.ops.set(tv)
-    full.set_device_mesh(DeviceMesh(range(cfg.d)))
-    return full
-
-
 def dropout(fd: FusionDefinition, x, cfg: Config, offset: int):
     """``x`` times the dropout mask ``offset`` (kept with probability 1 - p) over 1 - p; the mask is
     ``rand_like(x) < 1 - p`` drawn from (``DROPOUT_SEED``, ``offset``), so ``x`` of the same shape and
@@ -226,26 +216,24 @@ def define_backward(cfg: Config, forward: FusionDefinition) -> FusionDefinition:
 
         # MLP: out = res1 + dropout(fc2(gelu(fc1(ln1(res1)))))
         grad_fc2 = dropout(fd, grad_res2, cfg, 1) if cfg.dropout else grad_res2
-        grad_fc2_out = gathered(fd, grad_fc2, cfg)
-        grad_fc2_w = fd.ops.matmul(fd.ops.permute(grad_fc2_out, [1, 0]), t["gelu"])
+        grad_fc2_w = fd.ops.matmul(fd.ops.permute(grad_fc2, [1, 0]), t["gelu"])
         grad_fc2_b = fd.ops.sum(grad_fc2, [0])
-        grad_gelu = fd.ops.matmul(grad_fc2_out, t["fc2_w"])
+        grad_gelu = fd.ops.matmul(grad_fc2, t["fc2_w"])  # sp: grad_fc2 gathered once for both GEMMs
         grad_fc1 = fd.ops.gelu_backward(grad_gelu, t["fc1"], approximate="tanh")
         grad_fc1_b = fd.ops.sum(grad_fc1, [0])
         grad_ln1 = fd.ops.matmul(grad_fc1, t["fc1_w"])  # partial sums over the MLP's columns:
         cfg.schedule(grad_ln1, "grad_out")  # reduced here (allreduce in tp, reduce_scatter in sp)
         grad_res1_ln, grad_ln1_w, grad_ln1_b = fd.ops.native_layer_norm_backward(
             grad_ln1, t["res1"], e, t["mean1"], t["rstd1"], t["ln1_w"], t["ln1_b"])
-        grad_fc1_w = fd.ops.matmul(fd.ops.permute(grad_fc1, [1, 0]), gathered(fd, t["ln1"], cfg))
+        grad_fc1_w = fd.ops.matmul(fd.ops.permute(grad_fc1, [1, 0]), t["ln1"])
         grad_res1 = fd.ops.add(grad_res2, grad_res1_ln)
 
         # Attention: res1 = x + dropout(out_proj(attention(split_heads(qkv(ln0(x))))))
         grad_proj = dropout(fd, grad_res1, cfg, 0) if cfg.dropout else grad_res1
-        grad_proj_out = gathered(fd, grad_proj, cfg)
         attn2d = merge_heads(fd, t["attn"], cfg)
-        grad_out_w = fd.ops.matmul(fd.ops.permute(grad_proj_out, [1, 0]), attn2d)
+        grad_out_w = fd.ops.matmul(fd.ops.permute(grad_proj, [1, 0]), attn2d)
         grad_out_b = fd.ops.sum(grad_proj, [0])
-        grad_attn2d = fd.ops.matmul(grad_proj_out, t["out_w"])
+        grad_attn2d = fd.ops.matmul(grad_proj, t["out_w"])
         grad_attn = fd.ops.permute(fd.ops.reshape(grad_attn2d, [cfg.batch, cfg.seq, cfg.heads, cfg.head_dim]),
                                    [0, 2, 1, 3])
         q, k, v = split_heads(fd, t["qkv"], cfg)
@@ -258,7 +246,7 @@ def define_backward(cfg: Config, forward: FusionDefinition) -> FusionDefinition:
         cfg.schedule(grad_ln0, "grad_out")
         grad_x_ln, grad_ln0_w, grad_ln0_b = fd.ops.native_layer_norm_backward(
             grad_ln0, t["x"], e, t["mean0"], t["rstd0"], t["ln0_w"], t["ln0_b"])
-        grad_qkv_w = fd.ops.matmul(fd.ops.permute(grad_qkv, [1, 0]), gathered(fd, t["ln0"], cfg))
+        grad_qkv_w = fd.ops.matmul(fd.ops.permute(grad_qkv, [1, 0]), t["ln0"])
         grad_x = fd.ops.add(grad_res1, grad_x_ln)
 
         grads = dict(zip(INPUTS, (grad_x, grad_ln0_w, grad_ln0_b, grad_qkv_w, grad_qkv_b, grad_out_w, grad_out_b,

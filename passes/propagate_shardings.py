@@ -8,7 +8,7 @@ from tp_fusion.sharding.strategy import Strategy, choose
 
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.ops import is_biased_gemm
+from tp_fusion.ops import Trait, is_biased_gemm, traits
 
 
 def default_mesh(fusion: Fusion) -> DeviceMesh | None:
@@ -20,11 +20,15 @@ class _Draft:
     """The tensors of a fusion, updated in place while a pass walks its ops (what ``choose`` reads)."""
 
     def __init__(self, fusion: Fusion):
+        self.fusion = fusion
         self.tensors = list(fusion.tensors)
         self.copies: dict[int, Sharding] = {}  # tensors an op needs moved (summed, gathered): the first need
 
     def tensor(self, name: int):
         return self.tensors[name]
+
+    def consumers(self, name: int):
+        return self.fusion.consumers(name)
 
     def set_sharding(self, name: int, sharding: Sharding) -> None:
         self.tensors[name] = self.tensors[name].replace(sharding=sharding)
@@ -36,9 +40,11 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     fusion's mesh; no fusion output and no biased GEMM output is Partial (they are materialized).
 
     Forward: each op's unannotated outputs get what ``choose`` says the op produces. Backward:
-    an unannotated replicated tensor computed only from replicated data (or from nothing, like
-    ``full``) takes the sharding all its consumers need, so it is computed sharded instead of
-    computed whole and sliced.
+    an unannotated replicated tensor that an op computes from whole operands (replicated, or
+    gathered or summed for it; or from nothing, like ``full``) takes the sharding all its consumers
+    need, so it is computed sharded instead of computed whole and sliced: its operands are then
+    sliced, or summed by a reduce_scatter rather than an allreduce (RMSNorm of a row-parallel
+    linear's output with the result on rows).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
@@ -77,27 +83,40 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
     from a pending sum (a row-parallel linear's output) takes a Shard that all its consumers need
     too: the sum is then a reduce_scatter, not an allreduce and a slice."""
     index = {id(op): i for i, op in enumerate(fusion.ops)}
+
+    def single_need(o: int) -> Sharding | None:
+        needs = set()
+        for consumer in fusion.consumers(o):
+            st: Strategy = ops[index[id(consumer)]].strategy
+            needs |= {st.inputs[k] for k, a in enumerate(consumer.inputs) if a == o}
+        return needs.pop() if len(needs) == 1 else None
+
     for i in reversed(range(len(ops))):
         op = ops[i]
-        from_replicated = all(draft.tensor(a).sharding.is_replicated for a in op.tensor_inputs)
+        whole = all(need is None or need.is_replicated for need in op.strategy.inputs)
         summed = {o for o, s in zip(op.outputs, op.strategy.outputs) if s.has_partial}
-        if not from_replicated and not summed:
-            continue
+        gathered = _gathered_copy(op, draft)
         changed = False
         for o in op.outputs:
             t = draft.tensor(o)
-            if t.annotated or o in fusion.inputs or not t.sharding.is_replicated:
+            if t.annotated or o in fusion.inputs:
                 continue
-            if not (from_replicated or o in summed):
+            need = single_need(o)
+            if need is None or need.has_partial:
                 continue
-            needs = set()
-            for consumer in fusion.consumers(o):
-                st: Strategy = ops[index[id(consumer)]].strategy
-                needs |= {st.inputs[k] for k, a in enumerate(consumer.inputs) if a == o}
-            if len(needs) == 1:
-                (need,) = needs
-                if not need.is_replicated and not need.has_partial:
-                    draft.set_sharding(o, need)
-                    changed = True
-        if changed and from_replicated:
-            ops[i] = op.replace(strategy=choose(op, draft, draft.tensor(op.outputs[0]).sharding, mesh))
+            if t.sharding.is_replicated and (whole or o in summed) and not need.is_replicated \
+                    or gathered is not None and need == gathered and not t.sharding.is_replicated:
+                draft.set_sharding(o, need)
+                changed = True
+        if changed and (whole or gathered is not None):
+            hint = draft.tensor(op.outputs[0]).sharding
+            ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if gathered is not None else None))
+
+
+def _gathered_copy(op, draft: _Draft) -> Sharding | None:
+    """The replicated sharding of the copy that another op gathers of a view's operand (a view of
+    ``g`` that is then gathered, where ``g @ w`` gathers ``g`` too, reads the one gathered copy), else None."""
+    if not traits(op.kind) & Trait.VIEW or len(op.tensor_inputs) != 1:
+        return None
+    copy = draft.copies.get(op.tensor_inputs[0])
+    return copy if copy is not None and copy.is_replicated else None

@@ -125,8 +125,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
     for axis in reversed(range(mesh.ndim)):
-        cands = rule(op, fusion, mesh.shape[axis])
-        cands = cands + _strided(cands, [h[axis] for h in have if h is not None], op, fusion, mesh.shape[axis])
+        n = mesh.shape[axis]
+        cands = rule(op, fusion, n)
+        cands = cands + _strided(cands, [h[axis] for h in have if h is not None], op, fusion, n)
         cands = [c for c in cands if _compatible(c, need_in, need_out, mesh, axis)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
@@ -135,19 +136,21 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         if hint is not None:
             pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]
                          and all(h is None or is_free(h[axis], p) for h, p in zip(have, c.inputs))), None)
+        follows = []  # per sharded operand, in preference order: the candidate that keeps its placement
         for i in order if pick is None else ():
             p = have[i][axis]
-            if isinstance(p, Replicate):
-                continue
-            matching = [c for c in cands if c.inputs[i] == p]
+            matching = [c for c in cands if c.inputs[i] == p and not isinstance(p, Replicate)]
             if matching:
-                pick = min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
-                                                       for h, q in zip(have, c.inputs)))
-                break
+                follows.append(min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
+                                                               for h, q in zip(have, c.inputs))))
+        if follows:
+            pick = follows[0]
+            if hint is None and not _taken(pick.outputs[0], op, fusion, n):
+                pick = min(follows, key=lambda c: _moved(c, op, fusion, have, copied, None, axis, n))
         if hint is not None:  # produce the hint, from operands that reach its inputs, where that moves less
             target = hint.placements[axis]
             produce = next((c for c in cands if c.outputs[0] == target), None)
-            args = (op, fusion, have, copied, target, axis)
+            args = (op, fusion, have, copied, target, axis, n)
             if pick is None or produce is not None and not isinstance(target, Replicate) \
                     and _moved(produce, *args) < _moved(pick, *args):
                 pick = produce or pick
@@ -161,13 +164,34 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                     tuple(Sharding(mesh, tuple(n)) for n in need_out))
 
 
-def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement, axis: int) -> float:
+def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement | None, axis: int,
+           n: int) -> float:
     """The bytes candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to reach
     its placement (unless the copy an earlier op made, ``copied``, has it so), and the output where it
-    must communicate to reach ``hint``. Infinite where an extent is symbolic (no comparison then)."""
+    must communicate to reach ``hint`` (no hint: where a consumer cannot take it as it is, ``_taken`` on an
+    axis of ``n`` devices). Infinite where an extent is symbolic (no comparison then)."""
     moved = sum(_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
                 if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
-    return moved + (0 if is_free(c.outputs[0], hint) else _nbytes(fusion, op.outputs[0]))
+    stays = is_free(c.outputs[0], hint) if hint is not None else _taken(c.outputs[0], op, fusion, n)
+    return moved + (0 if stays else _nbytes(fusion, op.outputs[0]))
+
+
+def _taken(p: Placement, op: Op, fusion: Fusion, n: int) -> bool:
+    """Whether every op that reads ``op``'s first output has a candidate (on a mesh axis of ``n`` devices)
+    that takes it as ``p``, so the output need not move before its next use: the one step of look-ahead
+    that keeps an attention's scores ``q @ k^T`` on the query rows, which the softmax over keys takes,
+    and gathers k, rather than sharding the scores on keys and gathering them for the softmax."""
+    out = op.outputs[0]
+    for consumer in fusion.consumers(out):
+        rule = opdef(consumer.kind).rule
+        if rule is None:
+            continue
+        cands = rule(consumer, fusion, n)
+        cands = cands + _strided(cands, [p], consumer, fusion, n)
+        at = [k for k, a in enumerate(consumer.inputs) if a == out]
+        if not any(all(c.inputs[k] == p for k in at) for c in cands):
+            return False
+    return True
 
 
 def _sums_once(c: Candidate, inputs: tuple, have: list, axis: int) -> bool:

@@ -276,11 +276,11 @@ def max_of_a_pending_sum_case(mesh) -> Case:
     return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b).amax(1)], ["reduce_scatter", "allreduce"])
 
 
-def pending_sum_used_twice_case(mesh, use: str) -> Case:
-    """A row-parallel linear's pending sum y read by two ops: summed once, by one allreduce, for both.
+def pending_sum_used_twice_case(mesh, use: str, rows: bool = False) -> Case:
+    """A row-parallel linear's pending sum y read by two ops: summed once for both.
     square: sum(y * y); max: y - max(y) (the max needs y summed; the sub reads that sum, not y again);
-    rms: RMSNorm of y from primitives; max_scatter: y - max(y) with the result sharded on its rows (a
-    slice of the one sum, not a reduce_scatter of y besides)."""
+    rms: RMSNorm of y from primitives. Unannotated, one allreduce; with the result sharded on its rows
+    (``rows``), one reduce_scatter, and every op after it runs on the rows."""
     with FusionDefinition() as fd:
         x, w = fd.define_tensor([8, 12], dtype=F64), fd.define_tensor([4, 12], dtype=F64)
         y = fd.ops.linear(x, w)
@@ -294,14 +294,15 @@ def pending_sum_used_twice_case(mesh, use: str) -> Case:
         fd.add_output(z)
         shard(x, mesh, {1: X})
         shard(w, mesh, {1: X})
-        if use == "max_scatter":
+        if rows:
             shard(z, mesh, {0: X})
     references = {
         "square": lambda a, b: [F.linear(a, b).square().sum(1)],
         "rms": lambda a, b: [F.rms_norm(F.linear(a, b), [4], eps=1e-5)],
     }
     reference = references.get(use, lambda a, b: [F.linear(a, b) - F.linear(a, b).amax(1, keepdim=True)])
-    return Case(fd, [x, w], [_rand(92, (8, 12)), _rand(93, (4, 12))], reference, ["allreduce"])
+    return Case(fd, [x, w], [_rand(92, (8, 12)), _rand(93, (4, 12))], reference,
+                ["reduce_scatter" if rows else "allreduce"])
 
 
 def multi_output_case(mesh) -> Case:
@@ -417,14 +418,25 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "weight_gradient_gathers_the_tokens": lambda m: binary_case(  # not all_to_all(grad_a) + reduce_scatter
         m, [[8, 16], [8, 4]], [{1: X}, {0: X}], lambda fd, ga, x: fd.ops.matmul(fd.ops.permute(ga, [1, 0]), x),
         lambda ga, x: ga.T @ x, ["allgather"], out={0: X}),
+    "gathered_once_for_a_transpose_then_a_matmul": lambda m: binary_case(  # the same, g^T @ r recorded first
+        m, [[8, 4], [4, 8], [8, 8]], [{0: X}, {1: X}, {1: X}],
+        lambda fd, g, w, r: _transpose_first(fd, g, w, r),
+        lambda g, w, r: (g.T @ r, g @ w), ["allgather"], out={1: X}),
     "unread_outputs_stay_where_made": lambda m: binary_case(  # layer_norm's mean and rstd are not gathered
         m, [[8, 4], [8, 4]], [{}, {0: X}],
         lambda fd, x, r: fd.ops.add(fd.ops.native_layer_norm(x, [4], None, None, eps=1e-5)[0], r),
         lambda x, r: F.layer_norm(x, [4], eps=1e-5) + r, [], out={0: X}),
+    # q, k, v and the output sharded on the sequence: the scores keep q's rows, which the softmax over
+    # keys takes, so k and v are gathered (not q and the [S, S] scores, then a reduce_scatter)
+    "sp_attention_from_matmuls": lambda m: binary_case(
+        m, [(8, 4)] * 3, [{0: X}] * 3,
+        lambda fd, q, k, v: fd.ops.matmul(fd.ops.softmax(fd.ops.matmul(q, fd.ops.permute(k, [1, 0])), 1), v),
+        lambda q, k, v: torch.softmax(q @ k.T, 1) @ v, ["allgather", "allgather"], out={0: X}),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
-    "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max_scatter"),
+    "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max", rows=True),
     "pending_sum_rms_norm": lambda m: pending_sum_used_twice_case(m, "rms"),
+    "pending_sum_rms_norm_scattered": lambda m: pending_sum_used_twice_case(m, "rms", rows=True),
     "row_linear_bias_scatter_features": lambda m: row_bias_scatter_case(m),
     "var_mean_sharded_dim": lambda m: _unary_case(
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.var_mean(x, [1])[0], lambda t: t.var(1), ["allgather"]),
@@ -457,6 +469,13 @@ def _outputs(fd, first, *more):
     for tv in more:
         fd.add_output(tv)
     return first
+
+
+def _transpose_first(fd, g, w, r):
+    """``g^T @ r`` (an output), then ``g @ w``: the permute comes before the op that gathers ``g``."""
+    grad_w = fd.ops.matmul(fd.ops.permute(g, [1, 0]), r)
+    fd.add_output(grad_w)
+    return fd.ops.matmul(g, w)
 
 
 def _two_outputs(fd, a, b):
