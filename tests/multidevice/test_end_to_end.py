@@ -126,6 +126,21 @@ def linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
     return Case(fd, tvs, full, lambda *a: [F.linear(*a)], expected)
 
 
+def gathered_linear_then_cast_case(mesh, to: DataType) -> Case:
+    """x gathered (an explicit replicated ``set``) for a linear whose result is cast to another dtype: the
+    fused allgather+linear keeps its own dtype and the cast runs after it (the cast was taken into the
+    GEMM's epilogue, written into the GEMM's float32 output: the result came back float32)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4], dtype=F32), fd.define_tensor([4, 4], dtype=F32)
+        xr = fd.ops.set(x)
+        fd.add_output(fd.ops.cast(fd.ops.linear(xr, w), to))
+        shard(x, mesh, {0: X})
+        shard(xr, mesh)
+        shard(w, mesh)
+    full = [_rand(94, (8, 4), F32), _rand(95, (4, 4), F32)]
+    return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b).to(to.torch)], ["allgather"])
+
+
 def logical_split_linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
     """nvFuser's logical-split linear: w[4, 16, 12] (b[4, 16]) on x[2, 8, 12] -> [4, 2, 8, 16]. lead: w and
     b sharded on the leading dim; out: on out features; row: x and w on in features (bias added once)."""
@@ -327,6 +342,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "linear_reduce_scatter_bias": lambda m: linear_case(m, "rs", True),
     "sp_linear_allgather": lambda m: linear_case(m, "sp", False),
     "sp_linear_allgather_bias": lambda m: linear_case(m, "sp", True, F32),
+    "gathered_linear_cast_to_f64": lambda m: gathered_linear_then_cast_case(m, F64),
+    "gathered_linear_cast_to_bf16": lambda m: gathered_linear_then_cast_case(m, DataType.BFloat16),
     "logical_split_linear_lead": lambda m: logical_split_linear_case(m, "lead", False),
     "logical_split_linear_lead_bias": lambda m: logical_split_linear_case(m, "lead", True, F32),
     "logical_split_linear_out_bias": lambda m: logical_split_linear_case(m, "out", True),
