@@ -49,7 +49,10 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
 
     for op in fusion.ops:
         if traits(op.kind) & Trait.RESHARD:  # a set between two shardings: lowering's job
-            ops.append(op)
+            (a,), (o,) = op.inputs, op.outputs
+            copy = cache.get((a, tensors[o].sharding))  # the same move made already: a local copy of it
+            ops.append(op if copy is None else op.replace(inputs=(copy,)))
+            cache.setdefault((a, tensors[o].sharding), o)
             continue
         st: Strategy = op.strategy
         bias_once = is_biased_gemm(op) and st.outputs[0].has_partial  # the bias is resharded for its add

@@ -57,7 +57,10 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     ops = []
     for op in fusion.ops:
         st = choose(op, draft, _hint(draft, op.outputs[0]), mesh, draft.copies)
-        for a, need in zip(op.inputs, st.inputs):  # a move on the operand's own mesh that communicates
+        # a move on the operand's own mesh that communicates; a user's set makes one of its operand
+        moves = zip(op.inputs, (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD
+                    else st.inputs)
+        for a, need in moves:
             if need is not None and not need.has_partial and draft.tensor(a).sharding.mesh == need.mesh \
                     and not free_between(draft.tensor(a).sharding, need):
                 draft.copies.setdefault(a, need)
@@ -97,15 +100,15 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
         summed = {o for o, s in zip(op.outputs, op.strategy.outputs) if s.has_partial}
         gathered = _gathered_copy(op, draft)
         changed = False
-        for o in op.outputs:
+        for o, made in zip(op.outputs, op.strategy.outputs):
             t = draft.tensor(o)
-            if t.annotated or o in fusion.inputs:
+            if o in fusion.inputs:
                 continue
-            need = single_need(o)
+            need = t.sharding if t.annotated else single_need(o)
             if need is None or need.has_partial:
                 continue
-            if t.sharding.is_replicated and (whole or o in summed) and not need.is_replicated \
-                    or gathered is not None and need == gathered and not t.sharding.is_replicated:
+            if gathered is not None and need == gathered != made \
+                    or not t.annotated and t.sharding.is_replicated and (whole or o in summed) and not need.is_replicated:
                 draft.set_sharding(o, need)
                 changed = True
         if changed and (whole or gathered is not None):

@@ -320,6 +320,31 @@ def pending_sum_used_twice_case(mesh, use: str, rows: bool = False) -> Case:
                 ["reduce_scatter" if rows else "allreduce"])
 
 
+def pending_sum_set_and_read_case(mesh, variant: str) -> Case:
+    """A row-parallel linear's pending sum y that a user's ``set`` (or a view that is an output) moves and
+    ``exp`` reads: summed once. set_then_exp / exp_then_set: the set replicated, recorded before or after
+    the exp; permute_then_exp: ``permute(y)`` replicated; rows_then_exp: the set on rows (one
+    reduce_scatter, which the exp reads too)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 12], dtype=F64), fd.define_tensor([8, 12], dtype=F64)
+        y = fd.ops.linear(x, w)
+        if variant == "exp_then_set":
+            e = fd.ops.exp(y)
+            moved = fd.ops.set(y)
+        else:
+            moved = fd.ops.permute(y, [1, 0]) if variant == "permute_then_exp" else fd.ops.set(y)
+            e = fd.ops.exp(y)
+        fd.add_output(moved)
+        fd.add_output(e)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        shard(moved, mesh, {0: X} if variant == "rows_then_exp" else {})
+    t = variant == "permute_then_exp"
+    return Case(fd, [x, w], [_rand(96, (8, 12)), _rand(97, (8, 12))],
+                lambda a, b: [F.linear(a, b).T if t else F.linear(a, b), F.linear(a, b).exp()],
+                ["reduce_scatter" if variant == "rows_then_exp" else "allreduce"])
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -449,6 +474,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [(8, 4)] * 3, [{0: X}] * 3,
         lambda fd, q, k, v: fd.ops.matmul(fd.ops.softmax(fd.ops.matmul(q, fd.ops.permute(k, [1, 0])), 1), v),
         lambda q, k, v: torch.softmax(q @ k.T, 1) @ v, ["allgather", "allgather"], out={0: X}),
+    **{f"pending_sum_{v}": (lambda v: lambda m: pending_sum_set_and_read_case(m, v))(v)
+       for v in ("set_then_exp", "exp_then_set", "permute_then_exp", "rows_then_exp")},
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
     "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max", rows=True),
