@@ -15,17 +15,19 @@ from tp_fusion.passes.fuse_collectives import fuse_collectives
 from tp_fusion.passes.insert_reshardings import insert_reshardings
 from tp_fusion.passes.lower_communications import lower_communications
 from tp_fusion.passes.propagate_shardings import propagate_shardings
+from tp_fusion.passes.remove_unused import remove_unused
 from tp_fusion.passes.segment import segment
 
 from tp_fusion.ir import Fusion
 
+remove_unused.ensures = checks.well_formed
 propagate_shardings.ensures = checks.sharded
 insert_reshardings.ensures = checks.resharded
 lower_communications.ensures = checks.lowered
 segment.ensures = checks.segmented
 fuse_collectives.ensures = checks.segmented
 
-PIPELINE = (propagate_shardings, insert_reshardings, lower_communications, segment, fuse_collectives)
+PIPELINE = (remove_unused, propagate_shardings, insert_reshardings, lower_communications, segment, fuse_collectives)
 
 
 def run_pipeline(fusion: Fusion, check: bool = False, pipeline=PIPELINE) -> Fusion:
@@ -46,5 +48,5 @@ def verify(fusion: Fusion, after: str) -> None:
     next(p for p in PIPELINE if p.__name__ == after).ensures(fusion)
 
 
-__all__ = ["PIPELINE", "run_pipeline", "verify", "propagate_shardings", "insert_reshardings",
+__all__ = ["PIPELINE", "run_pipeline", "verify", "remove_unused", "propagate_shardings", "insert_reshardings",
            "lower_communications", "segment", "fuse_collectives"]

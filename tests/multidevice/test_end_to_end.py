@@ -476,6 +476,10 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda q, k, v: torch.softmax(q @ k.T, 1) @ v, ["allgather", "allgather"], out={0: X}),
     **{f"pending_sum_{v}": (lambda v: lambda m: pending_sum_set_and_read_case(m, v))(v)
        for v in ("set_then_exp", "exp_then_set", "permute_then_exp", "rows_then_exp")},
+    "unused_ops_run_nothing": lambda m: _unary_case(  # a softmax over the sharded dim that no output reads
+        m, (4, 8), {1: X}, {1: X},
+        lambda fd, x: _after_unused(fd, fd.ops.softmax(x, 1), fd.ops.sum(x, [1]), fd.ops.neg(x)),
+        torch.neg, []),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
     "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max", rows=True),
@@ -513,6 +517,11 @@ def _outputs(fd, first, *more):
     for tv in more:
         fd.add_output(tv)
     return first
+
+
+def _after_unused(fd, *ops):
+    """The last of ``ops``; the others are recorded and read by nothing."""
+    return ops[-1]
 
 
 def _transpose_first(fd, g, w, r):
