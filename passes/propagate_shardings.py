@@ -107,8 +107,8 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
             need = t.sharding if t.annotated else single_need(o)
             if need is None or need.has_partial:
                 continue
-            if gathered is not None and need == gathered != made \
-                    or not t.annotated and t.sharding.is_replicated and (whole or o in summed) and not need.is_replicated:
+            computed_whole = not t.annotated and t.sharding.is_replicated and (whole or o in summed)
+            if gathered is not None and need == gathered != made or computed_whole and not need.is_replicated:
                 draft.set_sharding(o, need)
                 changed = True
         if changed and (whole or gathered is not None):

@@ -188,6 +188,13 @@ class _FusionFunction(torch.autograd.Function):
                     f"output the input's mesh, or leave it unscheduled (it is then computed in the input's "
                     f"sharding)")
             grad = inp.redistribute(grad)
+            fwd = spec.forward.plan.fusion
+            want_global, got_global = fwd.tensor(fwd.inputs[i]).shape, bwd.tensor(bwd.outputs[k]).shape
+            if want_global != got_global:
+                raise ShardingError(
+                    f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
+                    f"{i}, whose global shape is {list(want_global)}, but that output's is {list(got_global)}; a "
+                    "gradient has its input's shape")
             if grad.shape != inp.shape:
                 raise ShardingError(
                     f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "

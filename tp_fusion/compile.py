@@ -60,11 +60,11 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
         for d, (got, want) in enumerate(zip(x.shape, local_expected)):
             if want >= 0 and got != want:
                 factor = t.sharding.dim_factor(d) if t.sharding else 1
-                split = f" split {factor} ways" if factor > 1 else ""
+                held = f"its global extent {t.shape[d]} split {factor} ways gives {want}" if factor > 1 else \
+                    f"it is not sharded (global extent {t.shape[d]})" + _unparallelized_split(t, d)
                 raise InputError(
-                    f"execute: input T{name} dim {d} has local extent {got}; its global extent {t.shape[d]}"
-                    f"{split} gives {want}. Pass this rank's shard (shard_tensor) of a {list(t.shape)} tensor; "
-                    f"expected local shape {list(local_expected)}")
+                    f"execute: input T{name} dim {d} has local extent {got}; {held}. Pass this rank's shard "
+                    f"(shard_tensor) of a {list(t.shape)} tensor; expected local shape {list(local_expected)}")
         layout = layouts.get(name)
         if layout is not None and layout.constrains:
             check_layout(f"T{name}", x, layout)
@@ -72,6 +72,16 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
     if len(devices) > 1:
         raise InputError(f"execute: inputs are on several devices {sorted(map(str, devices))}; use one")
     return shapes
+
+
+def _unparallelized_split(t: Tensor, dim: int) -> str:
+    """A hint where ``dim`` of ``t`` was split but none of its pieces parallelized (a forgotten
+    ``parallelize`` leaves the dim whole); else nothing."""
+    pieces = [i for i, a in enumerate(t.loop or ()) if a.dim == dim and not a.reduction]
+    if len(pieces) < 2:
+        return ""
+    return (f": it was split into loop axes {pieces}, none of them parallelized; to shard it, call "
+            f"T{t.name}.axis({pieces[0]}).parallelize(ParallelType.mesh_x)")
 
 
 def declared_layouts(fusion: Fusion) -> dict:

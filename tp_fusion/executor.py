@@ -322,4 +322,6 @@ def _agree(error: Exception | None, fingerprint: int, detail: tuple[int, str] | 
     lines = "; ".join(f"rank {r}: {views[r][1][1]}" for r in [ref, *odd])
     raise InputError(
         f"execute: the ranks' inputs imply different global shapes ({lines}); rank(s) {odd} differ from "
-        f"rank {ref}. Pass every rank its shard (shard_tensor) of the same global tensors")
+        f"rank {ref}. Pass every rank its shard (shard_tensor) of the same global tensors: a split dim's "
+        "shards all have one extent (uneven pieces, as torch.tensor_split makes of an extent that does not "
+        "divide, are not supported)")

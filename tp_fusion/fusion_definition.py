@@ -131,7 +131,10 @@ class TensorView:
         """Place the tensor on ``mesh``, replicated until an axis is parallelized. Tensors left without a
         mesh get one from propagation."""
         if not isinstance(mesh, DeviceMesh):
-            raise ShardingError(f"T{self.name}.set_device_mesh: expected a DeviceMesh, got {type(mesh).__name__}")
+            raise ShardingError(f"T{self.name}.set_device_mesh: expected a tp_fusion.DeviceMesh, got "
+                                f"{type(mesh).__module__}.{type(mesh).__qualname__}"
+                                + (" (torch's: build tp_fusion.DeviceMesh(torch_mesh.mesh) from its ranks)"
+                                   if type(mesh).__module__.startswith("torch") else ""))
         loop, before = self._loop(), self._ir
         self._update(sharding=Sharding.replicated(mesh), annotated=True)
         try:
@@ -506,7 +509,7 @@ class FusionDefinition:
             raise DefinitionError("define_tensor: missing its shape")
         ints = _integers(shape)
         if ints is None or not all(e >= 0 or e == -1 for e in ints):
-            raise DefinitionError(f"define_tensor: shape {list(shape)} must hold integer extents >= 0 or -1 "
+            raise DefinitionError(f"define_tensor: shape {shape!r} must be a list of integer extents >= 0 or -1 "
                                   "(symbolic)")
         shape = ints
         if isinstance(contiguity, DataType):
@@ -633,6 +636,7 @@ class FusionDefinition:
         """
         from tp_fusion.executor import Executor
 
+        self._check_outputs("execute")
         # A single tensor is the list of it, not its rows; anything else that is no iterable is checked
         # with the inputs, so that every rank raises alike.
         inputs = list(inputs) if isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor) else [inputs]
@@ -651,6 +655,7 @@ class FusionDefinition:
         """
         from tp_fusion.compile import compile_program
 
+        self._check_outputs("compile")
         if len(input_shapes) != len(self._inputs):
             raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(input_shapes)} shapes")
         shapes = [_integers(s) for s in input_shapes]
@@ -661,6 +666,13 @@ class FusionDefinition:
                 raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
                                  f"{list(given)}")
         return compile_program(self.fusion, shapes, rank, torch.device(device))
+
+    def _check_outputs(self, what: str) -> None:
+        """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not
+        an empty list that a caller unpacks far from the cause."""
+        if not self._outputs:
+            raise DefinitionError(f"{what}: the fusion has no outputs; record its ops and mark its results with "
+                                  "fd.add_output(tv) inside `with FusionDefinition() as fd:`")
 
     def output_shardings(self) -> list:
         """One Sharding per output, from the plan of the last ``execute``."""

@@ -124,10 +124,12 @@ def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str) -> Loop:
             continue
         product = f" ({' x '.join(map(str, known))})" if len(known) > 1 else ""
         if not symbolic:
-            direct = " (a dim parallelized without a split spans the mesh axis)" \
-                if len(pieces) == 1 and loop[pieces[0]].ptype.is_device else ""
-            raise ShardingError(f"{what}: dim {d}'s schedule gives it extent {k}{product}{direct}, but it is "
-                                f"{n}{when}; pass a tensor whose dim {d} is {k}")
+            direct = len(pieces) == 1 and loop[pieces[0]].ptype.is_device
+            note, fix = (" (a dim parallelized without a split spans the mesh axis)",
+                         f", or to shard it in {k} pieces split its loop axis first (outer_split({pieces[0]}, {k})) "
+                         "and parallelize the outer piece") if direct else ("", "")
+            raise ShardingError(f"{what}: dim {d}'s schedule gives it extent {k}{product}{note}, but it is "
+                                f"{n}{when}; pass a tensor whose dim {d} is {k}{fix}")
         if n % k != 0:
             raise ShardingError(f"{what}: dim {d} is symbolic and bound to {n}{when}, but its schedule splits it by "
                                 f"{k}{product}, which does not divide {n}; pass a size that is a multiple of {k} "

@@ -274,22 +274,22 @@ def test_backward_with_the_wrong_number_of_gradients_is_a_clear_error():
 
 
 def test_gradient_of_the_wrong_shape_is_a_clear_error():
-    """A backward output whose local shape is not its input's (here the gradients are swapped)."""
+    """A backward output whose shape is not its input's (here the gradients are swapped)."""
     backward = define_backward(1, False, scheduled=False, grads=("w1", "x", "b1", "w2", "b2"))
     mlp = tp_fusion.autograd.function(define_forward(1, False, scheduled=False), backward, saved_inputs=[0, 1, 2, 3])
     x, *weights, _ = _full()
     z = mlp.apply(x.requires_grad_(), *[w.requires_grad_() for w in weights])
-    with pytest.raises(ShardingError, match=r"gradient of forward input 0, which has local shape \[8, 4\], but it "
-                                             r"came out \[16, 4\]"):
+    with pytest.raises(ShardingError, match=r"gradient of forward input 0, whose global shape is \[8, 4\], but that "
+                                             r"output's is \[16, 4\]; a gradient has its input's shape"):
         z.sum().backward()
 
 
 @pytest.mark.ranks(2, 4)
-@pytest.mark.parametrize("strided", ["grad_x", "saved_x", "grad_y"])
+@pytest.mark.parametrize("strided", ["grad_x", "saved_x", "grad_y", "replicated_grad_x"])
 def test_a_backward_tensor_of_another_sharding_with_the_right_shape_is_a_clear_error(multidevice_test, strided):
     """x and y are sharded by blocks of rows; the backward fusion schedules one of its tensors by strided
     rows: the local shapes agree, but each rank would read or get other rows (found by black-box hunts:
-    x.grad came back wrong, silently)."""
+    x.grad came back wrong, silently). replicated_grad_x: x's gradient left whole, another local shape."""
     d = multidevice_test.size
     mesh = DeviceMesh(range(d))
 
@@ -310,12 +310,18 @@ def test_a_backward_tensor_of_another_sharding_with_the_right_shape_is_a_clear_e
         xs, gy = bwd.define_tensor([T, H], dtype=F64), bwd.define_tensor([T, H], dtype=F64)
         gx = bwd.ops.mul(bwd.ops.mul(xs, 2.0), gy)
         bwd.add_output(gx)
-        rows(xs, strided == "saved_x"), rows(gy, strided == "grad_y"), rows(gx, strided == "grad_x")
+        rows(xs, strided == "saved_x"), rows(gy, strided == "grad_y")
+        if strided == "replicated_grad_x":
+            gx.set_device_mesh(mesh)
+        else:
+            rows(gx, strided == "grad_x")
     square = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0])
     x_local = torch.arange(float(T * H), dtype=torch.float64).reshape(T, H).chunk(d)[multidevice_test.rank]
     out = square.apply(x_local.clone().requires_grad_())
     message = (r"gradient of forward input 0, which is sharded mesh\(.*\)\(S\(0\)\), but it came out sharded "
                r"mesh\(.*\)\(S\(0, outer=.*\)\)" if strided == "grad_x" else
+               rf"gradient of forward input 0, which has local shape \[{T // d}, {H}\], but it came out \[{T}, {H}\]; "
+               r"give that backward output the sharding of forward input 0" if strided == "replicated_grad_x" else
                rf"backward fusion's input {int(strided == 'grad_y')} \(T\d\) is scheduled as mesh\(.*\)\(S\(0, "
                r"outer=.*\)\), but the tensor handed to it is sharded mesh\(.*\)\(S\(0\)\)")
     with pytest.raises(ShardingError, match=message):

@@ -9,6 +9,7 @@ ranks per world size runs them all. ``run_cases`` runs them without pytest (test
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 import warnings
@@ -474,7 +475,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [(8, 4)] * 3, [{0: X}] * 3,
         lambda fd, q, k, v: fd.ops.matmul(fd.ops.softmax(fd.ops.matmul(q, fd.ops.permute(k, [1, 0])), 1), v),
         lambda q, k, v: torch.softmax(q @ k.T, 1) @ v, ["allgather", "allgather"], out={0: X}),
-    **{f"pending_sum_{v}": (lambda v: lambda m: pending_sum_set_and_read_case(m, v))(v)
+    **{f"pending_sum_{v}": functools.partial(pending_sum_set_and_read_case, variant=v)
        for v in ("set_then_exp", "exp_then_set", "permute_then_exp", "rows_then_exp")},
     "unused_ops_run_nothing": lambda m: _unary_case(  # a softmax over the sharded dim that no output reads
         m, (4, 8), {1: X}, {1: X},

@@ -298,7 +298,11 @@ def test_split_after_parallelize():
 
 def test_set_device_mesh_needs_a_mesh():
     _, t = _tv(mesh=None)
-    _raises(ShardingError, r"T0.set_device_mesh: expected a DeviceMesh, got list", lambda: t.set_device_mesh([0, 1]))
+    _raises(ShardingError, r"T0.set_device_mesh: expected a tp_fusion.DeviceMesh, got builtins.list$",
+            lambda: t.set_device_mesh([0, 1]))
+    torch_mesh = torch.distributed.device_mesh.DeviceMesh.__new__(torch.distributed.device_mesh.DeviceMesh)
+    _raises(ShardingError, r"got torch.distributed.device_mesh.DeviceMesh \(torch's: build tp_fusion.DeviceMesh\(",
+            lambda: t.set_device_mesh(torch_mesh))
 
 
 def test_set_device_mesh_that_does_not_fit_the_schedule_leaves_the_tensor_unchanged():
@@ -353,7 +357,7 @@ def test_wrong_dtype():
 
 
 def test_wrong_shape():
-    _raises(InputError, r"execute: input T0 dim 1 has local extent 7; its global extent 8 .*"
+    _raises(InputError, r"execute: input T0 dim 1 has local extent 7; it is not sharded \(global extent 8\).*"
                         r"expected local shape \[4, 8\]",
             lambda: _relu_fd().execute([torch.ones(4, 7)]))
     _raises(InputError, r"execute: input T0 has 1 dims \[4\], the fusion defines 2 dims \[4, 8\]",
@@ -378,8 +382,10 @@ def test_extents_and_factors_are_integers():
     with FusionDefinition() as fd:
         x = fd.define_tensor([np.int64(4), 8])
         assert x.shape == (4, 8) and all(type(e) is int for e in x.shape)
-        _raises(DefinitionError, r"define_tensor: shape \[2.0, 3\] must hold integer extents",
+        _raises(DefinitionError, r"define_tensor: shape \[2.0, 3\] must be a list of integer extents",
                 lambda: fd.define_tensor([2.0, 3]))
+        _raises(DefinitionError, r"define_tensor: shape 8 must be a list of integer extents",
+                lambda: fd.define_tensor(8))
         fd.add_output(fd.ops.relu(x))
         x.set_device_mesh(DeviceMesh([0]))
         _raises(ShardingError, r"T0.split: factor must be a positive int, got True", lambda: x.outer_split(0, True))
@@ -444,3 +450,30 @@ def test_missing_process_group_is_reported_before_shapes():
     fd = _sharded_on_two()  # full tensors and no process group: the missing group is the clearer error
     _raises(InputError, r"no torch.distributed process group is initialized",
             lambda: fd.execute([torch.ones(4, 8)]))
+
+
+def test_a_fusion_without_outputs_is_an_error_at_its_first_use():
+    """No add_output (or a FusionDefinition never entered): execute and compile say so, where an empty list
+    of outputs would fail far from the cause."""
+    with FusionDefinition() as fd:
+        fd.ops.relu(fd.define_tensor([4]))
+    for fusion in (fd, FusionDefinition()):
+        _raises(DefinitionError, r"execute: the fusion has no outputs; .* fd.add_output\(tv\)",
+                lambda fusion=fusion: fusion.execute([torch.ones(4)]))
+    _raises(DefinitionError, r"compile: the fusion has no outputs", lambda: fd.compile([[4]]))
+
+
+def test_a_split_left_unparallelized_is_named_when_the_input_does_not_fit():
+    """A dim split but never parallelized stays whole: a shard passed for it gets an error that says so and
+    how to shard it (was "its global extent 8 gives 8")."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(DeviceMesh([0]))
+        x.outer_split(0, 2)
+    _raises(InputError, r"input T0 dim 0 has local extent 4; it is not sharded \(global extent 8\): it was split "
+                        r"into loop axes \[0, 1\], none of them parallelized; to shard it, call "
+                        r"T0.axis\(0\).parallelize\(ParallelType.mesh_x\)\. Pass",
+            lambda: fd.execute([torch.ones(4, 4)]))
+    _raises(InputError, r"input T0 dim 1 has local extent 2; it is not sharded \(global extent 4\)\. Pass",
+            lambda: fd.execute([torch.ones(8, 2)]))

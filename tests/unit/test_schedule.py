@@ -175,7 +175,8 @@ def test_symbolic_unsplit_axis_parallelized_has_the_mesh_size():
     assert plan.collectives() == [] and plan.output_shardings()[0].placements == (Shard(0),)  # relu keeps it
     with pytest.raises(ShardingError, match=r"T0 f32\[\?, 4\]: dim 0's schedule gives it extent 2 \(a dim "
                                             r"parallelized without a split spans the mesh axis\), but it is 6 at "
-                                            r"execute; pass a tensor whose dim 0 is 2"):
+                                            r"execute; pass a tensor whose dim 0 is 2, or to shard it in 2 pieces "
+                                            r"split its loop axis first \(outer_split\(0, 2\)\) and parallelize"):
         fd.compile([[6, 4]])
 
 
