@@ -36,10 +36,15 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         tensors.append(Tensor(len(tensors), t.shape, t.dtype, sharding))
         return len(tensors) - 1
 
+    summed_whole = _read_in_many_shardings(fusion)
+
     def reshard(name: int, target: Sharding) -> int:
         if tensors[name].sharding == target:
             return name
         if (name, target) not in cache:
+            whole = tensors[name].sharding.materialized()
+            if name in summed_whole and target != whole and not target.has_partial and target.mesh == whole.mesh:
+                reshard(name, whole)  # summed whole once; the target is sliced from that copy below
             source = _summed_copy(name, target, tensors, cache)
             if source is not None:
                 return reshard(source, target)
@@ -50,9 +55,13 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     for op in fusion.ops:
         if traits(op.kind) & Trait.RESHARD:  # a set between two shardings: lowering's job
             (a,), (o,) = op.inputs, op.outputs
-            copy = cache.get((a, tensors[o].sharding))  # the same move made already: a local copy of it
-            ops.append(op if copy is None else op.replace(inputs=(copy,)))
-            cache.setdefault((a, tensors[o].sharding), o)
+            target = tensors[o].sharding
+            if a in summed_whole and target != tensors[a].sharding.materialized():
+                reshard(a, tensors[a].sharding.materialized())
+            # the same move made already, or a sum of it: a local copy or slice of that
+            source = cache.get((a, target)) or _summed_copy(a, target, tensors, cache)
+            ops.append(op if source is None else op.replace(inputs=(source,)))
+            cache.setdefault((a, target), o)
             continue
         st: Strategy = op.strategy
         bias_once = is_biased_gemm(op) and st.outputs[0].has_partial  # the bias is resharded for its add
@@ -94,6 +103,23 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         ops.extend(after)
     outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)
+
+
+def _read_in_many_shardings(fusion: Fusion) -> set[int]:
+    """The pending sums that ops (or users' sets) read in three or more shardings on their own mesh, or in
+    two where one is the whole sum: these are summed whole once (one allreduce) and sliced for each, where
+    a reduce_scatter per sharding would move more."""
+    needs: dict[int, set[Sharding]] = {}
+    for op in fusion.ops:
+        reads = zip(op.inputs, (fusion.tensor(op.outputs[0]).sharding,)) if traits(op.kind) & Trait.RESHARD \
+            else zip(op.inputs, op.strategy.inputs) if op.strategy is not None else ()
+        for a, need in reads:
+            have = fusion.tensor(a).sharding if isinstance(a, int) else None
+            if have is not None and have.has_partial and need is not None and need != have \
+                    and not need.has_partial and need.mesh == have.mesh:
+                needs.setdefault(a, set()).add(need)
+    return {a for a, ns in needs.items()
+            if len(ns) >= 3 or len(ns) == 2 and fusion.tensor(a).sharding.materialized() in ns}
 
 
 def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:

@@ -346,6 +346,24 @@ def pending_sum_set_and_read_case(mesh, variant: str) -> Case:
                 ["reduce_scatter" if variant == "rows_then_exp" else "allreduce"])
 
 
+def pending_sum_in_many_shardings_case(mesh, targets: tuple[dict, ...], collectives: list[str]) -> Case:
+    """A row-parallel linear's pending sum y set to each of ``targets`` (one output each, in that order):
+    in three shardings, or two of which one is whole, it is summed whole once and sliced for the others
+    (a reduce_scatter per sharding would move more); in two shardings on rows and columns, a
+    reduce_scatter each (as many bytes as one allreduce)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 12], dtype=F64), fd.define_tensor([8, 12], dtype=F64)
+        y = fd.ops.linear(x, w)
+        outs = [fd.ops.set(y) for _ in targets]
+        for out, target in zip(outs, targets):
+            fd.add_output(out)
+            shard(out, mesh, target)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+    return Case(fd, [x, w], [_rand(98, (8, 12)), _rand(99, (8, 12))],
+                lambda a, b: [F.linear(a, b)] * len(targets), collectives)
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -477,6 +495,11 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda q, k, v: torch.softmax(q @ k.T, 1) @ v, ["allgather", "allgather"], out={0: X}),
     **{f"pending_sum_{v}": functools.partial(pending_sum_set_and_read_case, variant=v)
        for v in ("set_then_exp", "exp_then_set", "permute_then_exp", "rows_then_exp")},
+    "pending_sum_in_three_shardings": lambda m: pending_sum_in_many_shardings_case(
+        m, ({0: X}, {1: X}, {}), ["allreduce"]),
+    "pending_sum_whole_and_on_rows": lambda m: pending_sum_in_many_shardings_case(m, ({0: X}, {}), ["allreduce"]),
+    "pending_sum_on_rows_and_columns": lambda m: pending_sum_in_many_shardings_case(
+        m, ({0: X}, {1: X}), ["reduce_scatter", "reduce_scatter"]),
     "unused_ops_run_nothing": lambda m: _unary_case(  # a softmax over the sharded dim that no output reads
         m, (4, 8), {1: X}, {1: X},
         lambda fd, x: _after_unused(fd, fd.ops.softmax(x, 1), fd.ops.sum(x, [1]), fd.ops.neg(x)),
