@@ -38,14 +38,18 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
 
     summed_whole = _read_in_many_shardings(fusion)
 
+    def copy_of(name: int, target: Sharding) -> int | None:
+        """A tensor made already that holds ``name`` as ``target``, or a sum of it a local step away."""
+        whole = tensors[name].sharding.materialized()
+        if name in summed_whole and target != whole and not target.has_partial:
+            reshard(name, whole)  # summed whole once; the target is sliced or kept from that copy
+        return cache.get((name, target)) or _summed_copy(name, target, tensors, cache)
+
     def reshard(name: int, target: Sharding) -> int:
         if tensors[name].sharding == target:
             return name
         if (name, target) not in cache:
-            whole = tensors[name].sharding.materialized()
-            if name in summed_whole and target != whole and not target.has_partial and target.mesh == whole.mesh:
-                reshard(name, whole)  # summed whole once; the target is sliced from that copy below
-            source = _summed_copy(name, target, tensors, cache)
+            source = copy_of(name, target)
             if source is not None:
                 return reshard(source, target)
             cache[(name, target)] = out = new_tensor(name, target)
@@ -56,10 +60,7 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         if traits(op.kind) & Trait.RESHARD:  # a set between two shardings: lowering's job
             (a,), (o,) = op.inputs, op.outputs
             target = tensors[o].sharding
-            if a in summed_whole and target != tensors[a].sharding.materialized():
-                reshard(a, tensors[a].sharding.materialized())
-            # the same move made already, or a sum of it: a local copy or slice of that
-            source = cache.get((a, target)) or _summed_copy(a, target, tensors, cache)
+            source = copy_of(a, target)  # then the set is a local copy or slice of that
             ops.append(op if source is None else op.replace(inputs=(source,)))
             cache.setdefault((a, target), o)
             continue
@@ -106,29 +107,41 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
 
 
 def _read_in_many_shardings(fusion: Fusion) -> set[int]:
-    """The pending sums that ops (or users' sets) read in three or more shardings on their own mesh, or in
-    two where one is the whole sum: these are summed whole once (one allreduce) and sliced for each, where
-    a reduce_scatter per sharding would move more."""
-    needs: dict[int, set[Sharding]] = {}
+    """The pending sums that ops (or users' sets) read in three or more shardings, or in two where one
+    needs the whole sum (whole on its mesh, or on some of its devices, which it reaches from the whole
+    sum with no communication): these are summed whole once (one allreduce) and sliced or kept for each,
+    where a reduction per sharding would move more."""
+    targets: dict[int, set[Sharding]] = {}
+    whole: set[int] = set()
     for op in fusion.ops:
         reads = zip(op.inputs, (fusion.tensor(op.outputs[0]).sharding,)) if traits(op.kind) & Trait.RESHARD \
             else zip(op.inputs, op.strategy.inputs) if op.strategy is not None else ()
         for a, need in reads:
             have = fusion.tensor(a).sharding if isinstance(a, int) else None
-            if have is not None and have.has_partial and need is not None and need != have \
-                    and not need.has_partial and need.mesh == have.mesh:
-                needs.setdefault(a, set()).add(need)
-    return {a for a, ns in needs.items()
-            if len(ns) >= 3 or len(ns) == 2 and fusion.tensor(a).sharding.materialized() in ns}
+            if have is None or not have.has_partial or need is None or need == have or need.has_partial:
+                continue
+            if need.mesh == have.mesh or _within(need, have):
+                targets.setdefault(a, set()).add(need)
+                if need == have.materialized() or need.mesh != have.mesh:
+                    whole.add(a)
+    return {a for a, ts in targets.items() if len(ts) >= 3 or len(ts) == 2 and a in whole}
+
+
+def _within(target: Sharding, have: Sharding) -> bool:
+    """``target`` is on another mesh made of some of ``have``'s devices."""
+    return target.mesh != have.mesh and set(target.mesh.devices) <= set(have.mesh.devices)
 
 
 def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:
     """A copy of the pending sum ``name`` that a ``set`` already summed and from which ``target`` is a
-    local slice away (so the sum is not run again); None where there is none."""
+    local slice away, or a local copy away (the whole sum, for a target on some of its devices), so the
+    sum is not run again; None where there is none."""
     if not tensors[name].sharding.has_partial:
         return None
+    whole = tensors[name].sharding.materialized()
     for (src, have), copy in cache.items():
-        if src == name and not have.has_partial and free_between(have, target):
+        if src == name and not have.has_partial and (free_between(have, target) or have == whole
+                                                     and _within(target, have)):
             return copy
     return None
 

@@ -201,7 +201,7 @@ def reshard_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], what: st
     own_devices = set(dst.mesh.devices) <= set(src.mesh.devices)
     if own_devices and held_already(summed, whole_dst, shape):
         return via(summed, Collective.KEEP, whole_dst)  # pending sums summed where they are, then kept
-    if src.mesh.shape == dst.mesh.shape:  # placements kept
+    if src.mesh.shape == dst.mesh.shape and not (own_devices and dst.is_replicated):  # placements kept
         return via(summed, Collective.SEND_RECV, Sharding(dst.mesh, summed.placements))
     return via(Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST, whole_dst)
 

@@ -90,26 +90,26 @@ def _tensor_positions(op: Op) -> frozenset[int]:
     return frozenset(i for i, a in enumerate(op.inputs) if isinstance(a, int))
 
 
-def linear_in_all(op: Op) -> tuple[frozenset[int], ...]:
+def linear_in_all(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
     """add/sub: every tensor operand Partial together (not with a constant operand: it would be
     added once per device)."""
     tensors = _tensor_positions(op)
     return () if len(tensors) < len(op.inputs) else (tensors,)
 
 
-def linear_in_each(op: Op) -> tuple[frozenset[int], ...]:
+def linear_in_each(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
     """mul: any one tensor operand Partial, the others Replicate."""
     return tuple(frozenset({i}) for i in sorted(_tensor_positions(op)))
 
 
-def linear_in_first(op: Op) -> tuple[frozenset[int], ...]:
+def linear_in_first(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
     """div, neg, set, ...: the first operand Partial (when it is a tensor)."""
     return (frozenset({0}),) if 0 in _tensor_positions(op) else ()
 
 
-def pointwise(partial: Callable[[Op], tuple[frozenset[int], ...]] | None = None) -> Rule:
+def pointwise(partial: Callable[[Op, Fusion], tuple[frozenset[int], ...]] | None = None) -> Rule:
     """Pointwise ops: dims aligned from the right; an operand dim of extent 1 under a larger output
-    dim is broadcast and carries no label. ``partial`` says which operands the op is linear in."""
+    dim is broadcast and carries no label. ``partial(op, fusion)`` says which operands the op is linear in."""
     def build(op: Op, fusion: Fusion) -> LabelSpec:
         ins, (out,) = _shapes(op, fusion)
         labels_in = []
@@ -121,7 +121,7 @@ def pointwise(partial: Callable[[Op], tuple[frozenset[int], ...]] | None = None)
             labels_in.append(tuple(None if e == 1 and out[offset + d] != 1 else offset + d
                                    for d, e in enumerate(shape)))
         return LabelSpec(tuple(labels_in), (tuple(range(len(out))),),
-                         partial_sets=partial(op) if partial else ())
+                         partial_sets=partial(op, fusion) if partial else ())
     return from_spec(build)
 
 

@@ -515,8 +515,12 @@ def _cast_front(rec, x, dtype):
     return rec(rec.tv(x, "x"), dtype=rec.dtype(dtype))
 
 
-def _cast_partial(op) -> tuple[frozenset[int], ...]:
-    return (frozenset({0}),) if op.attr("dtype").is_floating else ()  # a sum survives a float cast
+def _cast_partial(op, fusion) -> tuple[frozenset[int], ...]:
+    """A pending sum passes through a cast that loses nothing (to a floating dtype that holds the
+    source's values: f32 -> f64, bf16 -> f32): a narrowing cast runs after the sum, so the sum is
+    rounded once, as torch's is (summing bf16 partials of an f32 GEMM differed by up to an ulp)."""
+    source, target = fusion.tensor(op.inputs[0]).dtype.torch, op.attr("dtype").torch
+    return (frozenset({0}),) if target.is_floating_point and torch.promote_types(source, target) == target else ()
 
 
 register("cast", impl=_cast, infer=lambda args, attrs: [TensorType(args[0].shape, attrs["dtype"])],

@@ -108,6 +108,24 @@ def test_row_parallel_linear_without_bias():
     assert seg_summary(f) == [("fused", "linear+allreduce", ["linear", "allreduce"])]
 
 
+@pytest.mark.parametrize("gemm, to, summed_after_cast", [
+    (DataType.Float, DataType.BFloat16, False), (DataType.Float, DataType.Half, False),
+    (DataType.BFloat16, DataType.Half, False), (DataType.BFloat16, DataType.Float, True),
+    (DataType.Float, DataType.Double, True)])
+def test_a_pending_sum_passes_only_casts_that_lose_nothing(gemm, to, summed_after_cast):
+    """A row-parallel linear's pending sum is summed before a narrowing cast (rounded once, as torch
+    rounds linear(x, w).to(bf16)) and after a widening one (a cast linear in the sum, at no loss)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4], dtype=gemm), fd.define_tensor([6, 4], dtype=gemm)
+        z = fd.ops.cast(fd.ops.linear(x, w), to)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+    f = lower(fd)
+    assert kinds(f) == (["linear", "cast", "allreduce"] if summed_after_cast else ["linear", "allreduce", "cast"])
+    assert f.tensor(only(f, "allreduce").inputs[0]).dtype == (to if summed_after_cast else gemm)
+
+
 def test_row_parallel_linear_with_bias_adds_bias_once():
     with FusionDefinition() as fd:
         x, w, b = fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
