@@ -7,7 +7,9 @@ program runs on a laptop, in CI and on a GPU node.
 from __future__ import annotations
 
 import datetime
+import numbers
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -154,7 +156,8 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
                  deadline_s: float | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``nproc`` spawned CPU ranks joined by gloo.
 
-    ``fn`` must be picklable (a module-level function). Bounded in time: ``timeout_s`` is the
+    ``fn`` must be picklable (a module-level function; else a TypeError, before any rank starts) and
+    ``nproc`` a positive integer (else a ValueError). Bounded in time: ``timeout_s`` is the
     process group's timeout (each collective, and joining it), the whole run may take at most
     ``deadline_s`` seconds (default ``timeout_s + 60``), and once a rank has failed the others get
     ``grace_s`` seconds to finish before they are killed. If any rank fails, raises ``RanksFailed``
@@ -171,6 +174,15 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
     every one of them: there, join the group (``init_from_env``) and call ``fn`` directly, or use
     ``run_program``, which does either.
     """
+    if isinstance(nproc, bool) or not isinstance(nproc, numbers.Integral) or nproc < 1:
+        raise ValueError(f"run_on_ranks: nproc must be a positive integer (the ranks to spawn), got {nproc!r}")
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(
+            f"run_on_ranks: fn must be a module-level function (each rank unpickles it by name), got "
+            f"{getattr(fn, '__qualname__', fn)!r}, which cannot be pickled ({e}); define it at the top level "
+            "of a module") from e
     if under_torchrun():
         raise RuntimeError(
             f"run_on_ranks: running under torchrun (rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}), "

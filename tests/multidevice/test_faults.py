@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 import pytest
@@ -88,6 +89,34 @@ def test_run_on_ranks_under_torchrun_spawns_nothing(monkeypatch):
         monkeypatch.setenv(name, value)
     with pytest.raises(RuntimeError, match=r"under torchrun \(rank 1 of 2\), each torchrun rank would spawn 2"):
         run_on_ranks(_fault_in_segment_0, 2, 0, "raise")
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    """Fail the test if run_on_ranks gets as far as starting processes."""
+    def start_processes(*args, **kwargs):
+        raise AssertionError("run_on_ranks started processes")
+    monkeypatch.setattr("tp_fusion.launch.mp.start_processes", start_processes)
+
+
+@pytest.mark.parametrize("nproc", [0, -1, 2.0, "2", True])
+def test_run_on_ranks_refuses_a_bad_rank_count(no_spawn, nproc):
+    with pytest.raises(ValueError, match=rf"run_on_ranks: nproc must be a positive integer .*, got {nproc!r}"):
+        run_on_ranks(_fault_in_segment_0, nproc, 0, "raise")
+
+
+def _local_function():
+    def fn(rank, world):
+        pass
+    return fn
+
+
+@pytest.mark.parametrize("fn,name", [(lambda rank, world: None, "<lambda>"),
+                                     (_local_function(), "_local_function.<locals>.fn")])
+def test_run_on_ranks_refuses_a_function_it_cannot_pickle(no_spawn, fn, name):
+    """The ranks unpickle ``fn``: a lambda or a nested function is an error naming it, before any spawn."""
+    with pytest.raises(TypeError, match=rf"fn must be a module-level function .*, got '[^']*{re.escape(name)}'"):
+        run_on_ranks(fn, 2)
 
 
 def test_compute_fault_fails_every_rank():
