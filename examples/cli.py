@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DTYPE_NAMES = ("f32", "bf16", "f64")  # the keys of examples.common.DTYPES
 
@@ -20,6 +21,28 @@ def add_run_options(p: argparse.ArgumentParser, nproc: int) -> None:
     """The options every example takes: the data type, and how many CPU ranks to spawn."""
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="f32", help="data type")
     p.add_argument("--nproc", type=int, default=nproc, help="CPU ranks to spawn when not under torchrun")
+
+
+def world_size(nproc: int) -> tuple[int, str]:
+    """How many ranks the example will run on, and what says so: torchrun's ``WORLD_SIZE`` under
+    torchrun (the test of ``tp_fusion.launch.under_torchrun``, which imports torch), else ``--nproc``."""
+    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"
+    return nproc, "--nproc"
+
+
+def check_sizes(p: argparse.ArgumentParser, positive: dict[str, int],
+                multiples: list[tuple[str, int, str, int]]) -> None:
+    """Exit with one usage error, before any rank starts, naming each size that fails: each value of
+    ``positive`` ({"--tokens": 64}) must be at least 1; then for each (what, value, of, divisor) of
+    ``multiples``, ``value`` must be a multiple of ``divisor`` ("--tokens 31 must be a multiple of
+    --nproc 2")."""
+    failed = [f"{name} {value} must be at least 1" for name, value in positive.items() if value < 1]
+    if not failed:  # the divisors are positive
+        failed = [f"{what} {value} must be a multiple of {of} {divisor}"
+                  for what, value, of, divisor in multiples if value % divisor]
+    if failed:
+        p.error("; ".join(failed))
 
 
 def add_inspect_options(p: argparse.ArgumentParser) -> None:

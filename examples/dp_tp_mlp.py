@@ -21,17 +21,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import add_run_options, parser  # noqa: E402
+from examples.cli import add_run_options, check_sizes, parser, world_size  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--batch", type=int, default=4, help="batch size (sharded over mesh_y)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="batch size; sharded over mesh_y, so a multiple of its data-parallel ranks (ranks / --tp)")
     p.add_argument("--seq", type=int, default=8, help="sequence length")
-    p.add_argument("--hidden", type=int, default=16, help="hidden size (the MLP's inner size is 4x)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per mesh row (mesh_x)")
+    p.add_argument("--hidden", type=int, default=16,
+                   help="hidden size; the MLP's inner size, 4x, is sharded over mesh_x, so a multiple of --tp")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor-parallel ranks per mesh row (mesh_x); the number of ranks must be a multiple")
     add_run_options(p, nproc=4)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    n, ranks = world_size(args.nproc)
+    positive = {"--batch": args.batch, "--seq": args.seq, "--hidden": args.hidden, "--tp": args.tp, ranks: n}
+    multiples = [(ranks, n, "--tp", args.tp), ("the MLP's inner size (4 x --hidden)", 4 * args.hidden, "--tp", args.tp)]
+    if args.tp >= 1 and n % args.tp == 0:  # the mesh has rows
+        multiples.append(("--batch", args.batch, f"the data-parallel ranks ({ranks} / --tp)", n // args.tp))
+    check_sizes(p, positive, multiples)
+    return args
 
 
 if __name__ == "__main__":
@@ -87,8 +97,6 @@ def reference_mlp(x, w1, b1, w2, b2) -> torch.Tensor:
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:
     device = device or torch.device("cpu")
-    if world % args.tp != 0:
-        raise SystemExit(f"{world} ranks do not form a mesh with {args.tp} tensor-parallel ranks per row")
     mesh = DeviceMesh(torch.arange(world).reshape(world // args.tp, args.tp))
     torch_dtype, dtype = DTYPES[args.dtype]
     fd = define_mlp(args.batch, args.seq, args.hidden, mesh, dtype)

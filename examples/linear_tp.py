@@ -20,18 +20,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import add_run_options, parser  # noqa: E402
+from examples.cli import add_run_options, check_sizes, parser, world_size  # noqa: E402
+
+MODES = {"column": ("column",), "row": ("row",), "both": ("column", "row")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--mode", choices=("column", "row", "both"), default="both",
+    p.add_argument("--mode", choices=tuple(MODES), default="both",
                    help="column- or row-parallel linear, or both")
     p.add_argument("--tokens", type=int, default=16, help="rows of the input")
-    p.add_argument("--in-features", type=int, default=32, help="input features")
-    p.add_argument("--out-features", type=int, default=48, help="output features")
+    p.add_argument("--in-features", type=int, default=32,
+                   help="input features (row mode: sharded, so a multiple of the number of ranks)")
+    p.add_argument("--out-features", type=int, default=48,
+                   help="output features (column mode: sharded, so a multiple of the number of ranks)")
     add_run_options(p, nproc=2)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    n, ranks = world_size(args.nproc)
+    sharded = {"column": [("--out-features", args.out_features)], "row": [("--in-features", args.in_features)]}
+    check_sizes(p, {"--tokens": args.tokens, "--in-features": args.in_features,
+                    "--out-features": args.out_features, ranks: n},
+                [(flag, value, ranks, n) for mode in MODES[args.mode] for flag, value in sharded[mode]])
+    return args
 
 
 if __name__ == "__main__":
@@ -92,7 +102,7 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> float:
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:
     device = device or torch.device("cpu")
-    modes = ("column", "row") if args.mode == "both" else (args.mode,)
+    modes = MODES[args.mode]
     for mode in modes:
         run_mode(rank, world, args, mode, device)
     if rank == 0:

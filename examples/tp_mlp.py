@@ -22,18 +22,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import add_inspect_options, add_run_options, parser  # noqa: E402
+from examples.cli import add_inspect_options, add_run_options, check_sizes, parser, world_size  # noqa: E402
+
+MODES = {"tp": ("tp",), "sp": ("sp",), "both": ("tp", "sp")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--mode", choices=("tp", "sp", "both"), default="both",
+    p.add_argument("--mode", choices=tuple(MODES), default="both",
                    help="tp: replicated input and output (allreduce); sp: sharded on tokens; or both")
-    p.add_argument("--tokens", type=int, default=64, help="tokens (rows of the input)")
-    p.add_argument("--hidden", type=int, default=32, help="hidden size (the MLP's inner size is 4x)")
+    p.add_argument("--tokens", type=int, default=64,
+                   help="tokens (rows of the input; sp mode: sharded, so a multiple of the number of ranks)")
+    p.add_argument("--hidden", type=int, default=32,
+                   help="hidden size; the MLP's inner size, 4x, is sharded, so a multiple of the number of ranks")
     add_run_options(p, nproc=2)
     add_inspect_options(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    n, ranks = world_size(args.nproc)
+    multiples = [("the MLP's inner size (4 x --hidden)", 4 * args.hidden, ranks, n)]
+    if "sp" in MODES[args.mode]:
+        multiples.append(("--tokens", args.tokens, ranks, n))
+    check_sizes(p, {"--tokens": args.tokens, "--hidden": args.hidden, ranks: n}, multiples)
+    return args
 
 
 if __name__ == "__main__":
@@ -110,7 +120,7 @@ def profiled_mode(args) -> str:
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:
     device = device or torch.device("cpu")
-    modes = ("tp", "sp") if args.mode == "both" else (args.mode,)
+    modes = MODES[args.mode]
     for mode in modes:
         run_mode(rank, world, args, mode, device)
     if rank == 0:

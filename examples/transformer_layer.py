@@ -40,25 +40,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from examples.cli import add_inspect_options, add_run_options, parser  # noqa: E402
+from examples.cli import add_inspect_options, add_run_options, check_sizes, parser, world_size  # noqa: E402
+
+MODES = {"tp": ("tp",), "sp": ("sp",), "both": ("tp", "sp")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser(__doc__)
-    p.add_argument("--mode", choices=("tp", "sp", "both"), default="both",
+    p.add_argument("--mode", choices=tuple(MODES), default="both",
                    help="tp: replicated activations (allreduce); sp: sharded on tokens; or both")
-    p.add_argument("--tokens", type=int, default=16, help="rows of the input: batch x seq")
+    p.add_argument("--tokens", type=int, default=16,
+                   help="rows of the input: batch x seq, so a multiple of --seq (sp mode: sharded, so also a "
+                        "multiple of the number of ranks)")
     p.add_argument("--seq", type=int, default=8, help="sequence length (attention is causal within a sequence)")
-    p.add_argument("--hidden", type=int, default=32, help="hidden size (the MLP's inner size is 4x)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (head dim = hidden / heads)")
+    p.add_argument("--hidden", type=int, default=32,
+                   help="hidden size, a multiple of --heads (the MLP's inner size is 4x)")
+    p.add_argument("--heads", type=int, default=4,
+                   help="attention heads (head dim = hidden / heads); sharded, so a multiple of the number of ranks")
     p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout probability after the out-projection and after the MLP (0: none)")
+                   help="dropout probability after the out-projection and after the MLP (0: none; below 1)")
     add_run_options(p, nproc=2)
     add_inspect_options(p)
     args = p.parse_args(argv)
-    if args.tokens % args.seq or args.hidden % args.heads:
-        p.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}, and --hidden {args.hidden} "
-                f"of --heads {args.heads}")
+    if not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout {args.dropout} must be at least 0 and below 1")
+    n, ranks = world_size(args.nproc)
+    multiples = [("--tokens", args.tokens, "--seq", args.seq), ("--hidden", args.hidden, "--heads", args.heads),
+                 ("--heads", args.heads, ranks, n)]
+    if "sp" in MODES[args.mode]:
+        multiples.append(("--tokens", args.tokens, ranks, n))
+    check_sizes(p, {"--tokens": args.tokens, "--seq": args.seq, "--hidden": args.hidden, "--heads": args.heads,
+                    ranks: n}, multiples)
     return args
 
 
@@ -367,7 +379,7 @@ def run_mode(rank: int, world: int, args, mode: str, device) -> None:
 
 def main_on_rank(rank: int, world: int, args, device=None) -> None:
     device = device or torch.device("cpu")
-    modes = ("tp", "sp") if args.mode == "both" else (args.mode,)
+    modes = MODES[args.mode]
     for mode in modes:
         run_mode(rank, world, args, mode, device)
     if rank == 0:

@@ -31,14 +31,40 @@ def test_example_runs_and_validates(script, args, expect):
     assert "Plan:" in out  # the plan is printed
 
 
-def test_example_fails_loudly_on_a_bad_mesh():
-    # 3 ranks do not form rows of 2 tensor-parallel ranks: every rank exits with an error, none hangs.
+@pytest.mark.parametrize("script,args,torchrun_world,error", [
+    ("linear_tp.py", ["--in-features", "33"], None, "--in-features 33 must be a multiple of --nproc 2"),
+    ("linear_tp.py", ["--mode", "column", "--out-features", "3", "--tokens", "0"], None,
+     "--tokens 0 must be at least 1"),
+    ("tp_mlp.py", ["--tokens", "31"], None, "--tokens 31 must be a multiple of --nproc 2"),
+    ("tp_mlp.py", ["--nproc", "3"], None, "the MLP's inner size (4 x --hidden) 128 must be a multiple of --nproc 3; "
+                                          "--tokens 64 must be a multiple of --nproc 3"),
+    ("tp_mlp.py", ["--tokens", "0"], None, "--tokens 0 must be at least 1"),
+    ("tp_mlp.py", ["--nproc", "0"], None, "--nproc 0 must be at least 1"),
+    # under torchrun its WORLD_SIZE is the number of ranks, not --nproc
+    ("tp_mlp.py", ["--mode", "sp"], 3, "the MLP's inner size (4 x --hidden) 128 must be a multiple of WORLD_SIZE 3; "
+                                       "--tokens 64 must be a multiple of WORLD_SIZE 3"),
+    ("dp_tp_mlp.py", ["--nproc", "4", "--tp", "3"], None,
+     "--nproc 4 must be a multiple of --tp 3; the MLP's inner size (4 x --hidden) 64 must be a multiple of --tp 3"),
+    ("dp_tp_mlp.py", ["--nproc", "6", "--tp", "2", "--batch", "4"], None,
+     "--batch 4 must be a multiple of the data-parallel ranks (--nproc / --tp) 3"),
+    ("transformer_layer.py", ["--heads", "3"], None,
+     "--hidden 32 must be a multiple of --heads 3; --heads 3 must be a multiple of --nproc 2"),
+    ("transformer_layer.py", ["--tokens", "12", "--mode", "tp"], None, "--tokens 12 must be a multiple of --seq 8"),
+    ("transformer_layer.py", ["--dropout", "1"], None, "--dropout 1.0 must be at least 0 and below 1"),
+])
+def test_example_refuses_bad_sizes_before_starting_ranks(script, args, torchrun_world, error):
+    """A size that the example's sharding cannot take is one usage error naming the flag and only the
+    constraints that failed, from argparse: no rank started (torch was not even imported), no traceback."""
     env = user_env()
-    proc = subprocess.run([sys.executable, "examples/dp_tp_mlp.py", "--nproc", "3"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0
-    assert "OK" not in proc.stdout
-    assert "do not form a mesh" in proc.stderr
+    if torchrun_world:
+        env.update(RANK="0", WORLD_SIZE=str(torchrun_world), LOCAL_RANK="0")
+    proc = subprocess.run([sys.executable, "-X", "importtime", f"examples/{script}", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, f"exited {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stderr.splitlines()[-1] == f"{script}: error: {error}", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    imported = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", proc.stderr, re.MULTILINE)
+    assert imported and "torch" not in imported
 
 
 def test_transformer_layer_forward_and_backward_validate():
