@@ -124,7 +124,7 @@ def main_on_rank(rank: int, world: int, args, device=None) -> None:
     for mode in modes:
         run_mode(rank, world, args, mode, device)
     if rank == 0:
-        print(f"OK: {', '.join(modes)} match the aten reference on every rank")
+        print(f"OK: {', '.join(modes)} {'match' if len(modes) > 1 else 'matches'} the aten reference on every rank")
 
 
 if __name__ == "__main__":
