@@ -44,7 +44,11 @@ def release_cuda_graphs() -> None:
 
 
 def execute_with_dtensors(fd, dtensors):
-    """Run ``fd`` on DTensor inputs; see ``tp_fusion.dtensor``."""
+    """Run ``fd`` on ``dtensors``, one per fusion input in order: a torch DTensor annotates its input
+    with its mesh and placements (kept in ``fd`` afterwards) and passes its local shard; a plain tensor
+    is passed as this rank's local input. Returns one DTensor per output, placed as the plan left it
+    (``fd.output_shardings()``). Placements tp_fusion cannot take raise ``UnsupportedPlacementError``
+    or ``UnevenShardError`` on every rank; the translation is in ``tp_fusion.dtensor``."""
     from tp_fusion.dtensor import execute_with_dtensors as run
 
     return run(fd, dtensors)

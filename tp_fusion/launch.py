@@ -26,7 +26,9 @@ def under_torchrun() -> bool:
 
 
 def init_from_env(timeout_s: float = 300.0) -> torch.device:
-    """Join the process group torchrun describes; CUDA+NCCL when there are GPUs, else CPU+gloo."""
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT);
+    CUDA+NCCL when there are GPUs, else CPU+gloo. ``timeout_s`` (default 300 s) bounds joining and
+    every collective of the group. Returns this rank's device (``cuda:LOCAL_RANK`` or ``cpu``)."""
     from tp_fusion.runtime import dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
