@@ -931,7 +931,7 @@ def onto_own_devices_case(world: int, held: str) -> Case:
     [1, 0] of [0, 1, 2, 3]). A replicated value is sliced where it is, a pending sum is summed on its
     mesh and kept: nothing moves between the meshes (a send_recv or a broadcast before). Shards move
     by send_recv between meshes of one shape, else are gathered on their mesh and sliced (not gathered
-    and then broadcast)."""
+    and then broadcast); shards set whole are gathered on their mesh and kept (a send_recv before)."""
     src, dst = DeviceMesh(range(world)), DeviceMesh([1, 0])
     with FusionDefinition() as fd:
         x = fd.define_tensor([8, 4 * world], dtype=F64)
@@ -939,13 +939,36 @@ def onto_own_devices_case(world: int, held: str) -> Case:
         y = fd.ops.linear(x, w)  # partial: a pending sum over the sharded in features
         z = fd.ops.set(y)
         fd.add_output(fd.ops.exp(z))
-        shard(x, src, {1: X} if held == "partial" else {0: X} if held == "shards" else {})
+        shard(x, src, {1: X} if held == "partial" else {0: X} if held.startswith("shards") else {})
         shard(w, src, {1: X} if held == "partial" else {})
-        shard(z, dst, {} if held == "partial" else {0: X})
-    expected = {"replicated": [], "partial": ["allreduce"],
+        shard(z, dst, {} if held in ("partial", "shards_whole") else {0: X})
+    expected = {"replicated": [], "partial": ["allreduce"], "shards_whole": ["allgather"],
                 "shards": ["send_recv"] if world == 2 else ["allgather"]}[held]
     full = [_rand(81, (8, 4 * world)), _rand(82, (4, 4 * world))]
     return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b).exp()], expected)
+
+
+def pending_sum_onto_own_devices_case(world: int, where: str) -> Case:
+    """A row-parallel linear's pending sum y set twice: whole on its mesh and on rows of [1, 0] (reordered),
+    or whole on device 0 and on columns of its mesh. The set onto its own devices reads the whole sum
+    too, so y is summed whole once, then kept and sliced (two reductions before)."""
+    mesh = DeviceMesh(range(world))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4 * world], dtype=F64), fd.define_tensor([4 * world, 4 * world], dtype=F64)
+        y = fd.ops.linear(x, w)
+        a, b = fd.ops.set(y), fd.ops.set(y)
+        fd.add_output(a)
+        fd.add_output(b)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        if where == "reordered":
+            shard(a, mesh)
+            shard(b, DeviceMesh([1, 0]), {0: X})
+        else:
+            shard(a, DeviceMesh([0]))
+            shard(b, mesh, {1: X})
+    full = [_rand(83, (8, 4 * world)), _rand(84, (4 * world, 4 * world))]
+    return Case(fd, [x, w], full, lambda p, q: [F.linear(p, q)] * 2, ["allreduce"])
 
 
 def shards_kept_on_a_2d_mesh_case(world: int) -> Case:
@@ -1017,6 +1040,9 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
     "replicated_sliced_on_its_own_devices": lambda w: onto_own_devices_case(w, "replicated"),
     "pending_sum_kept_on_its_own_devices": lambda w: onto_own_devices_case(w, "partial"),
     "shards_onto_some_of_their_devices": lambda w: onto_own_devices_case(w, "shards"),
+    "shards_whole_onto_some_of_their_devices": lambda w: onto_own_devices_case(w, "shards_whole"),
+    "pending_sum_whole_and_on_its_devices_reordered": lambda w: pending_sum_onto_own_devices_case(w, "reordered"),
+    "pending_sum_on_one_device_and_on_columns": lambda w: pending_sum_onto_own_devices_case(w, "one_device"),
     "sum_of_shards_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_sharded_dim"),
     "sum_of_other_dim_into_one_device": lambda w: reduced_into_one_device_case(w, "sum_other_dim"),
     "row_parallel_linear_into_one_device": lambda w: reduced_into_one_device_case(w, "linear"),
