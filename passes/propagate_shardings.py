@@ -98,7 +98,7 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
         op = ops[i]
         whole = all(need is None or need.is_replicated for need in op.strategy.inputs)
         summed = {o for o, s in zip(op.outputs, op.strategy.outputs) if s.has_partial}
-        gathered = _gathered_copy(op, draft)
+        read = _copy_read(op, draft)
         changed = False
         for o, made in zip(op.outputs, op.strategy.outputs):
             t = draft.tensor(o)
@@ -108,18 +108,26 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
             if need is None or need.has_partial:
                 continue
             computed_whole = not t.annotated and t.sharding.is_replicated and (whole or o in summed)
-            if gathered is not None and need == gathered != made or computed_whole and not need.is_replicated:
+            if read is not None and need == read != made or computed_whole and not need.is_replicated:
                 draft.set_sharding(o, need)
                 changed = True
-        if changed and (whole or gathered is not None):
+        if changed and (whole or read is not None):
             hint = draft.tensor(op.outputs[0]).sharding
-            ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if gathered is not None else None))
+            ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if read is not None else None))
 
 
-def _gathered_copy(op, draft: _Draft) -> Sharding | None:
-    """The replicated sharding of the copy that another op gathers of a view's operand (a view of
-    ``g`` that is then gathered, where ``g @ w`` gathers ``g`` too, reads the one gathered copy), else None."""
-    if not traits(op.kind) & Trait.VIEW or len(op.tensor_inputs) != 1:
+def _copy_read(op, draft: _Draft) -> Sharding | None:
+    """The sharding of the copy that another op makes of this op's one tensor operand, where this op can
+    read that copy and give its result so: a view of a gathered (replicated) copy (a view of ``g`` that is
+    then gathered, where ``g @ w`` gathers ``g`` too, reads the one gathered copy), or a pointwise op of a
+    pending sum's summed copy (``y * neg(y)``: ``neg`` reads the sum that the product needs). Else None."""
+    if len(op.tensor_inputs) != 1:
         return None
-    copy = draft.copies.get(op.tensor_inputs[0])
-    return copy if copy is not None and copy.is_replicated else None
+    (a,) = op.tensor_inputs
+    copy, have = draft.copies.get(a), draft.tensor(a).sharding
+    if copy is None:
+        return None
+    if traits(op.kind) & Trait.VIEW and copy.is_replicated \
+            or traits(op.kind) & Trait.POINTWISE and have.has_partial and copy.mesh == have.mesh:
+        return copy
+    return None

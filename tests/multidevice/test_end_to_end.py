@@ -495,6 +495,10 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda q, k, v: torch.softmax(q @ k.T, 1) @ v, ["allgather", "allgather"], out={0: X}),
     **{f"pending_sum_{v}": functools.partial(pending_sum_set_and_read_case, variant=v)
        for v in ("set_then_exp", "exp_then_set", "permute_then_exp", "rows_then_exp")},
+    "pending_sum_and_its_negation_in_a_lerp": lambda m: binary_case(  # neg reads the sum that lerp needs
+        m, [[8, 12], [4, 12]], [{1: X}, {1: X}],
+        lambda fd, x, w: _lerp_of_negation(fd, fd.ops.linear(x, w)),
+        lambda x, w: torch.lerp(F.linear(x, w), -F.linear(x, w), 0.3), ["allreduce"]),
     "pending_sum_in_three_shardings": lambda m: pending_sum_in_many_shardings_case(
         m, ({0: X}, {1: X}, {}), ["allreduce"]),
     "pending_sum_whole_and_on_rows": lambda m: pending_sum_in_many_shardings_case(m, ({0: X}, {}), ["allreduce"]),
@@ -541,6 +545,12 @@ def _outputs(fd, first, *more):
     for tv in more:
         fd.add_output(tv)
     return first
+
+
+def _lerp_of_negation(fd, y):
+    """lerp(y, -y, 0.3): the lerp needs y summed; -y of the pending sum reads that sum (two allreduces before:
+    one of y, one of -y)."""
+    return fd.ops.lerp(y, fd.ops.neg(y), 0.3)
 
 
 def _after_unused(fd, *ops):
