@@ -120,7 +120,7 @@ def _copy_read(op, draft: _Draft) -> Sharding | None:
     """The sharding of the copy that another op makes of this op's one tensor operand, where this op can
     read that copy and give its result so: a view of a gathered (replicated) copy (a view of ``g`` that is
     then gathered, where ``g @ w`` gathers ``g`` too, reads the one gathered copy), or a pointwise op of a
-    pending sum's summed copy (``y * neg(y)``: ``neg`` reads the sum that the product needs). Else None."""
+    pending sum's summed copy (``lerp(y, -y, w)``: ``neg`` reads the sum that the lerp needs). Else None."""
     if len(op.tensor_inputs) != 1:
         return None
     (a,) = op.tensor_inputs

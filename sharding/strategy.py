@@ -90,6 +90,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
+       with no ``hint``, where the ops that read the result cannot take it so (``_taken``), the one of
+       those that keep some operand's sharding that moves the fewest bytes, the result's included
+       (scores ``q @ k^T`` kept on q's rows for a softmax over keys: k is gathered, not q and the scores);
     3. else one that produces ``hint`` (e.g. a max the user parallelized over the dim it reduces, of a
        pending sum: a reduce_scatter of its operand to that dim, not an allreduce of it and then of the
        max's result); also instead of 2's where it moves fewer bytes (``_moved``) and ``hint`` is not
@@ -160,8 +163,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 need_in[i][axis] = p
         for j, p in enumerate(pick.outputs):
             need_out[j][axis] = p
-    return Strategy(mesh, tuple(None if n is None else Sharding(mesh, tuple(n)) for n in need_in),
-                    tuple(Sharding(mesh, tuple(n)) for n in need_out))
+    return Strategy(mesh, tuple(None if p is None else Sharding(mesh, tuple(p)) for p in need_in),
+                    tuple(Sharding(mesh, tuple(placements)) for placements in need_out))
 
 
 def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement | None, axis: int,
