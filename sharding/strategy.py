@@ -34,7 +34,8 @@ class Strategy:
 def preference(op: Op, fusion: Fusion) -> list[int]:
     """Operand positions in the order whose sharding an op follows: the op's ``follow`` (linear:
     the weight, then the bias, then the input, as nvFuser; matmul: B then A), else the most
-    device-parallel operand first."""
+    device-parallel operand first, the larger of two alike (the smaller one moves: a cross entropy's
+    ``where(hit, logits, 0)`` keeps the logits' vocabulary shards and moves the boolean ``hit``)."""
     tensors = [i for i, a in enumerate(op.inputs) if isinstance(a, int)]
     follow = opdef(op.kind).follow
     if follow is not None:
@@ -43,7 +44,7 @@ def preference(op: Op, fusion: Fusion) -> list[int]:
     def parallel_axes(i):
         s = fusion.tensor(op.inputs[i]).sharding
         return s.num_device_axes() if s else 0
-    return sorted(tensors, key=lambda i: -parallel_axes(i))
+    return sorted(tensors, key=lambda i: (-parallel_axes(i), -_nbytes(fusion, op.inputs[i])))
 
 
 def _reachable(have: Placement, need: Placement) -> bool:

@@ -108,6 +108,20 @@ def test_row_parallel_linear_without_bias():
     assert seg_summary(f) == [("fused", "linear+allreduce", ["linear", "allreduce"])]
 
 
+def test_of_two_operands_sharded_alike_the_smaller_moves():
+    """where(hit, logits, 0) with hit on rows and logits on columns (a vocab-parallel cross entropy with
+    its targets sharded on tokens): the boolean hit moves to the logits' columns, not the logits to rows."""
+    with FusionDefinition() as fd:
+        hit, logits = fd.define_tensor([8, 16], dtype=DataType.Bool), fd.define_tensor([8, 16], dtype=DataType.Double)
+        fd.add_output(fd.ops.where(hit, logits, 0.0))
+        shard(hit, MESH2, {0: X})
+        shard(logits, MESH2, {1: X})
+    f = lower(fd)
+    assert comms(f) == ["all_to_all"]
+    assert f.tensor(only(f, "all_to_all").inputs[0]).dtype == DataType.Bool
+    assert out_placements(f) == (Shard(1),)
+
+
 @pytest.mark.parametrize("gemm, to, summed_after_cast", [
     (DataType.Float, DataType.BFloat16, False), (DataType.Float, DataType.Half, False),
     (DataType.BFloat16, DataType.Half, False), (DataType.BFloat16, DataType.Float, True),
