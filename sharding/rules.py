@@ -415,12 +415,14 @@ def _divisors(m: int) -> list[int]:
     return small + [m // k for k in reversed(small) if k * k != m]
 
 
-def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...]) -> Rule:
+def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...], query_rows: bool = False) -> Rule:
     """Attention (sdpfa_fwd/bwd) on [N*, H, S, E] tensors: the leading dims (batch and heads) of the
     operands at ``free_inputs`` and the outputs at ``free_outputs`` are free (a shard passes through
-    with no communication); the sequence and head dims stay whole, since every query attends to
-    every key. Other tensor operands and outputs (philox seed and offset) stay replicated. No operand
-    may be Partial: softmax is not linear."""
+    with no communication); the head dim stays whole. Every query attends to every key, so the keys'
+    sequence stays whole; with ``query_rows`` (the forward), the query's rows may be sharded, and the
+    output's and logsumexp's rows with them, where no causal mask (aligned to the local rows' start)
+    and no dropout (drawn over the whole output) needs the global row. Other tensor operands and
+    outputs (philox seed and offset) stay replicated. No operand may be Partial: softmax is not linear."""
     def rule(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
         ins, outs = _shapes(op, fusion)
         first = ins[free_inputs[0]]
@@ -432,6 +434,11 @@ def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...]) -> Ru
             cands.append(Candidate(
                 tuple(Shard(d) if i in free_inputs else p for i, p in enumerate(tensors_in)),
                 tuple(Shard(d) if j in free_outputs else REPLICATE for j in range(len(outs)))))
+        rows = len(first) - 2
+        if query_rows and not op.attr("is_causal") and not op.attr("dropout_p") and first[rows] >= 0 \
+                and first[rows] % n == 0:
+            cands.append(Candidate((Shard(rows), *tensors_in[1:]),
+                                   (Shard(rows), Shard(len(outs[1]) - 1), *(REPLICATE,) * (len(outs) - 2))))
         return cands
     return rule
 

@@ -2099,7 +2099,8 @@ def _draws_dropout(ins, attrs: dict) -> bool:
 
 # As nvFuser (and aten's flash kernels): the output takes the query's layout, each gradient its operand's.
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
-         rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1)), flops=_flops_attention(2, query=0),
+         rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1), query_rows=True),
+         flops=_flops_attention(2, query=0),
          num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
          uncapturable=_draws_dropout, fresh_seed=_with_dropout)
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,

@@ -508,6 +508,18 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, (4, 8), {1: X}, {1: X},
         lambda fd, x: _after_unused(fd, fd.ops.softmax(x, 1), fd.ops.sum(x, [1]), fd.ops.neg(x)),
         torch.neg, []),
+    # sdpa on [batch, heads, seq, dim] with the queries' rows sharded: without a causal mask each rank
+    # keeps its rows and gathers k and v (or nothing, where they are whole); causal, it gathers q too
+    "sdpa_on_query_rows": lambda m: binary_case(
+        m, [(2, 2, 8, 4)] * 3, [{2: X}] * 3, lambda fd, q, k, v: fd.ops.scaled_dot_product_attention(q, k, v),
+        F.scaled_dot_product_attention, ["allgather", "allgather"], out={2: X}),
+    "sdpa_on_query_rows_keys_whole": lambda m: binary_case(
+        m, [(2, 2, 8, 4)] * 3, [{2: X}, {}, {}], lambda fd, q, k, v: fd.ops.scaled_dot_product_attention(q, k, v),
+        F.scaled_dot_product_attention, [], out={2: X}),
+    "causal_sdpa_on_query_rows": lambda m: binary_case(
+        m, [(2, 2, 8, 4)] * 3, [{2: X}] * 3,
+        lambda fd, q, k, v: fd.ops.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), ["allgather"] * 3, out={2: X}),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
     "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max", rows=True),
