@@ -335,7 +335,13 @@ class Recorder:
 
     def dtype(self, dtype, what: str = "dtype") -> DataType:
         if not isinstance(dtype, DataType):
-            _fail(self.kind, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}")
+            hint = ""
+            if isinstance(dtype, torch.dtype):
+                try:
+                    hint = f"; for a torch dtype, DataType.from_torch({dtype}) is {DataType.from_torch(dtype)}"
+                except ValueError:
+                    pass
+            _fail(self.kind, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}{hint}")
         return dtype
 
 

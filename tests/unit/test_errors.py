@@ -170,7 +170,9 @@ def test_bad_definition_arguments():
     _raises(DefinitionError, r"define_scalar: value must be a Python number", lambda: fd.define_scalar("a"))
     _raises(DefinitionError, r"gelu: approximate must be 'none' or 'tanh', got 'erf'",
             lambda: fd.ops.gelu(x, approximate="erf"))
-    _raises(DefinitionError, r"cast: dtype must be a DataType", lambda: fd.ops.cast(x, torch.float16))
+    _raises(DefinitionError, r"cast: dtype must be a DataType .*; for a torch dtype, "
+                             r"DataType.from_torch\(torch.float16\) is DataType.Half",
+            lambda: fd.ops.cast(x, torch.float16))
     _raises(DefinitionError, r"add: at least one operand must be a TensorView", lambda: fd.ops.add(1, 2.0))
     _raises(DefinitionError, r"relu: expected a TensorView", lambda: fd.ops.relu(torch.ones(2)))
     _raises(DefinitionError, r"mul: unsupported operand", lambda: fd.ops.mul(x, "2"))
