@@ -49,7 +49,17 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
+    draft, ops = _forward(fusion, mesh, {})
+    draft, ops = _forward(fusion, mesh, draft.copies)  # every op sees the moves of the ops after it too
+    _backward(fusion, draft, ops, mesh)
+    return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
+
+
+def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding]) -> tuple[_Draft, list]:
+    """Each op's strategy, in order, and its unannotated outputs' shardings; ``copies`` holds the moves
+    that the ops of an earlier walk needed (the draft's ``copies`` adds this walk's)."""
     draft = _Draft(fusion)
+    draft.copies.update(copies)
     for i in fusion.inputs:
         if draft.tensor(i).sharding is None:
             draft.set_sharding(i, Sharding.replicated(mesh))
@@ -71,8 +81,7 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
                 s = s.materialized()
             draft.set_sharding(o, s)
         ops.append(op.replace(strategy=st))
-    _backward(fusion, draft, ops, mesh)
-    return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
+    return draft, ops
 
 
 def _hint(draft: _Draft, name: int) -> Sharding | None:

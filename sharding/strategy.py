@@ -96,19 +96,19 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
        (scores ``q @ k^T`` kept on q's rows for a softmax over keys: k is gathered, not q and the scores);
     3. else one that produces ``hint`` (e.g. a max the user parallelized over the dim it reduces, of a
        pending sum: a reduce_scatter of its operand to that dim, not an allreduce of it and then of the
-       max's result); also instead of 2's where it moves fewer bytes (``_moved``) and ``hint`` is not
-       replicated on the axis, so the op's work stays split (``g^T @ x`` with g sharded on its columns, x
-       on its rows and the output on its rows gathers x, not an all_to_all of g and a reduce_scatter of
-       the result);
+       max's result); also instead of 2's where it moves fewer bytes (``_moved``), or as many by summing
+       a pending operand (``_sums_operand``), and ``hint`` is not replicated on the axis, so the op's
+       work stays split (``g^T @ x`` with g sharded on its columns, x on its rows and the output on its
+       rows gathers x, not an all_to_all of g and a reduce_scatter of the result);
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
 
-    ``copies`` maps a tensor to the sharding an earlier op needs it moved to (the move runs anyway;
-    the resharding pass makes it once). A pending sum with such a copy counts as held that way, so it
-    is summed once; so does a tensor a view (``permute``, ``reshape``, ...) reads, where the copy is
-    replicated (``g @ w`` and ``permute(g) @ r`` gather ``g`` once). A pending sum that is two operands
-    of the op gets one placement for both (``y * y``: both summed, not one kept pending, which would
-    sum the product again).
+    ``copies`` maps a tensor to the sharding another op needs it moved to (the move runs anyway; the resharding
+    pass makes it once; propagation walks the ops twice, so later ops' moves count). A pending sum with such a
+    copy counts as held that way, so it is summed once; so does a tensor a view (``permute``, ``reshape``, ...)
+    reads, where the copy is replicated (``g @ w`` and ``permute(g) @ r`` gather ``g`` once). A pending sum that
+    is two operands of the op gets one placement for both (``y * y``: both summed, not one kept pending, which
+    would sum the product again).
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -155,9 +155,12 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             target = hint.placements[axis]
             produce = next((c for c in cands if c.outputs[0] == target), None)
             args = (op, fusion, have, copied, target, axis, n)
-            if pick is None or produce is not None and not isinstance(target, Replicate) \
-                    and _moved(produce, *args) < _moved(pick, *args):
-                pick = produce or pick
+            if pick is None:
+                pick = produce
+            elif produce is not None and not isinstance(target, Replicate):
+                moved, kept = _moved(produce, *args), _moved(pick, *args)
+                if moved < kept or moved == kept < math.inf and _sums_operand(produce, have, axis):
+                    pick = produce
         pick = pick or cands[0]
         for i, p in enumerate(pick.inputs):
             if need_in[i] is not None:
@@ -196,6 +199,15 @@ def _taken(p: Placement, op: Op, fusion: Fusion, n: int) -> bool:
         if not any(all(c.inputs[k] == p for k in at) for c in cands):
             return False
     return True
+
+
+def _sums_operand(c: Candidate, have: list, axis: int) -> bool:
+    """Whether candidate ``c`` sums an operand that is a pending sum on mesh axis ``axis``. Where producing
+    an op's assigned sharding so moves as many bytes as keeping the sum pending and summing the result,
+    the operand is summed: other ops that read it share that sum (an RMSNorm backward's ``gy * g`` and
+    ``gy * xhat``: one reduce_scatter of ``gy``, and a GEMM's result summed beside it fuses with it)."""
+    return any(h is not None and isinstance(h[axis], Partial) and not isinstance(p, Partial)
+               for h, p in zip(have, c.inputs))
 
 
 def _sums_once(c: Candidate, inputs: tuple, have: list, axis: int) -> bool:

@@ -364,6 +364,30 @@ def pending_sum_in_many_shardings_case(mesh, targets: tuple[dict, ...], collecti
                 lambda a, b: [F.linear(a, b)] * len(targets), collectives)
 
 
+def rms_norm_backward_case(mesh) -> Case:
+    """A sequence-parallel RMSNorm backward's pattern: gy, a row-parallel matmul's pending sum, read by
+    grad_x = gy * g (on rows) and grad_g = sum over rows of gy * xhat (xhat on rows). gy is reduce-scattered
+    once and both products run on rows; grad_g sums a [H] partial. (Before: an allgather of xhat, an
+    allreduce and a reduce_scatter of the product; the pattern comes from a model-pattern hunt.)"""
+    with FusionDefinition() as fd:
+        a, w = fd.define_tensor([16, 8], dtype=F64), fd.define_tensor([8, 4], dtype=F64)
+        xhat, g = fd.define_tensor([16, 4], dtype=F64), fd.define_tensor([4], dtype=F64)
+        gy = fd.ops.matmul(a, w)
+        grad_g = fd.ops.sum(fd.ops.mul(gy, xhat), [0])
+        grad_x = fd.ops.mul(gy, g)
+        fd.add_output(grad_x)
+        fd.add_output(grad_g)
+        shard(a, mesh, {1: X})
+        shard(w, mesh, {0: X})
+        shard(xhat, mesh, {0: X})
+        shard(g, mesh)
+        shard(grad_x, mesh, {0: X})
+        shard(grad_g, mesh)
+    full = [_rand(s, shape) for s, shape in ((85, (16, 8)), (86, (8, 4)), (87, (16, 4)), (88, (4,)))]
+    return Case(fd, [a, w, xhat, g], full, lambda a, w, x, g: [(a @ w) * g, ((a @ w) * x).sum(0)],
+                ["reduce_scatter", "allreduce"])
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -520,6 +544,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [(2, 2, 8, 4)] * 3, [{2: X}] * 3,
         lambda fd, q, k, v: fd.ops.scaled_dot_product_attention(q, k, v, is_causal=True),
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), ["allgather"] * 3, out={2: X}),
+    "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
     "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max", rows=True),
