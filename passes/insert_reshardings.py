@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tp_fusion.sharding.reshard import free_between
+from tp_fusion.sharding.reshard import free_between, on_own_devices
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy
 
@@ -120,16 +120,11 @@ def _read_in_many_shardings(fusion: Fusion) -> set[int]:
             have = fusion.tensor(a).sharding if isinstance(a, int) else None
             if have is None or not have.has_partial or need is None or need == have or need.has_partial:
                 continue
-            if need.mesh == have.mesh or _within(need, have):
+            if on_own_devices(have, need):
                 targets.setdefault(a, set()).add(need)
                 if need == have.materialized() or need.mesh != have.mesh:
                     whole.add(a)
     return {a for a, ts in targets.items() if len(ts) >= 3 or len(ts) == 2 and a in whole}
-
-
-def _within(target: Sharding, have: Sharding) -> bool:
-    """``target`` is on another mesh made of some of ``have``'s devices."""
-    return target.mesh != have.mesh and set(target.mesh.devices) <= set(have.mesh.devices)
 
 
 def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:
@@ -141,7 +136,7 @@ def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict
     whole = tensors[name].sharding.materialized()
     for (src, have), copy in cache.items():
         if src == name and not have.has_partial and (free_between(have, target) or have == whole
-                                                     and _within(target, have)):
+                                                     and target.mesh != have.mesh and on_own_devices(have, target)):
             return copy
     return None
 

@@ -50,7 +50,8 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     if mesh is None:
         return fusion
     draft, ops = _forward(fusion, mesh, {})
-    draft, ops = _forward(fusion, mesh, draft.copies)  # every op sees the moves of the ops after it too
+    if draft.copies:  # again, so that every op sees the moves the ops after it need too
+        draft, ops = _forward(fusion, mesh, draft.copies)
     _backward(fusion, draft, ops, mesh)
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 

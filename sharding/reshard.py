@@ -132,6 +132,12 @@ def free_between(src: Sharding, dst: Sharding) -> bool:
     return src.mesh == dst.mesh and all(is_free(a, b) for a, b in zip(src.placements, dst.placements))
 
 
+def on_own_devices(src: Sharding, dst: Sharding) -> bool:
+    """Whether every device of ``dst``'s mesh is one of ``src``'s (then a value whole on ``src`` needs no
+    communication to reach ``dst``)."""
+    return set(dst.mesh.devices) <= set(src.mesh.devices)
+
+
 def _trivial_axes(s: Sharding) -> Sharding:
     """``s`` with every placement on a mesh axis of size 1 replaced by Replicate (they are equal)."""
     if all(n > 1 for n in s.mesh.shape):
@@ -198,7 +204,7 @@ def reshard_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], what: st
         hop = ReshardStep(move, None, None, None, landed, src.mesh, dst.mesh)
         return same_mesh_steps(src, before, what) + [hop] + same_mesh_steps(landed, dst, what)
     summed, whole_dst = src.materialized(), Sharding.replicated(dst.mesh)
-    own_devices = set(dst.mesh.devices) <= set(src.mesh.devices)
+    own_devices = on_own_devices(src, dst)
     if own_devices and held_already(summed, whole_dst, shape):
         return via(summed, Collective.KEEP, whole_dst)  # pending sums summed where they are, then kept
     if src.mesh.shape == dst.mesh.shape and not (own_devices and dst.is_replicated):  # placements kept

@@ -174,7 +174,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
 def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement | None, axis: int,
            n: int) -> float:
     """The bytes candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to reach
-    its placement (unless the copy an earlier op made, ``copied``, has it so), and the output where it
+    its placement (unless the copy another op needs, ``copied``, has it so), and the output where it
     must communicate to reach ``hint`` (no hint: where a consumer cannot take it as it is, ``_taken`` on an
     axis of ``n`` devices). Infinite where an extent is symbolic (no comparison then)."""
     moved = sum(_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)

@@ -175,7 +175,7 @@ class _FusionFunction(torch.autograd.Function):
                                     f"{spec.name}.backward: output {k}")
         results = _run(spec.backward, [*saved, *out_grads])
         _check_backward_inputs(spec, ctx.backward_input_shardings)
-        bwd = spec.backward.plan.fusion
+        bwd, fwd = spec.backward.plan.fusion, spec.forward.plan.fusion
         input_grads: list = [None] * len(ctx.input_meta)
         for k, (i, grad) in enumerate(zip(spec.grad_inputs, results)):
             if not ctx.needs_input_grad[i]:
@@ -188,7 +188,6 @@ class _FusionFunction(torch.autograd.Function):
                     f"output the input's mesh, or leave it unscheduled (it is then computed in the input's "
                     f"sharding)")
             grad = inp.redistribute(grad)
-            fwd = spec.forward.plan.fusion
             want_global, got_global = fwd.tensor(fwd.inputs[i]).shape, bwd.tensor(bwd.outputs[k]).shape
             if want_global != got_global:
                 raise ShardingError(

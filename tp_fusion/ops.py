@@ -1193,7 +1193,7 @@ def _normalized_slice(start, end, n: int) -> tuple:
     clamped to [0, n], end at least start. Left as they are where ``n`` or a bound is symbolic."""
     if n < 0 or not (isinstance(start, int) and isinstance(end, int)):
         return start, end
-    start, end = (min(max(i + n if i < 0 else i, 0), n) for i in (start, end))
+    start, end, _ = slice(start, end).indices(n)
     return start, max(end, start)
 
 
