@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tp_fusion.sharding.reshard import free_between
 from tp_fusion.sharding.sharding import Sharding
-from tp_fusion.sharding.strategy import Strategy, choose
+from tp_fusion.sharding.strategy import Strategy, choose, is_cheap
 
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
@@ -30,6 +30,9 @@ class _Draft:
     def consumers(self, name: int):
         return self.fusion.consumers(name)
 
+    def producer(self, name: int):
+        return self.fusion.producer(name)
+
     def set_sharding(self, name: int, sharding: Sharding) -> None:
         self.tensors[name] = self.tensors[name].replace(sharding=sharding)
 
@@ -44,7 +47,9 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     gathered or summed for it; or from nothing, like ``full``) takes the sharding all its consumers
     need, so it is computed sharded instead of computed whole and sliced: its operands are then
     sliced, or summed by a reduce_scatter rather than an allreduce (RMSNorm of a row-parallel
-    linear's output with the result on rows).
+    linear's output with the result on rows). A pointwise op or a view whose result every consumer
+    needs whole, and whose operands move fewer bytes than that result, runs whole on moved operands
+    (a per-token scale: ``y * broadcast(s)`` gathers s, not the product).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
@@ -124,6 +129,22 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
         if changed and (whole or read is not None):
             hint = draft.tensor(op.outputs[0]).sharding
             ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if read is not None else None))
+        elif is_cheap(op) and not draft.tensor(op.outputs[0]).annotated:
+            ops[i] = _run_whole(op, single_need(op.outputs[0]), draft, mesh)
+
+
+def _run_whole(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh):
+    """``op`` (cheap, computed on shards) re-chosen to give ``need``, what its consumers need, where that is
+    whole and ``choose`` finds its operands move fewer bytes than its result would; else ``op`` as it is.
+    (A pending sum is left to the rules on sums: summed before the op or after it moves the same bytes.)"""
+    made = op.strategy.outputs[0]
+    if need is None or not need.is_replicated or made.is_replicated or made.has_partial or need.mesh != made.mesh:
+        return op
+    whole = choose(op, draft, need, mesh)
+    if whole.outputs[0] != need:
+        return op
+    draft.set_sharding(op.outputs[0], need)
+    return op.replace(strategy=whole)
 
 
 def _copy_read(op, draft: _Draft) -> Sharding | None:

@@ -99,7 +99,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
        max's result); also instead of 2's where it moves fewer bytes (``_moved``), or as many by summing
        a pending operand (``_sums_operand``), and ``hint`` is not replicated on the axis, so the op's
        work stays split (``g^T @ x`` with g sharded on its columns, x on its rows and the output on its
-       rows gathers x, not an all_to_all of g and a reduce_scatter of the result);
+       rows gathers x, not an all_to_all of g and a reduce_scatter of the result), or the op is cheap to
+       run whole (``is_cheap``: a per-token scale ``y * s[:, None]`` wanted whole gathers s, not the product);
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
 
@@ -157,7 +158,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             args = (op, fusion, have, copied, target, axis, n)
             if pick is None:
                 pick = produce
-            elif produce is not None and not isinstance(target, Replicate):
+            elif produce is not None and (not isinstance(target, Replicate) or is_cheap(op)):
                 moved, kept = _moved(produce, *args), _moved(pick, *args)
                 if moved < kept or moved == kept < math.inf and _sums_operand(produce, have, axis):
                     pick = produce
@@ -177,10 +178,27 @@ def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint:
     its placement (unless the copy another op needs, ``copied``, has it so), and the output where it
     must communicate to reach ``hint`` (no hint: where a consumer cannot take it as it is, ``_taken`` on an
     axis of ``n`` devices). Infinite where an extent is symbolic (no comparison then)."""
-    moved = sum(_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
+    moved = sum(_move_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
                 if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
     stays = is_free(c.outputs[0], hint) if hint is not None else _taken(c.outputs[0], op, fusion, n)
     return moved + (0 if stays else _nbytes(fusion, op.outputs[0]))
+
+
+def is_cheap(op: Op) -> bool:
+    """Whether ``op`` costs about its bytes to run (a pointwise op or a view), so running it whole on every
+    rank costs less than moving a larger result: only bytes decide where it runs."""
+    return bool(traits(op.kind) & (Trait.POINTWISE | Trait.VIEW)) and len(op.outputs) == 1
+
+
+def _move_nbytes(fusion: Fusion, name: int) -> float:
+    """The bytes that moving tensor ``name`` costs: its own, or where fewer those of the one operand of the
+    view that made it, moved instead and viewed again (``propagate_shardings``: a broadcast that is then
+    gathered is made whole from its gathered source)."""
+    op = fusion.producer(name)
+    own = _nbytes(fusion, name)
+    if op is None or not traits(op.kind) & Trait.VIEW or len(op.tensor_inputs) != 1:
+        return own
+    return min(own, _move_nbytes(fusion, op.tensor_inputs[0]))
 
 
 def _taken(p: Placement, op: Op, fusion: Fusion, n: int) -> bool:

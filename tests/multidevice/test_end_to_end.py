@@ -544,6 +544,10 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [(2, 2, 8, 4)] * 3, [{2: X}] * 3,
         lambda fd, q, k, v: fd.ops.scaled_dot_product_attention(q, k, v, is_causal=True),
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), ["allgather"] * 3, out={2: X}),
+    "per_token_scale_gathered_before_it_grows": lambda m: binary_case(  # gathers s [T], not the product [T, H]
+        m, [[8], [8, 16]], [{0: X}, {}],
+        lambda fd, s, y: fd.ops.mul(y, fd.ops.broadcast_in_dim(s, [8, 16], [0])),
+        lambda s, y: y * s[:, None], ["allgather"], out={}),
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),

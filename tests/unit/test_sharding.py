@@ -782,6 +782,30 @@ def test_broadcast_in_dim_of_sharded_dim_keeps_the_sharding():
     assert placements(f, y) == (Shard(1),) and out_placements(f) == (Shard(1),)
 
 
+@pytest.mark.parametrize("grow", ["unsqueeze", "broadcast_in_dim"])
+@pytest.mark.parametrize("annotated", [True, False])
+def test_a_sharded_source_is_gathered_before_it_grows(grow, annotated):
+    """A per-token scale s [T] on token shards times a replicated y [T, H], needed whole (an annotated
+    output, or a column-parallel linear's input): s is gathered ([T]) and the product made whole, not the
+    product [T, H] made on rows and gathered (H times the bytes)."""
+    with FusionDefinition() as fd:
+        s, y = fd.define_tensor([8], dtype=DataType.Double), fd.define_tensor([8, 16], dtype=DataType.Double)
+        sb = fd.ops.unsqueeze(s, 1) if grow == "unsqueeze" else fd.ops.broadcast_in_dim(s, [8, 16], [0])
+        z = fd.ops.mul(y, sb)
+        if not annotated:
+            w = fd.define_tensor([4, 16], dtype=DataType.Double)
+            z = fd.ops.linear(z, w)
+            shard(w, MESH2, {0: X})
+        fd.add_output(z)
+        shard(s, MESH2, {0: X})
+        shard(y, MESH2)
+        if annotated:
+            shard(z, MESH2)
+    f = lower(fd)
+    assert comms(f) == ["allgather"]
+    assert f.tensor(only(f, "allgather").inputs[0]).shape in ((8,), (8, 1))
+
+
 def test_pointwise_broadcast_of_sharded_dim():
     with FusionDefinition() as fd:
         x, w = fd.define_tensor([8, 1]), fd.define_tensor([8, 4])
