@@ -109,7 +109,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     copy counts as held that way, so it is summed once; so does a tensor a view (``permute``, ``reshape``, ...)
     reads, where the copy is replicated (``g @ w`` and ``permute(g) @ r`` gather ``g`` once). A pending sum that
     is two operands of the op gets one placement for both (``y * y``: both summed, not one kept pending, which
-    would sum the product again).
+    would sum the product again), also where one operand is a pointwise op of it (``y * neg(y)``).
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -129,6 +129,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     need_in = [None if h is None else [None] * mesh.ndim for h in have]
     need_out = [[None] * mesh.ndim for _ in op.outputs]
     order = preference(op, fusion)
+    sums = tuple(_pending_source(fusion, a) for a in op.inputs)
     for axis in reversed(range(mesh.ndim)):
         n = mesh.shape[axis]
         cands = rule(op, fusion, n)
@@ -136,7 +137,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         cands = [c for c in cands if _compatible(c, need_in, need_out, mesh, axis)
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
-        cands = [c for c in cands if _sums_once(c, op.inputs, have, axis)] or cands
+        cands = [c for c in cands if _sums_once(c, sums, have, axis)] or cands
         pick = None
         if hint is not None:
             pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]
@@ -228,14 +229,27 @@ def _sums_operand(c: Candidate, have: list, axis: int) -> bool:
                for h, p in zip(have, c.inputs))
 
 
-def _sums_once(c: Candidate, inputs: tuple, have: list, axis: int) -> bool:
-    """Whether candidate ``c`` gives a tensor that is a pending sum on mesh axis ``axis`` and two operands
-    of the op one placement for both."""
+def _sums_once(c: Candidate, sums: tuple, have: list, axis: int) -> bool:
+    """Whether candidate ``c`` gives operands that are pending sums on mesh axis ``axis`` of one source
+    (``sums``: ``_pending_source`` of each operand) one placement."""
     placed = {}
-    for a, h, p in zip(inputs, have, c.inputs):
+    for a, h, p in zip(sums, have, c.inputs):
         if h is not None and isinstance(h[axis], Partial) and placed.setdefault(a, p) != p:
             return False
     return True
+
+
+def _pending_source(fusion: Fusion, a):
+    """The pending sum that operand ``a`` carries: that of the one operand of the pointwise op that made ``a``
+    where both are pending sums (``neg(y)`` carries ``y``'s), else ``a``. Summing ``y`` and reading ``neg`` of
+    the sum (``_copy_read``) sums both operands of ``y * neg(y)`` at once."""
+    while isinstance(a, int) and fusion.tensor(a).sharding is not None and fusion.tensor(a).sharding.has_partial:
+        op = fusion.producer(a)
+        if op is None or not traits(op.kind) & Trait.POINTWISE or len(op.tensor_inputs) != 1 \
+                or not fusion.tensor(op.tensor_inputs[0]).sharding.has_partial:
+            break
+        a = op.tensor_inputs[0]
+    return a
 
 
 def _strided(cands: list[Candidate], have: list[Placement], op: Op, fusion: Fusion, n: int) -> list[Candidate]:

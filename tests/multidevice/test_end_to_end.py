@@ -523,6 +523,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[8, 12], [4, 12]], [{1: X}, {1: X}],
         lambda fd, x, w: _lerp_of_negation(fd, fd.ops.linear(x, w)),
         lambda x, w: torch.lerp(F.linear(x, w), -F.linear(x, w), 0.3), ["allreduce"]),
+    "pending_sum_times_its_negation": lambda m: binary_case(  # y summed once; -y of the sum (was 2 allreduces)
+        m, [[8, 12], [4, 12]], [{1: X}, {1: X}], lambda fd, x, w: _times_negation(fd, fd.ops.linear(x, w)),
+        lambda x, w: F.linear(x, w) * -F.linear(x, w), ["allreduce"]),
     "pending_sum_in_three_shardings": lambda m: pending_sum_in_many_shardings_case(
         m, ({0: X}, {1: X}, {}), ["allreduce"]),
     "pending_sum_whole_and_on_rows": lambda m: pending_sum_in_many_shardings_case(m, ({0: X}, {}), ["allreduce"]),
@@ -592,6 +595,12 @@ def _lerp_of_negation(fd, y):
     """lerp(y, -y, 0.3): the lerp needs y summed; -y of the pending sum reads that sum (two allreduces before:
     one of y, one of -y)."""
     return fd.ops.lerp(y, fd.ops.neg(y), 0.3)
+
+
+def _times_negation(fd, y):
+    """y * neg(y): both operands carry y's pending sum, so y is summed once and neg reads the sum (two
+    allreduces before: one of y, one of -y)."""
+    return fd.ops.mul(y, fd.ops.neg(y))
 
 
 def _after_unused(fd, *ops):
