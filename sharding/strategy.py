@@ -94,6 +94,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
        with no ``hint``, where the ops that read the result cannot take it so (``_taken``), the one of
        those that keep some operand's sharding that moves the fewest bytes, the result's included
        (scores ``q @ k^T`` kept on q's rows for a softmax over keys: k is gathered, not q and the scores);
+       where the ops that read it can, one that sums a pending operand instead of keeping it pending, if that
+       moves no more bytes (``_sums_operand``: an RMSNorm backward's ``gy * xhat`` reduce-scatters gy, which
+       ``gy * g`` then reads, rather than gathering xhat and reduce-scattering ``gy * g`` as well);
     3. else one that produces ``hint`` (e.g. a max the user parallelized over the dim it reduces, of a
        pending sum: a reduce_scatter of its operand to that dim, not an allreduce of it and then of the
        max's result); also instead of 2's where it moves fewer bytes (``_moved``), or as many by summing
@@ -150,9 +153,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 follows.append(min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                                for h, q in zip(have, c.inputs))))
         if follows:
-            pick = follows[0]
-            if hint is None and not _taken(pick.outputs[0], op, fusion, n):
-                pick = min(follows, key=lambda c: _moved(c, op, fusion, have, copied, None, axis, n))
+            pick = follows[0] if hint is not None else _follow(follows, op, fusion, have, copied, axis, n)
         if hint is not None:  # produce the hint, from operands that reach its inputs, where that moves less
             target = hint.placements[axis]
             produce = next((c for c in cands if c.outputs[0] == target), None)
@@ -171,6 +172,21 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             need_out[j][axis] = p
     return Strategy(mesh, tuple(None if p is None else Sharding(mesh, tuple(p)) for p in need_in),
                     tuple(Sharding(mesh, tuple(placements)) for placements in need_out))
+
+
+def _follow(follows: list[Candidate], op: Op, fusion: Fusion, have: list, copied: list, axis: int,
+            n: int) -> Candidate:
+    """Of the candidates that keep an operand's placement (``follows``, in preference order), the one an op
+    without an assigned sharding runs: the first, unless the ops that read the result cannot take it so
+    (then the one that moves the fewest bytes), or another sums a pending operand and moves no more bytes."""
+    def moved(c):
+        return _moved(c, op, fusion, have, copied, None, axis, n)
+    pick = follows[0]
+    if not _taken(pick.outputs[0], op, fusion, n):
+        return min(follows, key=moved)
+    if _sums_operand(pick, have, axis):
+        return pick
+    return next((c for c in follows if _sums_operand(c, have, axis) and moved(c) <= moved(pick)), pick)
 
 
 def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement | None, axis: int,

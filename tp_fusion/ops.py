@@ -1111,9 +1111,11 @@ SPELLINGS["shape"] = _shape_front
 
 
 def _squeeze_front(rec, x, dims):
-    """``x`` without the given dims, which must have extent 1 (a symbolic one is checked at execute)."""
+    """``x`` without those of the given dims that have extent 1; others are kept, as torch keeps them
+    (nvFuser rejects them). A symbolic extent is taken to be 1, and checked at execute: the result's
+    rank is fixed when it is defined."""
     x = rec.tv(x, "x")
-    return rec(x, dims=rec.dims(x, dims))
+    return rec(x, dims=[d for d in rec.dims(x, dims) if x.shape[d] in (1, -1)])
 
 
 def _squeeze_infer(args, attrs):

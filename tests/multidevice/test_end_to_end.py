@@ -364,17 +364,19 @@ def pending_sum_in_many_shardings_case(mesh, targets: tuple[dict, ...], collecti
                 lambda a, b: [F.linear(a, b)] * len(targets), collectives)
 
 
-def rms_norm_backward_case(mesh) -> Case:
+def rms_norm_backward_case(mesh, residual: bool = False) -> Case:
     """A sequence-parallel RMSNorm backward's pattern: gy, a row-parallel matmul's pending sum, read by
     grad_x = gy * g (on rows) and grad_g = sum over rows of gy * xhat (xhat on rows). gy is reduce-scattered
     once and both products run on rows; grad_g sums a [H] partial. (Before: an allgather of xhat, an
-    allreduce and a reduce_scatter of the product; the pattern comes from a model-pattern hunt.)"""
+    allreduce and a reduce_scatter of the product; the pattern comes from a model-pattern hunt.) With
+    ``residual``, grad_x is ``gy * g + xhat``, so no op that reads gy has an annotated result."""
     with FusionDefinition() as fd:
         a, w = fd.define_tensor([16, 8], dtype=F64), fd.define_tensor([8, 4], dtype=F64)
         xhat, g = fd.define_tensor([16, 4], dtype=F64), fd.define_tensor([4], dtype=F64)
         gy = fd.ops.matmul(a, w)
         grad_g = fd.ops.sum(fd.ops.mul(gy, xhat), [0])
         grad_x = fd.ops.mul(gy, g)
+        grad_x = fd.ops.add(grad_x, xhat) if residual else grad_x
         fd.add_output(grad_x)
         fd.add_output(grad_g)
         shard(a, mesh, {1: X})
@@ -384,8 +386,8 @@ def rms_norm_backward_case(mesh) -> Case:
         shard(grad_x, mesh, {0: X})
         shard(grad_g, mesh)
     full = [_rand(s, shape) for s, shape in ((85, (16, 8)), (86, (8, 4)), (87, (16, 4)), (88, (4,)))]
-    return Case(fd, [a, w, xhat, g], full, lambda a, w, x, g: [(a @ w) * g, ((a @ w) * x).sum(0)],
-                ["reduce_scatter", "allreduce"])
+    return Case(fd, [a, w, xhat, g], full, lambda a, w, x, g: [(a @ w) * g + (x if residual else 0),
+                                                              ((a @ w) * x).sum(0)], ["reduce_scatter", "allreduce"])
 
 
 def multi_output_case(mesh) -> Case:
@@ -552,6 +554,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda fd, s, y: fd.ops.mul(y, fd.ops.broadcast_in_dim(s, [8, 16], [0])),
         lambda s, y: y * s[:, None], ["allgather"], out={}),
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
+    "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
     "pending_sum_minus_its_max": lambda m: pending_sum_used_twice_case(m, "max"),
     "pending_sum_minus_its_max_scattered": lambda m: pending_sum_used_twice_case(m, "max", rows=True),

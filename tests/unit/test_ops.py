@@ -506,6 +506,14 @@ def test_squeeze_unsqueeze(dtype, dt):
         _check(got, want)
 
 
+def test_squeeze_keeps_dims_not_of_extent_1_as_torch_does():
+    x = _rand(0, 2, 1, 4)
+    _, outs = _run(lambda fd, t: (fd.ops.squeeze(t, [0]), fd.ops.squeeze(t, [0, 1]), fd.ops.squeeze(t, -1)), [x])
+    for got, want in zip(outs, [x.squeeze(0), x.squeeze((0, 1)), x.squeeze(-1)]):
+        assert got.shape == want.shape
+        _check(got, want)
+
+
 def test_squeeze_of_a_symbolic_dim_is_checked_at_execute():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 4])
