@@ -53,17 +53,16 @@ def test_runs_after_a_rank_left(multidevice_test):
 '''
 
 
-def test_rank_outcomes_reach_the_pytest_process(tmp_path, request):
+def test_rank_outcomes_reach_the_pytest_process(tmp_path):
     """Each outcome as the ranks judged it, xfail marks included: a strict xfail that passes on the
     ranks fails (it used to be reported as an expected failure, so a closed gap went unnoticed)."""
     path = tmp_path / "test_on_ranks.py"
     path.write_text(RANK_TESTS)
-    # The plugin as this session has it: installed (its entry point), or loaded by -p (the GPU image).
-    plugin = ["-p", "no:tp_fusion", "-p", "tp_fusion.testing"] if not request.config.pluginmanager.has_plugin(
-        "tp_fusion") else []
+    # -p tp_fusion.testing loads the plugin from a source tree and is harmless where it is installed (its
+    # entry point has the module's name; under another name pytest stopped: "already registered").
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(path), "-rA", "--multidevice-ranks=2", "-p", "no:cacheprovider",
-         *plugin, "-o", "addopts=", f"--rootdir={tmp_path}"],
+         "-p", "tp_fusion.testing", "-o", "addopts=", f"--rootdir={tmp_path}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
