@@ -169,11 +169,13 @@ def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, shape, w
         view = sharding.dim_view(dim, shape[dim])
         if all(axis is None for _, axis in view):
             continue
+        # the dim's loop axis, past reduction axes kept in place before it (a sum's r{T})
+        at = next(i for i, ax in enumerate(tv._loop()) if ax.dim == dim and not ax.reduction)
         for i, (extent, _) in enumerate(view[:-1]):  # [e0, e1, ..., rest]: an outer split per piece but the last
-            tv.outer_split(dim + i, extent)
+            tv.outer_split(at + i, extent)
         for i, (_, axis) in enumerate(view):
             if axis is not None:
-                tv.axis(dim + i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
+                tv.axis(at + i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
     fd._dtensor_annotated = ours | {tv.name}
 
 
