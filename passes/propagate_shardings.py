@@ -33,6 +33,10 @@ class _Draft:
     def producer(self, name: int):
         return self.fusion.producer(name)
 
+    @property
+    def outputs(self):
+        return self.fusion.outputs
+
     def set_sharding(self, name: int, sharding: Sharding) -> None:
         self.tensors[name] = self.tensors[name].replace(sharding=sharding)
 

@@ -103,7 +103,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
        a pending operand (``_sums_operand``), and ``hint`` is not replicated on the axis, so the op's
        work stays split (``g^T @ x`` with g sharded on its columns, x on its rows and the output on its
        rows gathers x, not an all_to_all of g and a reduce_scatter of the result), or the op is cheap to
-       run whole (``is_cheap``: a per-token scale ``y * s[:, None]`` wanted whole gathers s, not the product);
+       run whole (``is_cheap``: a per-token scale ``y * s[:, None]`` wanted whole gathers s, not the product),
+       or 2's pick does not split the work either (``_splits``: a layer norm backward of a pending sum with
+       three results wanted whole sums its operand once, not each result);
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
 
@@ -153,14 +155,14 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 follows.append(min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                                for h, q in zip(have, c.inputs))))
         if follows:
-            pick = follows[0] if hint is not None else _follow(follows, op, fusion, have, copied, axis, n)
+            pick = follows[0] if hint is not None else _follow(follows, cands, op, fusion, have, copied, axis, n)
         if hint is not None:  # produce the hint, from operands that reach its inputs, where that moves less
             target = hint.placements[axis]
             produce = next((c for c in cands if c.outputs[0] == target), None)
             args = (op, fusion, have, copied, target, axis, n)
             if pick is None:
                 pick = produce
-            elif produce is not None and (not isinstance(target, Replicate) or is_cheap(op)):
+            elif produce is not None and (not isinstance(target, Replicate) or is_cheap(op) or not _splits(pick)):
                 moved, kept = _moved(produce, *args), _moved(pick, *args)
                 if moved < kept or moved == kept < math.inf and _sums_operand(produce, have, axis):
                     pick = produce
@@ -174,37 +176,51 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                     tuple(Sharding(mesh, tuple(placements)) for placements in need_out))
 
 
-def _follow(follows: list[Candidate], op: Op, fusion: Fusion, have: list, copied: list, axis: int,
-            n: int) -> Candidate:
+def _follow(follows: list[Candidate], cands: list[Candidate], op: Op, fusion: Fusion, have: list, copied: list,
+            axis: int, n: int) -> Candidate:
     """Of the candidates that keep an operand's placement (``follows``, in preference order), the one an op
     without an assigned sharding runs: the first, unless the ops that read the result cannot take it so
-    (then the one that moves the fewest bytes), or another sums a pending operand and moves no more bytes."""
+    (then the one that moves the fewest bytes, of those and of the ``cands`` that sum a pending operand
+    and move no other), or one that sums a pending operand moves no more bytes."""
     def moved(c):
         return _moved(c, op, fusion, have, copied, None, axis, n)
+    summing = [c for c in cands if _sums_operand(c, have, axis) and all(
+        h is None or isinstance(h[axis], Partial) or is_free(h[axis], p) for h, p in zip(have, c.inputs))]
     pick = follows[0]
     if not _taken(pick.outputs[0], op, fusion, n):
-        return min(follows, key=moved)
+        return min(follows + summing, key=moved)
     if _sums_operand(pick, have, axis):
         return pick
-    return next((c for c in follows if _sums_operand(c, have, axis) and moved(c) <= moved(pick)), pick)
+    return next((c for c in follows + summing if _sums_operand(c, have, axis) and moved(c) <= moved(pick)), pick)
 
 
 def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement | None, axis: int,
            n: int) -> float:
     """The bytes candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to reach
-    its placement (unless the copy another op needs, ``copied``, has it so), and the output where it
-    must communicate to reach ``hint`` (no hint: where a consumer cannot take it as it is, ``_taken`` on an
-    axis of ``n`` devices). Infinite where an extent is symbolic (no comparison then)."""
+    its placement (unless the copy another op needs, ``copied``, has it so), and each output where it
+    must communicate to reach its assigned placement (``hint`` for the first; no assigned one: where a
+    consumer cannot take it as it is, ``_taken`` on an axis of ``n`` devices). Infinite where an extent
+    is symbolic (no comparison then)."""
     moved = sum(_move_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
                 if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
-    stays = is_free(c.outputs[0], hint) if hint is not None else _taken(c.outputs[0], op, fusion, n)
-    return moved + (0 if stays else _nbytes(fusion, op.outputs[0]))
+    for j, (o, p) in enumerate(zip(op.outputs, c.outputs)):
+        t = fusion.tensor(o)
+        target = hint if j == 0 else t.sharding.placements[axis] if t.annotated else None
+        stays = is_free(p, target) if target is not None else _taken(p, op, fusion, n, j)
+        moved += 0 if stays else _nbytes(fusion, o)
+    return moved
 
 
 def is_cheap(op: Op) -> bool:
     """Whether ``op`` costs about its bytes to run (a pointwise op or a view), so running it whole on every
     rank costs less than moving a larger result: only bytes decide where it runs."""
     return bool(traits(op.kind) & (Trait.POINTWISE | Trait.VIEW)) and len(op.outputs) == 1
+
+
+def _splits(c: Candidate) -> bool:
+    """Whether candidate ``c`` splits the op's work: it shards an operand or a result (a candidate that
+    keeps a pending sum runs the whole op on every device, as one on summed operands does)."""
+    return any(isinstance(p, Shard) for p in (*c.inputs, *c.outputs))
 
 
 def _move_nbytes(fusion: Fusion, name: int) -> float:
@@ -218,12 +234,14 @@ def _move_nbytes(fusion: Fusion, name: int) -> float:
     return min(own, _move_nbytes(fusion, op.tensor_inputs[0]))
 
 
-def _taken(p: Placement, op: Op, fusion: Fusion, n: int) -> bool:
-    """Whether every op that reads ``op``'s first output has a candidate (on a mesh axis of ``n`` devices)
+def _taken(p: Placement, op: Op, fusion: Fusion, n: int, j: int = 0) -> bool:
+    """Whether every op that reads ``op``'s output ``j`` has a candidate (on a mesh axis of ``n`` devices)
     that takes it as ``p``, so the output need not move before its next use: the one step of look-ahead
     that keeps an attention's scores ``q @ k^T`` on the query rows, which the softmax over keys takes,
     and gathers k, rather than sharding the scores on keys and gathering them for the softmax."""
-    out = op.outputs[0]
+    out = op.outputs[j]
+    if isinstance(p, Partial) and out in fusion.outputs:  # a fusion's output is summed
+        return False
     for consumer in fusion.consumers(out):
         rule = opdef(consumer.kind).rule
         if rule is None:

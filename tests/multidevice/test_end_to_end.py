@@ -390,6 +390,31 @@ def rms_norm_backward_case(mesh, residual: bool = False) -> Case:
                                                               ((a @ w) * x).sum(0)], ["reduce_scatter", "allreduce"])
 
 
+def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool) -> Case:
+    """A TP layer norm's backward fed by a row-parallel matmul's pending gradient: one allreduce of the
+    gradient (before: one of each of grad_x [T, E], grad_w [E] and grad_b [E]), with the three results
+    left unannotated (materialized outputs) or given whole."""
+    t, e, f = 8, 16, 12
+    with FusionDefinition() as fd:
+        g_h, w, x = (fd.define_tensor(s, dtype=F64) for s in ([t, f], [f, e], [t, e]))
+        mean, rstd, lw, lb = (fd.define_tensor(s, dtype=F64) for s in ([t, 1], [t, 1], [e], [e]))
+        grads = fd.ops.native_layer_norm_backward(fd.ops.matmul(g_h, w), x, [e], mean, rstd, lw, lb)
+        for o in grads:
+            fd.add_output(o)
+        for tv in (x, mean, rstd, lw, lb, *(grads if annotated else ())):
+            shard(tv, mesh)
+        shard(g_h, mesh, {1: X})
+        shard(w, mesh, {0: X})
+    x_full = _rand(90, (t, e))
+    mu = x_full.mean(1, keepdim=True)
+    rs = torch.rsqrt(x_full.var(1, unbiased=False, keepdim=True) + 1e-5)
+    full = [_rand(91, (t, f)), _rand(92, (f, e)), x_full, mu, rs, 1 + 0.1 * _rand(93, (e,)), _rand(94, (e,))]
+
+    def reference(g_h, w, x, mean, rstd, lw, lb):
+        return list(torch.ops.aten.native_layer_norm_backward(g_h @ w, x, [e], mean, rstd, lw, lb, [True] * 3))
+    return Case(fd, [g_h, w, x, mean, rstd, lw, lb], full, reference, ["allreduce"])
+
+
 def multi_output_case(mesh) -> Case:
     """A mean over a sharded dim (partial sums / global count), an amax (each rank's max, then their max)
     and a replicated-input view of the same tensor, in one fusion."""
@@ -553,6 +578,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[8], [8, 16]], [{0: X}, {}],
         lambda fd, s, y: fd.ops.mul(y, fd.ops.broadcast_in_dim(s, [8, 16], [0])),
         lambda s, y: y * s[:, None], ["allgather"], out={}),
+    "layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(m, False),
+    "layer_norm_backward_of_a_pending_sum_whole": lambda m: layer_norm_backward_of_a_pending_sum_case(m, True),
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
