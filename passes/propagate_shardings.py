@@ -52,8 +52,9 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     need, so it is computed sharded instead of computed whole and sliced: its operands are then
     sliced, or summed by a reduce_scatter rather than an allreduce (RMSNorm of a row-parallel
     linear's output with the result on rows). A pointwise op or a view whose result every consumer
-    needs whole, and whose operands move fewer bytes than that result, runs whole on moved operands
-    (a per-token scale: ``y * broadcast(s)`` gathers s, not the product).
+    needs in another sharding, where its operands move fewer bytes than that result, runs so on moved
+    operands (a per-token scale: ``y * broadcast(s)`` wanted whole gathers s, not the product; a one-hot
+    ``iota == broadcast(tgt)`` of token-sharded targets wanted on vocabulary shards gathers tgt).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
@@ -134,21 +135,22 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
             hint = draft.tensor(op.outputs[0]).sharding
             ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if read is not None else None))
         elif is_cheap(op) and not draft.tensor(op.outputs[0]).annotated:
-            ops[i] = _run_whole(op, single_need(op.outputs[0]), draft, mesh)
+            ops[i] = _run_as_needed(op, single_need(op.outputs[0]), draft, mesh)
 
 
-def _run_whole(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh):
-    """``op`` (cheap, computed on shards) re-chosen to give ``need``, what its consumers need, where that is
-    whole and ``choose`` finds its operands move fewer bytes than its result would; else ``op`` as it is.
-    (A pending sum is left to the rules on sums: summed before the op or after it moves the same bytes.)"""
+def _run_as_needed(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh):
+    """``op`` (cheap, computed on shards) re-chosen to give ``need``, what its consumers need, where
+    ``choose`` finds its operands move fewer bytes than its result would; else ``op`` as it is. (A pending
+    sum is left to the rules on sums: summed before the op or after it moves the same bytes.)"""
     made = op.strategy.outputs[0]
-    if need is None or not need.is_replicated or made.is_replicated or made.has_partial or need.mesh != made.mesh:
+    if need is None or need == made or made.is_replicated or made.has_partial or need.has_partial \
+            or need.mesh != made.mesh:
         return op
-    whole = choose(op, draft, need, mesh)
-    if whole.outputs[0] != need:
+    st = choose(op, draft, need, mesh)
+    if st.outputs[0] != need:
         return op
     draft.set_sharding(op.outputs[0], need)
-    return op.replace(strategy=whole)
+    return op.replace(strategy=st)
 
 
 def _copy_read(op, draft: _Draft) -> Sharding | None:

@@ -272,6 +272,30 @@ def vocab_parallel_cross_entropy_case(mesh) -> Case:
                 lambda x, weight, tgt: [F.cross_entropy(x @ weight.T, tgt)], ["allreduce"] * 3)
 
 
+def sp_cross_entropy_backward_case(mesh) -> Case:
+    """The gradient of a sequence-parallel vocab-parallel cross entropy with respect to the hidden states,
+    (softmax(logits) - one_hot(target)) @ w, with the hidden states, targets and logsumexp on token shards:
+    the targets and the logsumexp ([T]) are gathered, not the one-hot and the probabilities ([T, V])."""
+    t, h, v = 8, 4, 16
+    with FusionDefinition() as fd:
+        hidden, w = fd.define_tensor([t, h], dtype=F64), fd.define_tensor([v, h], dtype=F64)
+        target, lse = fd.define_tensor([t], dtype=DataType.Int), fd.define_tensor([t], dtype=F64)
+        logits = fd.ops.linear(hidden, w)
+        hit = fd.ops.eq(fd.ops.broadcast_in_dim(fd.ops.iota(v), [t, v], [1]),
+                        fd.ops.broadcast_in_dim(target, [t, v], [0]))
+        p = fd.ops.exp(fd.ops.sub(logits, fd.ops.broadcast_in_dim(lse, [t, v], [0])))
+        grad_hidden = fd.ops.matmul(fd.ops.sub(p, fd.ops.cast(hit, F64)), w)
+        fd.add_output(grad_hidden)
+        for tv in (hidden, target, lse, grad_hidden, w):
+            shard(tv, mesh, {0: X})
+    x, weight = _rand(34, (t, h)), _rand(35, (v, h))
+    full = [x, weight, torch.tensor([3, 15, 0, 8, 8, 12, 1, 5]), torch.logsumexp(x @ weight.T, 1)]
+
+    def reference(x, weight, tgt, lse):
+        return [(torch.softmax(x @ weight.T, 1) - F.one_hot(tgt, v).double()) @ weight]
+    return Case(fd, [hidden, w, target, lse], full, reference, ["allgather"] * 3 + ["reduce_scatter"])
+
+
 def max_of_a_pending_sum_case(mesh) -> Case:
     """A row-parallel linear's pending sum, then a max the user parallelized over the dim it reduces: the
     sums are reduce_scattered to that dim, each rank takes the max of its piece, and one allreduce of
@@ -580,6 +604,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda s, y: y * s[:, None], ["allgather"], out={}),
     "layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(m, False),
     "layer_norm_backward_of_a_pending_sum_whole": lambda m: layer_norm_backward_of_a_pending_sum_case(m, True),
+    "sp_cross_entropy_backward_gathers_the_targets": sp_cross_entropy_backward_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),

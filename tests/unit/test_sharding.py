@@ -806,6 +806,28 @@ def test_a_sharded_source_is_gathered_before_it_grows(grow, annotated):
     assert f.tensor(only(f, "allgather").inputs[0]).shape in ((8,), (8, 1))
 
 
+def test_a_one_hot_of_token_sharded_targets_gathers_the_targets():
+    """A sequence-parallel vocab-parallel cross entropy's backward, softmax(logits) - one_hot(tgt) with
+    the logits on vocabulary shards and tgt, lse on token shards: tgt and lse ([T]) are gathered and
+    broadcast on each rank's vocabulary columns, not the one-hot and exp's [T, V] all_to_all'd."""
+    t, e, v = 8, 4, 32
+    with FusionDefinition() as fd:
+        h, emb = fd.define_tensor([t, e]), fd.define_tensor([v, e])
+        tgt, lse = fd.define_tensor([t], dtype=DataType.Int), fd.define_tensor([t])
+        logits = fd.ops.linear(h, emb)
+        hit = fd.ops.eq(fd.ops.broadcast_in_dim(fd.ops.iota(v, dtype=DataType.Int), [t, v], [1]),
+                        fd.ops.broadcast_in_dim(tgt, [t, v], [0]))
+        p = fd.ops.exp(fd.ops.sub(logits, fd.ops.broadcast_in_dim(lse, [t, v], [0])))
+        grad_h = fd.ops.matmul(fd.ops.sub(p, fd.ops.cast(hit, DataType.Float)), emb)
+        fd.add_output(grad_h)
+        for tv in (h, tgt, lse, grad_h, emb):
+            shard(tv, MESH2, {0: X})
+    f = lower(fd)
+    assert comms(f) == ["allgather", "allgather", "allgather", "reduce_scatter"]
+    gathered = [f.tensor(op.inputs[0]).shape for op in f.ops if op.kind == "allgather"]
+    assert sorted(gathered) == [(t,), (t,), (t, e)]  # tgt, lse and the hidden states h
+
+
 def test_pointwise_broadcast_of_sharded_dim():
     with FusionDefinition() as fd:
         x, w = fd.define_tensor([8, 1]), fd.define_tensor([8, 4])
