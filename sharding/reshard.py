@@ -132,6 +132,13 @@ def free_between(src: Sharding, dst: Sharding) -> bool:
     return src.mesh == dst.mesh and all(is_free(a, b) for a, b in zip(src.placements, dst.placements))
 
 
+def gathered(src: Sharding, dst: Sharding) -> bool:
+    """Whether ``dst`` is ``src`` on the same mesh with some mesh axes gathered (each placement kept or
+    Replicate, no pending sum): what a view of ``src`` can read instead, keeping the rest of its sharding."""
+    return src.mesh == dst.mesh and not dst.has_partial and all(
+        a == b or isinstance(b, Replicate) for a, b in zip(src.placements, dst.placements))
+
+
 def on_own_devices(src: Sharding, dst: Sharding) -> bool:
     """Whether every device of ``dst``'s mesh is one of ``src``'s (then a value whole on ``src`` needs no
     communication to reach ``dst``)."""

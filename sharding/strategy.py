@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tp_fusion.sharding.reshard import is_free, step_collective
+from tp_fusion.sharding.reshard import gathered, is_free, step_collective
 from tp_fusion.sharding.rules import Candidate
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
 
@@ -112,7 +112,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     ``copies`` maps a tensor to the sharding another op needs it moved to (the move runs anyway; the resharding
     pass makes it once; propagation walks the ops twice, so later ops' moves count). A pending sum with such a
     copy counts as held that way, so it is summed once; so does a tensor a view (``permute``, ``reshape``, ...)
-    reads, where the copy is replicated (``g @ w`` and ``permute(g) @ r`` gather ``g`` once). A pending sum that
+    reads, where the copy gathers some of its mesh axes (``reshard.gathered``: ``g @ w`` and ``permute(g) @ r``
+    gather ``g`` once, on a 2-D mesh too, where ``g`` stays split on the other axis). A pending sum that
     is two operands of the op gets one placement for both (``y * y``: both summed, not one kept pending, which
     would sum the product again), also where one operand is a pointwise op of it (``y * neg(y)``).
     """
@@ -127,7 +128,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         copy = copies.get(a) if copies and s is not None else None
         copy = copy if copy is not None and copy.mesh == mesh else None
         copied.append(None if copy is None else copy.placements)
-        if copy is not None and (s.has_partial or copy.is_replicated and traits(op.kind) & Trait.VIEW):
+        if copy is not None and (s.has_partial or traits(op.kind) & Trait.VIEW and gathered(s, copy)):
             s = copy
         have.append(None if not isinstance(a, int) else
                     s.placements if s is not None and s.mesh == mesh else (REPLICATE,) * mesh.ndim)

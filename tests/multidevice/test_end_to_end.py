@@ -829,7 +829,29 @@ CASES_1D |= CASES_OPS
 # --- 2x2 mesh cases (4 ranks) ----------------------------------------------------------------
 
 
+def gathered_once_on_a_2d_mesh_case(mesh) -> Case:
+    """``g @ w`` and ``permute(g) @ r`` with g's rows split on mesh_y (data parallel) and then mesh_x
+    (sequence parallel): g is gathered on mesh_x once, and the permute reads that copy, still split on
+    mesh_y (before: gathered twice). ``permute(g) @ r`` sums its batch rows over mesh_y."""
+    t, h, f = 8, 8, 16
+    with FusionDefinition() as fd:
+        g, w, r = (fd.define_tensor(s, dtype=F64) for s in ([t, h], [h, f], [t, f]))
+        p, q = fd.ops.matmul(g, w), fd.ops.matmul(fd.ops.permute(g, [1, 0]), r)
+        fd.add_output(p)
+        fd.add_output(q)
+        shard(g, mesh)
+        g.outer_split(0, 2).axis(0).parallelize(Y)
+        g.outer_split(1, 2).axis(1).parallelize(X)
+        shard(w, mesh, {1: X})
+        shard(r, mesh, {0: Y, 1: X})
+        shard(p, mesh, {0: Y, 1: X})
+        shard(q, mesh, {1: X})
+    full = [_rand(95, (t, h)), _rand(96, (h, f)), _rand(97, (t, f))]
+    return Case(fd, [g, w, r], full, lambda g, w, r: [g @ w, g.T @ r], ["allgather", "allreduce"])
+
+
 CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
+    "gathered_once_for_a_transpose": gathered_once_on_a_2d_mesh_case,
     "dp_tp_mlp": lambda m: mlp_case(m, "dp_tp", shape=(4, 2, 8)),
     "dp_tp_mlp_f32": lambda m: mlp_case(m, "dp_tp", F32, shape=(4, 8)),
     "set_mesh_x_to_mesh_y_other_dim": lambda m: _unary_case(
