@@ -8,6 +8,7 @@ needs, so propagation and lowering agree by construction.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,7 +91,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
            copies: Mapping[int, Sharding] | None = None) -> Strategy:
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
-    2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
+    2. else one that keeps the sharding of the first operand, in preference order, that is sharded (with
+       ``hint``, of those that keep some operand's, the one that moves the fewest bytes, the result's move to
+       ``hint`` included: a row-parallel linear of token-sharded x wanted whole gathers the weight and the
+       result, not an all_to_all of x and an allreduce);
        with no ``hint``, where the ops that read the result cannot take it so (``_taken``), the one of
        those that keep some operand's sharding that moves the fewest bytes, the result's included
        (scores ``q @ k^T`` kept on q's rows for a softmax over keys: k is gathered, not q and the scores);
@@ -156,7 +160,9 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 follows.append(min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                                for h, q in zip(have, c.inputs))))
         if follows:
-            pick = follows[0] if hint is not None else _follow(follows, cands, op, fusion, have, copied, axis, n)
+            pick = _follow(follows, cands, op, fusion, have, copied, axis, n) if hint is None else min(
+                follows, key=functools.partial(_moved, op=op, fusion=fusion, have=have, copied=copied,
+                                               hint=hint.placements[axis], axis=axis, n=n))
         if hint is not None:  # produce the hint, from operands that reach its inputs, where that moves less
             target = hint.placements[axis]
             produce = next((c for c in cands if c.outputs[0] == target), None)

@@ -208,6 +208,21 @@ def test_row_parallel_linear_with_bias_and_sharded_output_adds_bias_shard_once()
     assert placements(f, z) == (Shard(1),)
 
 
+def test_row_parallel_linear_of_token_sharded_input_wanted_whole_gathers_the_weight():
+    """x on tokens, w on its in-features (K), y wanted whole: keeping x's rows gathers the small weight
+    and then y, which moves fewer bytes than keeping w's K (an all_to_all of x, then an allreduce of y)."""
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([64, 8]), fd.define_tensor([4, 8])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+        shard(x, MESH2, {0: X})
+        shard(w, MESH2, {1: X})
+        shard(y, MESH2)
+    f = lower(fd)
+    assert comms(f) == ["allgather", "allgather"]
+    assert [f.tensor(op.inputs[0]).shape for op in f.ops if op.kind == "allgather"] == [(4, 8), (64, 4)]
+
+
 def test_linear_reduce_scatter():
     with FusionDefinition() as fd:
         x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
