@@ -998,6 +998,21 @@ def test_sum_over_one_of_two_sharded_dims_on_2d_mesh():
 # --- reshape and normalization ---------------------------------------------------------------
 
 
+def test_cat_of_block_shards_gives_a_strided_shard():
+    """cat([q, k, v], 1) of column shards: each rank concatenates its columns, its piece of every part
+    (``S(1, outer=3)``, the layout of a fused [q|k|v] weight sharded by heads); no communication."""
+    with FusionDefinition() as fd:
+        parts = [fd.define_tensor([8, 8]) for _ in range(3)]
+        z = fd.ops.cat(parts, 1)
+        fd.add_output(z)
+        for p in parts:
+            shard(p, MESH2, {1: X})
+        z.set_device_mesh(MESH2)
+        z.outer_split(1, 3).outer_split(2, 2).axis(2).parallelize(X)
+    f = lower(fd)
+    assert kinds(f) == ["cat"] and out_placements(f) == (Shard(1, 3),)
+
+
 def test_reshape_merge_keeps_sharding_of_leading_dim():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6, 8])  # [b, s, h], b sharded
