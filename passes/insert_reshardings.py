@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tp_fusion.sharding.reshard import free_between, on_own_devices
+from tp_fusion.sharding.reshard import departure, free_between, held_already, on_own_devices
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy
 
@@ -43,13 +43,21 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         whole = tensors[name].sharding.materialized()
         if name in summed_whole and target != whole and not target.has_partial:
             reshard(name, whole)  # summed whole once; the target is sliced or kept from that copy
-        return cache.get((name, target)) or _summed_copy(name, target, tensors, cache)
+        return cache.get((name, target)) or _local_copy(name, target, tensors, cache)
+
+    def start_of(name: int, target: Sharding) -> int | None:
+        """What a move of ``name`` to ``target`` starts from instead of ``name``: a copy made already
+        (``copy_of``), or ``name`` brought to the sharding it leaves its mesh from, where ``target`` is on
+        another mesh (``departure``; moves to several meshes share those steps)."""
+        source = copy_of(name, target)
+        leave = departure(tensors[name].sharding, target, tensors[name].shape) if source is None else None
+        return reshard(name, leave) if leave is not None and leave != tensors[name].sharding else source
 
     def reshard(name: int, target: Sharding) -> int:
         if tensors[name].sharding == target:
             return name
         if (name, target) not in cache:
-            source = copy_of(name, target)
+            source = start_of(name, target)
             if source is not None:
                 return reshard(source, target)
             cache[(name, target)] = out = new_tensor(name, target)
@@ -60,7 +68,7 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         if traits(op.kind) & Trait.RESHARD:  # a set between two shardings: lowering's job
             (a,), (o,) = op.inputs, op.outputs
             target = tensors[o].sharding
-            source = copy_of(a, target)  # then the set is a local copy or slice of that
+            source = start_of(a, target)  # then the set is a local copy or slice of that, or the move from it
             ops.append(op if source is None else op.replace(inputs=(source,)))
             cache.setdefault((a, target), o)
             continue
@@ -127,16 +135,16 @@ def _read_in_many_shardings(fusion: Fusion) -> set[int]:
     return {a for a, ts in targets.items() if len(ts) >= 3 or len(ts) == 2 and a in whole}
 
 
-def _summed_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:
-    """A copy of the pending sum ``name`` that a ``set`` already summed and from which ``target`` is a
-    local slice away, or a local copy away (the whole sum, for a target on some of its devices), so the
-    sum is not run again; None where there is none."""
-    if not tensors[name].sharding.has_partial:
-        return None
-    whole = tensors[name].sharding.materialized()
+def _local_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:
+    """A copy of ``name`` that a ``set`` already made (summed, where ``name`` is a pending sum) and from which
+    ``target`` is a local slice away, or a local copy away (the devices hold their pieces already, or the
+    whole value, for a target on some of its devices), so the move does not run again; None where there
+    is none."""
+    shape = tensors[name].shape
     for (src, have), copy in cache.items():
-        if src == name and not have.has_partial and (free_between(have, target) or have == whole
-                                                     and target.mesh != have.mesh and on_own_devices(have, target)):
+        if src == name and not have.has_partial and (
+                free_between(have, target) or held_already(have, target, shape)
+                or have.is_replicated and target.mesh != have.mesh and on_own_devices(have, target)):
             return copy
     return None
 

@@ -206,17 +206,30 @@ def reshard_steps(src: Sharding, dst: Sharding, shape: tuple[int, ...], what: st
     if one is not None:
         return [one]
 
-    def via(before: Sharding, move: Collective, landed: Sharding) -> list[ReshardStep]:
-        """src -> ``before`` on src's mesh; ``move`` to ``landed`` on dst's mesh; -> dst there."""
-        hop = ReshardStep(move, None, None, None, landed, src.mesh, dst.mesh)
-        return same_mesh_steps(src, before, what) + [hop] + same_mesh_steps(landed, dst, what)
+    before, move, landed = _hop(src, dst, shape)  # src -> before on src's mesh; move to landed; -> dst there
+    hop = ReshardStep(move, None, None, None, landed, src.mesh, dst.mesh)
+    return same_mesh_steps(src, before, what) + [hop] + same_mesh_steps(landed, dst, what)
+
+
+def _hop(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple[Sharding, Collective, Sharding]:
+    """How a move between two meshes leaves ``src``'s mesh: the sharding there it leaves from, the
+    collective that moves it, and the sharding it lands in on ``dst``'s mesh."""
     summed, whole_dst = src.materialized(), Sharding.replicated(dst.mesh)
     own_devices = on_own_devices(src, dst)
     if own_devices and held_already(summed, whole_dst, shape):
-        return via(summed, Collective.KEEP, whole_dst)  # pending sums summed where they are, then kept
+        return summed, Collective.KEEP, whole_dst  # pending sums summed where they are, then kept
     if src.mesh.shape == dst.mesh.shape and not (own_devices and dst.is_replicated):  # placements kept
-        return via(summed, Collective.SEND_RECV, Sharding(dst.mesh, summed.placements))
-    return via(Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST, whole_dst)
+        return summed, Collective.SEND_RECV, Sharding(dst.mesh, summed.placements)
+    return Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST, whole_dst
+
+
+def departure(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Sharding | None:
+    """The sharding on ``src``'s mesh that ``reshard_steps`` brings a tensor to before it moves to ``dst``'s
+    mesh (so the moves of one tensor to several meshes share those steps); None where it stays on one mesh,
+    moves in one step, or need not move."""
+    if src.mesh == dst.mesh or held_already(src, dst, shape) or _one_device_move(src, dst) is not None:
+        return None
+    return _hop(src, dst, shape)[0]
 
 
 def _one_device_move(src: Sharding, dst: Sharding) -> ReshardStep | None:

@@ -1169,7 +1169,39 @@ def row_parallel_linear_of_one_row_case(world: int) -> Case:
     return Case(fd, [x, w], full, lambda a, b: [F.linear(a, b)], ["allreduce"] if world > 2 else [])
 
 
+def read_on_other_meshes_case(world: int, source: str) -> Case:
+    """A tensor on the first half of the ranks read by two ops on the second half (``exp`` whole, ``neg`` on
+    rows): it leaves its mesh once, for both (before: once per reader). ``source``: x sharded on rows (its
+    shards sent to the other mesh, where ``exp``'s copy is gathered from them), or a row-parallel linear's
+    pending sum that ``sin`` reads on its own mesh (one allreduce, then sent). At world 2 the meshes hold
+    one device each: one send_recv, though the readers' targets differ on their mesh's size-1 axis."""
+    a, b = DeviceMesh(range(world // 2)), DeviceMesh(range(world // 2, world))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4], dtype=F64), fd.define_tensor([6, 4], dtype=F64)
+        y = fd.ops.linear(x, w) if source == "partial" else x
+        outs = [fd.ops.exp(y), fd.ops.neg(y)] + ([fd.ops.sin(y)] if source == "partial" else [])
+        for o in outs:
+            fd.add_output(o)
+        shard(x, a, {1 if source == "partial" else 0: X})
+        shard(w, a, {1: X} if source == "partial" else None)
+        shard(outs[0], b)
+        shard(outs[1], b, {0: X})
+        if source == "partial":
+            shard(outs[2], a)
+
+    def reference(x, w):
+        y = F.linear(x, w) if source == "partial" else x
+        return [y.exp(), -y] + ([y.sin()] if source == "partial" else [])
+    if world == 2:  # one device per mesh: nothing to gather or sum
+        expected = ["send_recv"]
+    else:
+        expected = ["allreduce", "send_recv"] if source == "partial" else ["send_recv", "allgather"]
+    return Case(fd, [x, w], [_rand(71, (8, 4)), _rand(72, (6, 4))], reference, expected)
+
+
 CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its devices
+    "shards_read_on_another_mesh_leave_once": lambda w: read_on_other_meshes_case(w, "shards"),
+    "pending_sum_read_on_another_mesh_summed_once": lambda w: read_on_other_meshes_case(w, "partial"),
     "send_recv_between_meshes": lambda w: move_case(w, {0: X}),
     "send_recv_then_all_to_all": lambda w: move_case(w, {1: X}),
     "broadcast_to_other_mesh": broadcast_case,
