@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tp_fusion.sharding.reshard import free_between, gathered
 from tp_fusion.sharding.sharding import Sharding
-from tp_fusion.sharding.strategy import Strategy, choose, is_cheap
+from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
 
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
@@ -59,16 +59,28 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
-    draft, ops = _forward(fusion, mesh, {})
-    if draft.copies:  # again, so that every op sees the moves the ops after it need too
-        draft, ops = _forward(fusion, mesh, draft.copies)
+    draft, ops = _walks(fusion, mesh, {})
+    summed = _summed_at_source(fusion, draft, ops)
+    if summed:  # again, with those pending sums summed where they are made
+        draft, ops = _walks(fusion, mesh, summed)
     _backward(fusion, draft, ops, mesh)
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 
 
-def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding]) -> tuple[_Draft, list]:
+def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding]) -> tuple[_Draft, list]:
+    """The forward walk, and again where the first found moves, so that every op sees the moves the ops
+    after it need too."""
+    draft, ops = _forward(fusion, mesh, {}, summed)
+    if draft.copies:
+        draft, ops = _forward(fusion, mesh, draft.copies, summed)
+    return draft, ops
+
+
+def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
+             summed: dict[int, Sharding]) -> tuple[_Draft, list]:
     """Each op's strategy, in order, and its unannotated outputs' shardings; ``copies`` holds the moves
-    that the ops of an earlier walk needed (the draft's ``copies`` adds this walk's)."""
+    that the ops of an earlier walk needed (the draft's ``copies`` adds this walk's); ``summed`` the
+    pending sums to sum where they are made (``_summed_at_source``), as if annotated so."""
     draft = _Draft(fusion)
     draft.copies.update(copies)
     for i in fusion.inputs:
@@ -77,7 +89,7 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding]) -> t
     outputs = set(fusion.outputs)
     ops = []
     for op in fusion.ops:
-        st = choose(op, draft, _hint(draft, op.outputs[0]), mesh, draft.copies)
+        st = choose(op, draft, _hint(draft, op.outputs[0]) or summed.get(op.outputs[0]), mesh, draft.copies)
         # a move on the operand's own mesh that communicates; a user's set makes one of its operand
         moves = zip(op.inputs, (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD
                     else st.inputs)
@@ -90,9 +102,40 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding]) -> t
                 continue
             if o in outputs or is_biased_gemm(op):
                 s = s.materialized()
-            draft.set_sharding(o, s)
+            draft.set_sharding(o, summed.get(o, s))
         ops.append(op.replace(strategy=st))
     return draft, ops
+
+
+def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sharding]:
+    """The pending sums to sum where they are made, each with its sharding summed: those whose sum flows
+    through ops that keep it pending (``x * w``, a mean, a layer norm backward written from them) to
+    several places where it is summed (results the ops after need whole, fusion outputs), all of them
+    whole, together more bytes than the source. A hand-written layer norm backward of a row-parallel
+    linear's gradient then runs one allreduce of it, not one of grad_x and one of each of grad_w, grad_b."""
+    source, exits, whole = {}, {}, {}  # pending tensor -> the source it carries; source -> summed tensors
+    for op in ops:
+        st = op.strategy
+        carried = set()
+        for a, need in zip(op.inputs, st.inputs):
+            if need is None or not draft.tensor(a).sharding.has_partial:
+                continue
+            src = source.get(a, a)
+            if need.has_partial:
+                carried.add(src)
+            else:  # summed for this op
+                exits.setdefault(src, set()).add(a)
+                whole[src] = whole.get(src, True) and need.is_replicated
+        for o, made in zip(op.outputs, st.outputs):
+            if not made.has_partial:
+                continue
+            source[o] = next(iter(carried)) if len(carried) == 1 else o
+            if not draft.tensor(o).sharding.has_partial:  # materialized where it is made (an output)
+                exits.setdefault(source[o], set()).add(o)
+                whole[source[o]] = whole.get(source[o], True) and draft.tensor(o).sharding.is_replicated
+    return {src: draft.tensor(src).sharding.materialized() for src, summed in exits.items()
+            if whole[src] and not draft.tensor(src).annotated and src not in fusion.inputs
+            and nbytes(draft, src) < sum(nbytes(draft, t) for t in summed)}
 
 
 def _hint(draft: _Draft, name: int) -> Sharding | None:

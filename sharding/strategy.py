@@ -45,7 +45,7 @@ def preference(op: Op, fusion: Fusion) -> list[int]:
     def parallel_axes(i):
         s = fusion.tensor(op.inputs[i]).sharding
         return s.num_device_axes() if s else 0
-    return sorted(tensors, key=lambda i: (-parallel_axes(i), -_nbytes(fusion, op.inputs[i])))
+    return sorted(tensors, key=lambda i: (-parallel_axes(i), -nbytes(fusion, op.inputs[i])))
 
 
 def _reachable(have: Placement, need: Placement) -> bool:
@@ -76,12 +76,12 @@ def _result_moves_less(op: Op, fusion: Fusion, hint: Sharding, held: list[Shardi
             or all(s.is_replicated for s in held):
         return False
 
-    operands = sum(_nbytes(fusion, a) for a in op.tensor_inputs if not fusion.tensor(a).sharding.is_replicated)
-    outputs = sum(_nbytes(fusion, o) for o in op.outputs)
+    operands = sum(nbytes(fusion, a) for a in op.tensor_inputs if not fusion.tensor(a).sharding.is_replicated)
+    outputs = sum(nbytes(fusion, o) for o in op.outputs)
     return outputs < operands < math.inf
 
 
-def _nbytes(fusion: Fusion, name: int) -> float:
+def nbytes(fusion: Fusion, name: int) -> float:
     """The bytes of tensor ``name``; infinite where an extent is symbolic (then no size comparison holds)."""
     t = fusion.tensor(name)
     return math.inf if any(e < 0 for e in t.shape) else math.prod(t.shape) * t.dtype.torch.itemsize
@@ -214,7 +214,7 @@ def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint:
         t = fusion.tensor(o)
         target = hint if j == 0 else t.sharding.placements[axis] if t.annotated else None
         stays = is_free(p, target) if target is not None else _taken(p, op, fusion, n, j)
-        moved += 0 if stays else _nbytes(fusion, o)
+        moved += 0 if stays else nbytes(fusion, o)
     return moved
 
 
@@ -235,7 +235,7 @@ def _move_nbytes(fusion: Fusion, name: int) -> float:
     view that made it, moved instead and viewed again (``propagate_shardings``: a broadcast that is then
     gathered is made whole from its gathered source)."""
     op = fusion.producer(name)
-    own = _nbytes(fusion, name)
+    own = nbytes(fusion, name)
     if op is None or not traits(op.kind) & Trait.VIEW or len(op.tensor_inputs) != 1:
         return own
     return min(own, _move_nbytes(fusion, op.tensor_inputs[0]))

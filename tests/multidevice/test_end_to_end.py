@@ -414,15 +414,18 @@ def rms_norm_backward_case(mesh, residual: bool = False) -> Case:
                                                               ((a @ w) * x).sum(0)], ["reduce_scatter", "allreduce"])
 
 
-def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool) -> Case:
+def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bool = False) -> Case:
     """A TP layer norm's backward fed by a row-parallel matmul's pending gradient: one allreduce of the
     gradient (before: one of each of grad_x [T, E], grad_w [E] and grad_b [E]), with the three results
-    left unannotated (materialized outputs) or given whole."""
+    left unannotated (materialized outputs) or given whole; ``native_layer_norm_backward``, or ``written``
+    from pointwise ops and means, through which the pending sum flows to the three results."""
     t, e, f = 8, 16, 12
     with FusionDefinition() as fd:
         g_h, w, x = (fd.define_tensor(s, dtype=F64) for s in ([t, f], [f, e], [t, e]))
         mean, rstd, lw, lb = (fd.define_tensor(s, dtype=F64) for s in ([t, 1], [t, 1], [e], [e]))
-        grads = fd.ops.native_layer_norm_backward(fd.ops.matmul(g_h, w), x, [e], mean, rstd, lw, lb)
+        g = fd.ops.matmul(g_h, w)
+        grads = _layer_norm_backward(fd, g, x, mean, rstd, lw) if written else \
+            fd.ops.native_layer_norm_backward(g, x, [e], mean, rstd, lw, lb)
         for o in grads:
             fd.add_output(o)
         for tv in (x, mean, rstd, lw, lb, *(grads if annotated else ())):
@@ -437,6 +440,15 @@ def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool) -> Case:
     def reference(g_h, w, x, mean, rstd, lw, lb):
         return list(torch.ops.aten.native_layer_norm_backward(g_h @ w, x, [e], mean, rstd, lw, lb, [True] * 3))
     return Case(fd, [g_h, w, x, mean, rstd, lw, lb], full, reference, ["allreduce"])
+
+
+def _layer_norm_backward(fd, g, x, mean, rstd, w):
+    """grad_x, grad_w, grad_b of ``layer_norm(x) * w + b`` for the gradient ``g``, from pointwise ops and means."""
+    xhat = fd.ops.mul(fd.ops.sub(x, mean), rstd)
+    gy = fd.ops.mul(g, w)
+    m1, m2 = fd.ops.mean(gy, [1], keepdim=True), fd.ops.mean(fd.ops.mul(gy, xhat), [1], keepdim=True)
+    grad_x = fd.ops.mul(rstd, fd.ops.sub(fd.ops.sub(gy, m1), fd.ops.mul(xhat, m2)))
+    return grad_x, fd.ops.sum(fd.ops.mul(g, xhat), [0]), fd.ops.sum(g, [0])
 
 
 def multi_output_case(mesh) -> Case:
@@ -610,6 +622,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         lambda s, y: y * s[:, None], ["allgather"], out={}),
     "layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(m, False),
     "layer_norm_backward_of_a_pending_sum_whole": lambda m: layer_norm_backward_of_a_pending_sum_case(m, True),
+    "written_layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(
+        m, False, written=True),
     "sp_cross_entropy_backward_gathers_the_targets": sp_cross_entropy_backward_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
