@@ -365,20 +365,6 @@ def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
                      partial_sets=(frozenset(range(len(ins))),))
 
 
-def cat_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
-    """``_cat_spec``'s candidates, and, where the k operands have one extent on the concatenated dim and it
-    divides by n, their block shards of it into the output's strided shard ``Shard(d, outer=k)``: a rank's
-    blocks, concatenated, are its piece of each operand's part of the output, viewed as [k, n, e/n] (the
-    gradients of q, k and v, column-parallel, make the gradient of a fused [q|k|v] weight's layout)."""
-    cands = from_spec(_cat_spec)(op, fusion, n)
-    ins, _ = _shapes(op, fusion)
-    d = op.attr("dim")
-    extents = {x[d] for x in ins}
-    if len(ins) > 1 and len(extents) == 1 and min(extents) > 0 and min(extents) % n == 0:
-        cands.append(Candidate(tuple(Shard(d) for _ in ins), (Shard(d, len(ins)),)))
-    return cands
-
-
 def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     """A reshape keeps a Shard where the elements each rank holds are one piece of an output dim too.
     Within a group of merged or split dims, viewed as one flat dim, ``Shard(d, outer=k)`` holds the
@@ -488,5 +474,5 @@ select = from_spec(_select_spec)
 embedding = from_spec(_embedding_spec)
 take_along = from_spec(_take_along_spec)
 scatter = from_spec(_scatter_spec)
-cat = cat_candidates
+cat = from_spec(_cat_spec)
 reshape = reshape_candidates

@@ -8,7 +8,6 @@ needs, so propagation and lowering agree by construction.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -91,10 +90,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
            copies: Mapping[int, Sharding] | None = None) -> Strategy:
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
-    2. else one that keeps the sharding of the first operand, in preference order, that is sharded (with
-       ``hint``, of those that keep some operand's, the one that moves the fewest bytes, the result's move to
-       ``hint`` included: a row-parallel linear of token-sharded x wanted whole gathers the weight and the
-       result, not an all_to_all of x and an allreduce);
+    2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
        with no ``hint``, where the ops that read the result cannot take it so (``_taken``), the one of
        those that keep some operand's sharding that moves the fewest bytes, the result's included
        (scores ``q @ k^T`` kept on q's rows for a softmax over keys: k is gathered, not q and the scores);
@@ -160,13 +156,11 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                 follows.append(min(matching, key=lambda c: sum(h is not None and not is_free(h[axis], q)
                                                                for h, q in zip(have, c.inputs))))
         if follows:
-            pick = _follow(follows, cands, op, fusion, have, copied, axis, n) if hint is None else min(
-                follows, key=functools.partial(_moved, op=op, fusion=fusion, have=have, copied=copied,
-                                               hint=hint.placements[axis], axis=axis, n=n))
+            pick = follows[0] if hint is not None else _follow(follows, cands, op, fusion, mesh, have, copied, axis, n)
         if hint is not None:  # produce the hint, from operands that reach its inputs, where that moves less
             target = hint.placements[axis]
             produce = next((c for c in cands if c.outputs[0] == target), None)
-            args = (op, fusion, have, copied, target, axis, n)
+            args = (op, fusion, mesh, have, copied, target, axis, n)
             if pick is None:
                 pick = produce
             elif produce is not None and (not isinstance(target, Replicate) or is_cheap(op) or not _splits(pick)):
@@ -183,14 +177,14 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                     tuple(Sharding(mesh, tuple(placements)) for placements in need_out))
 
 
-def _follow(follows: list[Candidate], cands: list[Candidate], op: Op, fusion: Fusion, have: list, copied: list,
-            axis: int, n: int) -> Candidate:
+def _follow(follows: list[Candidate], cands: list[Candidate], op: Op, fusion: Fusion, mesh: DeviceMesh, have: list,
+            copied: list, axis: int, n: int) -> Candidate:
     """Of the candidates that keep an operand's placement (``follows``, in preference order), the one an op
     without an assigned sharding runs: the first, unless the ops that read the result cannot take it so
     (then the one that moves the fewest bytes, of those and of the ``cands`` that sum a pending operand
     and move no other), or one that sums a pending operand moves no more bytes."""
     def moved(c):
-        return _moved(c, op, fusion, have, copied, None, axis, n)
+        return _moved(c, op, fusion, mesh, have, copied, None, axis, n)
     summing = [c for c in cands if _sums_operand(c, have, axis) and all(
         h is None or isinstance(h[axis], Partial) or is_free(h[axis], p) for h, p in zip(have, c.inputs))]
     pick = follows[0]
@@ -201,19 +195,22 @@ def _follow(follows: list[Candidate], cands: list[Candidate], op: Op, fusion: Fu
     return next((c for c in follows + summing if _sums_operand(c, have, axis) and moved(c) <= moved(pick)), pick)
 
 
-def _moved(c: Candidate, op: Op, fusion: Fusion, have: list, copied: list, hint: Placement | None, axis: int,
-           n: int) -> float:
+def _moved(c: Candidate, op: Op, fusion: Fusion, mesh: DeviceMesh, have: list, copied: list,
+           hint: Placement | None, axis: int, n: int) -> float:
     """The bytes candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to reach
     its placement (unless the copy another op needs, ``copied``, has it so), and each output where it
-    must communicate to reach its assigned placement (``hint`` for the first; no assigned one: where a
-    consumer cannot take it as it is, ``_taken`` on an axis of ``n`` devices). Infinite where an extent
-    is symbolic (no comparison then)."""
+    must communicate to reach its assigned placement (``hint`` for the first; assigned on another mesh than
+    the op's, ``mesh``: always; no assigned one: where a consumer cannot take it as it is, ``_taken`` on an
+    axis of ``n`` devices). Infinite where an extent is symbolic (no comparison then)."""
     moved = sum(_move_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
                 if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
     for j, (o, p) in enumerate(zip(op.outputs, c.outputs)):
         t = fusion.tensor(o)
-        target = hint if j == 0 else t.sharding.placements[axis] if t.annotated else None
-        stays = is_free(p, target) if target is not None else _taken(p, op, fusion, n, j)
+        if j > 0 and t.annotated and t.sharding.mesh != mesh:
+            stays = False
+        else:
+            target = hint if j == 0 else t.sharding.placements[axis] if t.annotated else None
+            stays = is_free(p, target) if target is not None else _taken(p, op, fusion, n, j)
         moved += 0 if stays else nbytes(fusion, o)
     return moved
 

@@ -1634,6 +1634,8 @@ register("native_layer_norm", impl=_native_layer_norm, infer=_native_layer_norm_
 
 
 def _native_layer_norm_backward(grad_y, x, mean, rstd, *params, normalized_shape=(), affine=()):
+    # aten's CPU kernel reads mean and rstd as if contiguous (a strided shard of them gave wrong rows)
+    mean, rstd = mean.contiguous(), rstd.contiguous()
     given = dict(zip(affine, params))
     w, b = given.get("weight"), given.get("bias")
     mask = [True, w is not None, b is not None]

@@ -610,12 +610,6 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [(2, 2, 8, 4)] * 3, [{2: X}] * 3,
         lambda fd, q, k, v: fd.ops.scaled_dot_product_attention(q, k, v, is_causal=True),
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), ["allgather"] * 3, out={2: X}),
-    "row_parallel_linear_of_token_shards_wanted_whole": lambda m: binary_case(  # gathers w, then y
-        m, [[64, 8], [4, 8]], [{0: X}, {1: X}], lambda fd, x, w: fd.ops.linear(x, w), F.linear,
-        ["allgather", "allgather"], out={}),
-    "cat_of_column_shards_is_local": lambda m: binary_case(  # [q|k|v] of column shards: strided, no gathers
-        m, [[8, 8]] * 3, [{1: X}] * 3, lambda fd, q, k, v: fd.ops.cat([q, k, v], 1),
-        lambda q, k, v: torch.cat([q, k, v], 1), []),
     "per_token_scale_gathered_before_it_grows": lambda m: binary_case(  # gathers s [T], not the product [T, H]
         m, [[8], [8, 16]], [{0: X}, {}],
         lambda fd, s, y: fd.ops.mul(y, fd.ops.broadcast_in_dim(s, [8, 16], [0])),

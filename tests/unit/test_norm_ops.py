@@ -159,6 +159,21 @@ def test_native_layer_norm_backward_without_affine_gives_none(affine):
         torch.testing.assert_close(o, want.float(), rtol=1e-5, atol=1e-5)
 
 
+def test_native_layer_norm_backward_of_strided_statistics():
+    """mean and rstd as a rank holds a strided shard of them (every other row, a non-contiguous view): aten's
+    CPU kernel read them as if contiguous, so every row after the first was wrong."""
+    x, g, w = _rand(0, 8, 8).double(), _rand(3, 8, 8).double(), 1 + 0.1 * _rand(1, 8).double()
+    mean, rstd = x.mean(1, keepdim=True), torch.rsqrt(x.var(1, correction=0, keepdim=True) + EPS)
+    rows = slice(1, None, 2)  # the inner piece of outer_split(0, 2) on the second rank
+    impl = _ops.OPS["native_layer_norm_backward"].impl
+    got = impl(g[rows], x[rows], mean[rows], rstd[rows], w, normalized_shape=[8], affine=("weight",))
+    want = torch.ops.aten.native_layer_norm_backward(g[rows].contiguous(), x[rows].contiguous(), [8],
+                                                     mean[rows].contiguous(), rstd[rows].contiguous(), w, None,
+                                                     [True, True, False])
+    for o, r in zip(got, want):
+        torch.testing.assert_close(o, r)
+
+
 # --- gelu_backward ----------------------------------------------------------------------------
 
 
