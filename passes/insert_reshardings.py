@@ -137,14 +137,12 @@ def _read_in_many_shardings(fusion: Fusion) -> set[int]:
 
 def _local_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:
     """A copy of ``name`` that a ``set`` already made (summed, where ``name`` is a pending sum) and from which
-    ``target`` is a local slice away, or a local copy away (the devices hold their pieces already, or the
-    whole value, for a target on some of its devices), so the move does not run again; None where there
-    is none."""
+    ``target`` is a local slice away, or a local copy away (its devices hold their pieces already), so the
+    move does not run again; None where there is none. (A target on some of the devices of a whole copy
+    starts from that copy through ``departure``.)"""
     shape = tensors[name].shape
     for (src, have), copy in cache.items():
-        if src == name and not have.has_partial and (
-                free_between(have, target) or held_already(have, target, shape)
-                or have.is_replicated and target.mesh != have.mesh and on_own_devices(have, target)):
+        if src == name and not have.has_partial and (free_between(have, target) or held_already(have, target, shape)):
             return copy
     return None
 

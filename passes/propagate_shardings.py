@@ -113,29 +113,25 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
     several places where it is summed (results the ops after need whole, fusion outputs), all of them
     whole, together more bytes than the source. A hand-written layer norm backward of a row-parallel
     linear's gradient then runs one allreduce of it, not one of grad_x and one of each of grad_w, grad_b."""
-    source, exits, whole = {}, {}, {}  # pending tensor -> the source it carries; source -> summed tensors
+    source: dict[int, int] = {}  # a pending tensor -> the source whose sum it carries
+    exits: dict[int, dict[int, Sharding]] = {}  # a source -> the tensors summed, each to what it is summed to
     for op in ops:
         st = op.strategy
         carried = set()
         for a, need in zip(op.inputs, st.inputs):
-            if need is None or not draft.tensor(a).sharding.has_partial:
-                continue
-            src = source.get(a, a)
-            if need.has_partial:
-                carried.add(src)
-            else:  # summed for this op
-                exits.setdefault(src, set()).add(a)
-                whole[src] = whole.get(src, True) and need.is_replicated
+            if need is not None and draft.tensor(a).sharding.has_partial:
+                if need.has_partial:
+                    carried.add(source.get(a, a))
+                else:  # summed for this op
+                    exits.setdefault(source.get(a, a), {})[a] = need
         for o, made in zip(op.outputs, st.outputs):
-            if not made.has_partial:
-                continue
-            source[o] = next(iter(carried)) if len(carried) == 1 else o
-            if not draft.tensor(o).sharding.has_partial:  # materialized where it is made (an output)
-                exits.setdefault(source[o], set()).add(o)
-                whole[source[o]] = whole.get(source[o], True) and draft.tensor(o).sharding.is_replicated
+            if made.has_partial:
+                source[o] = next(iter(carried)) if len(carried) == 1 else o
+                if not draft.tensor(o).sharding.has_partial:  # materialized where it is made (an output)
+                    exits.setdefault(source[o], {})[o] = draft.tensor(o).sharding
     return {src: draft.tensor(src).sharding.materialized() for src, summed in exits.items()
-            if whole[src] and not draft.tensor(src).annotated and src not in fusion.inputs
-            and nbytes(draft, src) < sum(nbytes(draft, t) for t in summed)}
+            if all(s.is_replicated for s in summed.values()) and not draft.tensor(src).annotated
+            and src not in fusion.inputs and nbytes(draft, src) < sum(nbytes(draft, t) for t in summed)}
 
 
 def _hint(draft: _Draft, name: int) -> Sharding | None:

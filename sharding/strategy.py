@@ -102,10 +102,10 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
        max's result); also instead of 2's where it moves fewer bytes (``_moved``), or as many by summing
        a pending operand (``_sums_operand``), and ``hint`` is not replicated on the axis, so the op's
        work stays split (``g^T @ x`` with g sharded on its columns, x on its rows and the output on its
-       rows gathers x, not an all_to_all of g and a reduce_scatter of the result), or the op is cheap to
-       run whole (``is_cheap``: a per-token scale ``y * s[:, None]`` wanted whole gathers s, not the product),
-       or 2's pick does not split the work either (``_splits``: a layer norm backward of a pending sum with
-       three results wanted whole sums its operand once, not each result);
+       rows gathers x, not an all_to_all of g and a reduce_scatter of the result), or 2's pick saves no work
+       over running the op whole (``_saves_work``: a per-token scale ``y * s[:, None]`` wanted whole gathers
+       s, not the product; a layer norm backward of a pending sum with three results wanted whole sums its
+       operand once, not each result);
     4. else replicate everything.
     Candidates that would shard one dim on two mesh axes with overlapping pieces are skipped.
 
@@ -163,7 +163,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
             args = (op, fusion, mesh, have, copied, target, axis, n)
             if pick is None:
                 pick = produce
-            elif produce is not None and (not isinstance(target, Replicate) or is_cheap(op) or not _splits(pick)):
+            elif produce is not None and (not isinstance(target, Replicate) or not _saves_work(op, pick)):
                 moved, kept = _moved(produce, *args), _moved(pick, *args)
                 if moved < kept or moved == kept < math.inf and _sums_operand(produce, have, axis):
                     pick = produce
@@ -221,10 +221,11 @@ def is_cheap(op: Op) -> bool:
     return bool(traits(op.kind) & (Trait.POINTWISE | Trait.VIEW)) and len(op.outputs) == 1
 
 
-def _splits(c: Candidate) -> bool:
-    """Whether candidate ``c`` splits the op's work: it shards an operand or a result (a candidate that
-    keeps a pending sum runs the whole op on every device, as one on summed operands does)."""
-    return any(isinstance(p, Shard) for p in (*c.inputs, *c.outputs))
+def _saves_work(op: Op, c: Candidate) -> bool:
+    """Whether running ``op`` as candidate ``c`` saves work over running it whole on every device: ``c``
+    shards an operand or a result (one that keeps a pending sum runs the whole op on every device), and
+    the op costs more than its bytes (not ``is_cheap``)."""
+    return not is_cheap(op) and any(isinstance(p, Shard) for p in (*c.inputs, *c.outputs))
 
 
 def _move_nbytes(fusion: Fusion, name: int) -> float:

@@ -77,7 +77,7 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
 def _unparallelized_split(t: Tensor, dim: int) -> str:
     """A hint where ``dim`` of ``t`` was split but none of its pieces parallelized (a forgotten
     ``parallelize`` leaves the dim whole); else nothing."""
-    pieces = [i for i, a in enumerate(t.loop or ()) if a.dim == dim and not a.reduction]
+    pieces = loops.pieces(t.loop or (), dim)
     if len(pieces) < 2:
         return ""
     return (f": it was split into loop axes {pieces}, none of them parallelized; to shard it, call "

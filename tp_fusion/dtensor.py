@@ -44,6 +44,7 @@ import torch
 from tp_fusion.errors import InputError, ShardingError, TPFusionError, UnevenShardError, UnsupportedPlacementError
 from tp_fusion.executor import raise_reported, report_of
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
+from tp_fusion.loop import pieces
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.runtime import dist
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
@@ -169,8 +170,7 @@ def _annotate(fd: FusionDefinition, tv: TensorView, sharding: Sharding, shape, w
         view = sharding.dim_view(dim, shape[dim])
         if all(axis is None for _, axis in view):
             continue
-        # the dim's loop axis, past reduction axes kept in place before it (a sum's r{T})
-        at = next(i for i, ax in enumerate(tv._loop()) if ax.dim == dim and not ax.reduction)
+        at = pieces(tv._loop(), dim)[0]  # past reduction axes kept in place before it (a sum's r{T})
         for i, (extent, _) in enumerate(view[:-1]):  # [e0, e1, ..., rest]: an outer split per piece but the last
             tv.outer_split(at + i, extent)
         for i, (_, axis) in enumerate(view):

@@ -111,22 +111,28 @@ def sharding(loop: Loop, mesh: DeviceMesh, what: str, pending: Partial = PARTIAL
     return Sharding(mesh, tuple(placements))
 
 
+def pieces(loop: Loop, dim: int) -> list[int]:
+    """The positions in ``loop`` of logical dim ``dim``'s pieces, outermost first (past the reduction axes
+    that a reduction keeps in place, such as a sum's ``r{T}``)."""
+    return [i for i, a in enumerate(loop) if a.dim == dim and not a.reduction]
+
+
 def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str) -> Loop:
     """``loop`` with the symbolic piece of each logical dim sized from ``shape`` (the concrete extents);
     ShardingError where the schedule does not fit them. ``when`` says where they come from."""
     out = list(loop)
     for d, n in enumerate(shape):
-        pieces = [i for i, a in enumerate(loop) if a.dim == d and not a.reduction]
-        known = [loop[i].extent for i in pieces if loop[i].extent >= 0]
+        at = pieces(loop, d)
+        known = [loop[i].extent for i in at if loop[i].extent >= 0]
         k = math.prod(known)
-        symbolic = [i for i in pieces if loop[i].extent < 0]
+        symbolic = [i for i in at if loop[i].extent < 0]
         if n < 0 or (not symbolic and k == n):
             continue
         product = f" ({' x '.join(map(str, known))})" if len(known) > 1 else ""
         if not symbolic:
-            direct = len(pieces) == 1 and loop[pieces[0]].ptype.is_device
+            direct = len(at) == 1 and loop[at[0]].ptype.is_device
             note, fix = (" (a dim parallelized without a split spans the mesh axis)",
-                         f", or to shard it in {k} pieces split its loop axis first (outer_split({pieces[0]}, {k})) "
+                         f", or to shard it in {k} pieces split its loop axis first (outer_split({at[0]}, {k})) "
                          "and parallelize the outer piece") if direct else ("", "")
             raise ShardingError(f"{what}: dim {d}'s schedule gives it extent {k}{product}{note}, but it is "
                                 f"{n}{when}; pass a tensor whose dim {d} is {k}{fix}")
