@@ -17,7 +17,7 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     every change of sharding is a ``set`` of its own (one per tensor and target, reused; a pending sum
     summed once is sliced from that copy for another target); no fusion output is Partial (an output
     the user scheduled with a pending sum is summed by a ``set``, as nvFuser's device-parallel
-    reduction axis finishes its reduction).
+    reduction axis finishes its reduction) and comes back in the output's memory layout.
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
     (Partial), the resharding of that result, and an add of the bias: the bias is added once. (A
@@ -111,6 +111,9 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         ops.append(op.replace(inputs=args, outputs=tuple(outs)))
         ops.extend(after)
     outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
+    for o, summed in zip(fusion.outputs, outputs):  # the summed copy returned keeps the output's layout
+        if summed != o and tensors[summed].stride_order is None:
+            tensors[summed] = tensors[summed].replace(stride_order=tensors[o].stride_order)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops), outputs=outputs)
 
 

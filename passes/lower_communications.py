@@ -13,10 +13,14 @@ def lower_communications(fusion: Fusion) -> Fusion:
     differ is replaced by one op per ``ReshardStep`` (a collective, or a local slice), each acting
     on one mesh axis or moving between meshes; intermediate tensors are new. A set whose destination's
     devices hold their pieces already (``held_already``: shardings that differ only on mesh axes of
-    size 1, a replicated value kept on some of its devices) stays a local copy."""
+    size 1, a replicated value kept on some of its devices) stays a local copy. A step that an earlier
+    set ran already, on the same tensor with the same arguments, runs once: the later set goes on from
+    its result (two moves of x that both start by gathering it, to slice it in two ways, gather it once;
+    a pending max read in two shardings is allreduced once), or copies it where it was its last step."""
     if not fusion.has_meshes:
         return fusion
     tensors, ops = list(fusion.tensors), []
+    made: dict[tuple, int] = {}  # (input, collective, arguments, sharding after) -> the step's result
     for op in fusion.ops:
         if not traits(op.kind) & Trait.RESHARD:
             ops.append(op)
@@ -28,11 +32,18 @@ def lower_communications(fusion: Fusion) -> Fusion:
             continue
         cur = src_t.name
         for i, step in enumerate(steps):
-            if i == len(steps) - 1:
+            last = i == len(steps) - 1
+            key = (cur, step.collective, tuple(step.attrs().items()), step.after)
+            if key in made and step.collective.communicates:
+                cur = made[key]
+                if last:  # the set's own result: a local copy of the one made before
+                    ops.append(Op(op.kind, (cur,), (dst_t.name,)))
+                continue
+            if last:
                 out = dst_t.name
             else:
                 out = len(tensors)
                 tensors.append(Tensor(out, dst_t.shape, dst_t.dtype, step.after))
             ops.append(Op(step.collective.value, (cur,), (out,), tuple(step.attrs().items())))
-            cur = out
+            made[key] = cur = out
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))

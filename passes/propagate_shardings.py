@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tp_fusion.sharding.reshard import free_between, gathered
-from tp_fusion.sharding.sharding import Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
 
 from tp_fusion.ir import Fusion
@@ -108,12 +108,17 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
 
 
 def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sharding]:
-    """The pending sums to sum where they are made, each with its sharding summed: those whose sum flows
-    through ops that keep it pending (``x * w``, a mean, a layer norm backward written from them) to
-    several places where it is summed (results the ops after need whole, fusion outputs), all of them
-    whole, together more bytes than the source. A hand-written layer norm backward of a row-parallel
-    linear's gradient then runs one allreduce of it, not one of grad_x and one of each of grad_w, grad_b."""
+    """The pending sums to sum where they are made, each with the sharding to sum it to: those whose sum
+    flows through ops that keep it pending (``x * w``, a mean, a layer norm backward written from them) to
+    places where it is summed (results the ops after need summed, fusion outputs), together more bytes
+    than the source, where one sharding of the source serves them all, mesh axis by mesh axis of its
+    pending sums: on each, all of them whole (a hand-written layer norm backward of a row-parallel
+    linear's gradient then runs one allreduce of it, not one of grad_x and one of each of grad_w, grad_b;
+    on a DP x TP mesh too, where grad_x stays on the DP axis's token shards), or all summed to one shard
+    and made from the source by pointwise ops alone, so that its dims are theirs (a bf16 gradient cast to
+    f32 for an RMSNorm backward on token shards is reduce-scattered in bf16, half the bytes)."""
     source: dict[int, int] = {}  # a pending tensor -> the source whose sum it carries
+    aligned: set[int] = set()  # pending tensors made from their source by pointwise ops of its shape
     exits: dict[int, dict[int, Sharding]] = {}  # a source -> the tensors summed, each to what it is summed to
     for op in ops:
         st = op.strategy
@@ -127,16 +132,50 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
         for o, made in zip(op.outputs, st.outputs):
             if made.has_partial:
                 source[o] = next(iter(carried)) if len(carried) == 1 else o
+                if source[o] != o and traits(op.kind) & Trait.POINTWISE \
+                        and draft.tensor(o).shape == draft.tensor(source[o]).shape \
+                        and all(a in aligned or a == source[o] for a in op.tensor_inputs
+                                if draft.tensor(a).sharding.has_partial):
+                    aligned.add(o)
                 if not draft.tensor(o).sharding.has_partial:  # materialized where it is made (an output)
                     exits.setdefault(source[o], {})[o] = draft.tensor(o).sharding
-    return {src: draft.tensor(src).sharding.materialized() for src, summed in exits.items()
-            if all(s.is_replicated for s in summed.values()) and not draft.tensor(src).annotated
-            and src not in fusion.inputs and nbytes(draft, src) < sum(nbytes(draft, t) for t in summed)}
+    summed_to = {}
+    for src, summed in exits.items():
+        have = draft.tensor(src).sharding
+        if draft.tensor(src).annotated or src in fusion.inputs \
+                or not nbytes(draft, src) < sum(nbytes(draft, t) for t in summed):
+            continue
+        target = list(have.placements)
+        for axis, p in enumerate(have.placements):
+            if not isinstance(p, Partial):
+                continue
+            wanted = {s.placements[axis] if s.mesh == have.mesh else None for s in summed.values()}
+            if wanted == {REPLICATE} or len(wanted) == 1 and isinstance(next(iter(wanted)), Shard) \
+                    and all(t in aligned or t == src for t in summed):
+                target[axis] = wanted.pop()
+            else:
+                break
+        else:
+            summed_to[src] = Sharding(have.mesh, tuple(target))
+    return summed_to
 
 
 def _hint(draft: _Draft, name: int) -> Sharding | None:
+    """The sharding ``name`` should be made in: its annotation, else the one annotation that every op
+    reading it passes on unchanged, where each is a pointwise op (not a user's ``set``) whose result has
+    ``name``'s shape (a weight gradient cast to f32, or summed over two uses of the weight, with the
+    result annotated: the GEMM makes that sharding, gathering its activation once, rather than keeping
+    its own and moving the product)."""
     t = draft.tensor(name)
-    return t.sharding if t.annotated else None
+    if t.annotated:
+        return t.sharding
+    readers = draft.consumers(name)
+    if not readers or name in draft.outputs or any(
+            not traits(op.kind) & Trait.POINTWISE or traits(op.kind) & Trait.RESHARD or len(op.outputs) != 1
+            or draft.tensor(op.outputs[0]).shape != t.shape for op in readers):
+        return None
+    hints = {_hint(draft, op.outputs[0]) for op in readers}
+    return hints.pop() if len(hints) == 1 else None
 
 
 def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> None:

@@ -418,7 +418,10 @@ def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bo
     """A TP layer norm's backward fed by a row-parallel matmul's pending gradient: one allreduce of the
     gradient (before: one of each of grad_x [T, E], grad_w [E] and grad_b [E]), with the three results
     left unannotated (materialized outputs) or given whole; ``native_layer_norm_backward``, or ``written``
-    from pointwise ops and means, through which the pending sum flows to the three results."""
+    from pointwise ops and means, through which the pending sum flows to the three results. On a 2-D
+    mesh the tokens are on mesh_y (DP x TP): still one allreduce of the gradient on mesh_x (before: one of
+    grad_x and one of grad_w and grad_b), then grad_w and grad_b are summed over mesh_y."""
+    dp = {0: Y} if mesh.ndim == 2 else {}
     t, e, f = 8, 16, 12
     with FusionDefinition() as fd:
         g_h, w, x = (fd.define_tensor(s, dtype=F64) for s in ([t, f], [f, e], [t, e]))
@@ -428,9 +431,11 @@ def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bo
             fd.ops.native_layer_norm_backward(g, x, [e], mean, rstd, lw, lb)
         for o in grads:
             fd.add_output(o)
-        for tv in (x, mean, rstd, lw, lb, *(grads if annotated else ())):
+        for tv in (lw, lb, *(grads[1:] if annotated else ())):
             shard(tv, mesh)
-        shard(g_h, mesh, {1: X})
+        for tv in (x, mean, rstd, *(grads[:1] if annotated else ())):
+            shard(tv, mesh, dp)
+        shard(g_h, mesh, {1: X, **dp})
         shard(w, mesh, {0: X})
     x_full = _rand(90, (t, e))
     mu = x_full.mean(1, keepdim=True)
@@ -439,7 +444,7 @@ def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bo
 
     def reference(g_h, w, x, mean, rstd, lw, lb):
         return list(torch.ops.aten.native_layer_norm_backward(g_h @ w, x, [e], mean, rstd, lw, lb, [True] * 3))
-    return Case(fd, [g_h, w, x, mean, rstd, lw, lb], full, reference, ["allreduce"])
+    return Case(fd, [g_h, w, x, mean, rstd, lw, lb], full, reference, ["allreduce"] * (3 if dp else 1))
 
 
 def _layer_norm_backward(fd, g, x, mean, rstd, w):
@@ -570,6 +575,23 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[8, 4], [4, 8], [8, 8]], [{0: X}, {1: X}, {1: X}],
         lambda fd, g, w, r: _transpose_first(fd, g, w, r),
         lambda g, w, r: (g.T @ r, g @ w), ["allgather"], out={1: X}),
+    # the annotated output is one pointwise op past the GEMM (f32 master weights; a weight used twice):
+    # the GEMMs still gather the tokens (not an all_to_all of ga^T and a reduce_scatter of the product)
+    "weight_gradient_cast_gathers_the_tokens": lambda m: binary_case(
+        m, [[8, 16], [8, 4]], [{1: X}, {0: X}],
+        lambda fd, ga, x: fd.ops.cast(fd.ops.matmul(fd.ops.permute(ga, [1, 0]), x), F64),
+        lambda ga, x: (ga.T @ x).double(), ["allgather"], out={0: X}, dtype=F32),
+    "weight_gradient_of_two_uses_gathers_the_tokens": lambda m: binary_case(
+        m, [[8, 16], [8, 4], [8, 16], [8, 4]], [{1: X}, {0: X}, {1: X}, {0: X}],
+        lambda fd, ga, x, gb, y: fd.ops.add(fd.ops.matmul(fd.ops.permute(ga, [1, 0]), x),
+                                            fd.ops.matmul(fd.ops.permute(gb, [1, 0]), y)),
+        lambda ga, x, gb, y: ga.T @ x + gb.T @ y, ["allgather", "allgather"], out={0: X}),
+    "strided_shards_gathered_once_for_two_readers": lambda m: strided_gathered_once_case(m),
+    "pending_max_summed_once_for_two_readers": lambda m: _unary_case(
+        m, [8, 8], {0: X}, {1: X}, _max_and_sum_of_exp,
+        lambda t: torch.cat([t.amax(0, keepdim=True), (t - t.amax(0, keepdim=True)).exp().sum(0, keepdim=True)], 1),
+        ["allreduce", "reduce_scatter"]),
+    "pending_sum_cast_scattered_in_its_dtype": lambda m: cast_pending_sum_on_rows_case(m),
     "unread_outputs_stay_where_made": lambda m: binary_case(  # layer_norm's mean and rstd are not gathered
         m, [[8, 4], [8, 4]], [{}, {0: X}],
         lambda fd, x, r: fd.ops.add(fd.ops.native_layer_norm(x, [4], None, None, eps=1e-5)[0], r),
@@ -651,6 +673,58 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [[8, 4], [8, 4]], [{0: X}, None], lambda fd, a, b: _two_outputs(fd, a, b),
         lambda a, b: (a + b, (a + b) * 2.0), []),
 }
+
+
+def strided_gathered_once_case(mesh) -> Case:
+    """x strided-sharded on its columns, read by a row-parallel linear (on block shards) and by a cat
+    (whole): the one allgather of x serves both (it ran twice before)."""
+    n = mesh.size
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 16], dtype=F64), fd.define_tensor([6, 16], dtype=F64)
+        fd.add_output(fd.ops.cat([fd.ops.linear(x, w), x], 1))
+        x.set_device_mesh(mesh)
+        x.inner_split(1, n)
+        x.axis(2).parallelize(X)
+        shard(w, mesh, {1: X})
+    full = [_rand(95, (8, 16)), _rand(96, (6, 16))]
+    return Case(fd, [x, w], full, lambda a, b: [torch.cat([F.linear(a, b), a], 1)], ["allgather", "allreduce"])
+
+
+def _max_and_sum_of_exp(fd, x):
+    """``cat([m, sum(exp(x - m))])`` for the column max ``m``, which two ops read: a pending max on rows."""
+    m = fd.ops.amax(x, [0], keepdim=True)
+    return fd.ops.cat([m, fd.ops.sum(fd.ops.exp(fd.ops.sub(x, m)), [0], keepdim=True)], 1)
+
+
+def cast_pending_sum_on_rows_case(mesh) -> Case:
+    """An SP RMSNorm backward in f64 of an f32 column-parallel GEMM's pending gradient ``gy``, grad_x on
+    token shards: gy is reduce-scattered in f32 (half the bytes of its f64 cast), grad_w allreduced."""
+    t, f, h = 8, 16, 12
+    with FusionDefinition() as fd:
+        gg, w = fd.define_tensor([t, f], dtype=F32), fd.define_tensor([f, h], dtype=F32)
+        x, g = fd.define_tensor([t, h], dtype=F64), fd.define_tensor([h], dtype=F64)
+        gy = fd.ops.cast(fd.ops.matmul(gg, w), F64)
+        r = fd.ops.rsqrt(fd.ops.add(fd.ops.mean(fd.ops.mul(x, x), [1], keepdim=True), 1e-6))
+        xhat = fd.ops.mul(x, r)
+        gx = fd.ops.mul(gy, g)
+        grad_x = fd.ops.mul(r, fd.ops.sub(gx, fd.ops.mul(xhat, fd.ops.mean(fd.ops.mul(gx, xhat), [1], keepdim=True))))
+        fd.add_output(grad_x)
+        fd.add_output(fd.ops.sum(fd.ops.mul(gy, xhat), [0]))
+        shard(gg, mesh, {1: X})
+        shard(w, mesh, {0: X})
+        for tv in (x, grad_x):
+            shard(tv, mesh, {0: X})
+        shard(g, mesh)
+    # small integers: the f32 GEMM's sums are exact in any order, so its result is the reference's
+    full = [_rand(97, (t, f), F32).mul(2).round(), _rand(98, (f, h), F32).mul(2).round(), _rand(99, (t, h)),
+            1 + 0.1 * _rand(100, (h,))]
+
+    def reference(gg, w, x, g):
+        gy = (gg @ w).double()
+        r = torch.rsqrt((x * x).mean(1, keepdim=True) + 1e-6)
+        xhat, gx = x * r, gy * g
+        return [r * (gx - xhat * (gx * xhat).mean(1, keepdim=True)), (gy * xhat).sum(0)]
+    return Case(fd, [gg, w, x, g], full, reference, ["reduce_scatter", "allreduce"])
 
 
 def _outputs(fd, first, *more):
@@ -865,6 +939,8 @@ def gathered_once_on_a_2d_mesh_case(mesh) -> Case:
 
 
 CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
+    "written_layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(
+        m, False, written=True),
     "gathered_once_for_a_transpose": gathered_once_on_a_2d_mesh_case,
     "dp_tp_mlp": lambda m: mlp_case(m, "dp_tp", shape=(4, 2, 8)),
     "dp_tp_mlp_f32": lambda m: mlp_case(m, "dp_tp", F32, shape=(4, 8)),
@@ -1314,6 +1390,27 @@ def test_case_2x2(multidevice_test, name):
 @pytest.mark.parametrize("name", list(CASES_MESHES))
 def test_case_between_meshes(multidevice_test, name):
     _check(CASES_MESHES[name](multidevice_test.size))
+
+
+def test_a_pending_sum_output_comes_back_in_its_layout(multidevice_test):
+    """An output scheduled as a pending sum (a parallelized piece of its reduction axis) with a
+    column-major allocation domain is summed and returned column-major (it came back row-major)."""
+    n = multidevice_test.size
+    mesh = DeviceMesh(range(n))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4 * n], dtype=F64), fd.define_tensor([6, 4 * n], dtype=F64)
+        y = fd.ops.linear(x, w)  # loop [8, 6, r{4n}]
+        fd.add_output(y)
+        shard(x, mesh, {1: X})
+        shard(w, mesh, {1: X})
+        y.set_device_mesh(mesh)
+        y.outer_split(-1, n)
+        y.axis(-2).parallelize(X)  # [8, 6, rmesh_x{n}, r{4}]
+        y.set_allocation_domain([y.axis(2), y.axis(3), y.axis(1), y.axis(0)], True)
+    full = [_rand(101, (8, 4 * n)), _rand(102, (6, 4 * n))]
+    (out,) = fd.execute([shard_tensor(t, tv) for t, tv in zip(full, (x, w))])
+    torch.testing.assert_close(out, F.linear(*full))
+    assert out.stride() == (1, 8)
 
 
 def test_run_on_ranks_reports_failures():

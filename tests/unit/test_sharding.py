@@ -140,6 +140,26 @@ def test_a_pending_sum_is_summed_before_a_cast(gemm, to):
     assert f.tensor(only(f, "allreduce").inputs[0]).dtype == gemm
 
 
+def test_a_pending_sum_cast_wider_for_ops_on_rows_is_reduce_scattered_in_its_dtype():
+    """An SP RMSNorm backward in f32 of a bf16 GEMM's pending gradient, grad_x on rows: the gradient is
+    reduce-scattered in bf16 (as Megatron-LM does; before: its f32 cast, twice the bytes)."""
+    t, f, h = 16, 64, 32
+    with FusionDefinition() as fd:
+        gg, w = fd.define_tensor([t, f], dtype=DataType.BFloat16), fd.define_tensor([f, h], dtype=DataType.BFloat16)
+        x, g = fd.define_tensor([t, h], dtype=DataType.Float), fd.define_tensor([h], dtype=DataType.Float)
+        gy = fd.ops.cast(fd.ops.matmul(gg, w), DataType.Float)
+        grad_x = fd.ops.mul(fd.ops.mul(gy, g), x)
+        fd.add_output(grad_x)
+        fd.add_output(fd.ops.sum(fd.ops.mul(gy, x), [0]))
+        shard(gg, MESH2, {1: X})
+        shard(w, MESH2, {0: X})
+        shard(x, MESH2, {0: X})
+        shard(grad_x, MESH2, {0: X})
+    f = lower(fd)
+    assert comms(f) == ["reduce_scatter", "allreduce"]
+    assert f.tensor(only(f, "reduce_scatter").inputs[0]).dtype == DataType.BFloat16
+
+
 def test_row_parallel_linear_with_bias_adds_bias_once():
     with FusionDefinition() as fd:
         x, w, b = fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
