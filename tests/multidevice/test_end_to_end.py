@@ -414,6 +414,24 @@ def rms_norm_backward_case(mesh, residual: bool = False) -> Case:
                                                               ((a @ w) * x).sum(0)], ["reduce_scatter", "allreduce"])
 
 
+def sp_embedding_gradient_case(mesh) -> Case:
+    """A vocab-parallel embedding's weight gradient in a sequence-parallel backward, one_hot(ids)^T @ grad_h
+    with ids and grad_h on token shards and the result on vocabulary shards: ids and grad_h are gathered
+    and the one-hot made on the vocabulary shard (Megatron-LM's plan; a reduce_scatter of the [V, H]
+    product before)."""
+    t, h, v = 8, 4, 32
+    with FusionDefinition() as fd:
+        ids, grad_h = fd.define_tensor([t], dtype=DataType.Int), fd.define_tensor([t, h], dtype=F64)
+        hit = fd.ops.eq(fd.ops.broadcast_in_dim(fd.ops.iota(v), [t, v], [1]),
+                        fd.ops.broadcast_in_dim(ids, [t, v], [0]))
+        grad_e = fd.ops.matmul(fd.ops.permute(fd.ops.cast(hit, F64), [1, 0]), grad_h)
+        fd.add_output(grad_e)
+        for tv in (ids, grad_h, grad_e):
+            shard(tv, mesh, {0: X})
+    full = [torch.tensor([3, 31, 0, 8, 8, 12, 1, 17]), _rand(103, (t, h))]
+    return Case(fd, [ids, grad_h], full, lambda i, g: [F.one_hot(i, v).double().T @ g], ["allgather"] * 2)
+
+
 def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bool = False) -> Case:
     """A TP layer norm's backward fed by a row-parallel matmul's pending gradient: one allreduce of the
     gradient (before: one of each of grad_x [T, E], grad_w [E] and grad_b [E]), with the three results
@@ -641,6 +659,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "written_layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(
         m, False, written=True),
     "sp_cross_entropy_backward_gathers_the_targets": sp_cross_entropy_backward_case,
+    "sp_embedding_gradient_gathers_the_tokens": sp_embedding_gradient_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
