@@ -559,8 +559,7 @@ class FusionDefinition:
         args: list = []
         for x in inputs:
             if isinstance(x, TensorView):
-                if x._fd is not self:
-                    raise DefinitionError(f"{kind}: T{x.name} belongs to another FusionDefinition")
+                self._check_own(x, kind)
                 args.append(x.name)
             elif isinstance(x, Const):
                 args.append(x)
@@ -580,6 +579,13 @@ class FusionDefinition:
         tvs = [self._new_tensor(t.shape, t.dtype) for t in outs]
         self._ops.append(Op(kind, tuple(args), tuple(tv.name for tv in tvs), tuple(attrs.items())))
         return tvs[0] if len(tvs) == 1 else tuple(tvs)
+
+    def _check_own(self, tv: TensorView, kind: str) -> None:
+        """``tv`` is a tensor of this definition: a TensorView is a name (T0, T1, ...), which in another
+        definition stands for another tensor."""
+        if tv._fd is not self:
+            raise DefinitionError(f"{kind}: T{tv.name} belongs to another FusionDefinition; an op takes tensors "
+                                  "of the definition it is recorded in")
 
     def _rebroadcast(self, a, args: list):
         """Operand ``a`` of a pointwise op on ``args``, as nvFuser's expanded broadcast: a dim that

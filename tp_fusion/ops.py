@@ -311,6 +311,7 @@ class Recorder:
 
         if not isinstance(x, TensorView):
             _fail(self.kind, f"expected a TensorView for {what}, got {x!r}")
+        self._fd._check_own(x, self.kind)
         return x
 
     def dims(self, x, dims, what: str = "dims") -> tuple[int, ...]:

@@ -191,6 +191,15 @@ def test_tensors_of_another_fusion():
     _raises(DefinitionError, r"add_output: expected a TensorView", lambda: fd.add_output(torch.ones(2)))
 
 
+def test_size_and_shape_of_another_fusions_tensor():
+    """fd.ops.size/shape record no op, but a symbolic size they give names a tensor: of another fusion,
+    T0 would bind to this fusion's T0 at execute."""
+    other, (y,) = _fd_with((-1, 3))
+    fd, (x,) = _fd_with((-1, 3))
+    _raises(DefinitionError, r"size: T0 belongs to another FusionDefinition", lambda: fd.ops.size(y, 0))
+    _raises(DefinitionError, r"shape: T0 belongs to another FusionDefinition", lambda: fd.ops.shape(y))
+
+
 # --- schedule errors -------------------------------------------------------------------------
 
 MESH2 = DeviceMesh(range(2))
