@@ -486,3 +486,18 @@ def test_a_split_left_unparallelized_is_named_when_the_input_does_not_fit():
             lambda: fd.execute([torch.ones(4, 4)]))
     _raises(InputError, r"input T0 dim 1 has local extent 2; it is not sharded \(global extent 4\)\. Pass",
             lambda: fd.execute([torch.ones(8, 2)]))
+
+
+def test_a_dim_sharded_on_a_mesh_axis_of_size_1_is_named_sharded():
+    """At world 1 a parallelized dim splits 1 way: a wrong local extent is reported as at worlds 2 and 4
+    (was "it is not sharded ... none of them parallelized", naming the call that was made)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(DeviceMesh([0]))
+        x.outer_split(0, 1)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    err = _raises(InputError, r"input T0 dim 0 has local extent 7; its global extent 8 split 1 way gives 8\. Pass "
+                              r"this rank's shard .*expected local shape \[8, 4\]",
+                  lambda: fd.execute([torch.ones(7, 4)]))
+    assert "not sharded" not in str(err) and "parallelized" not in str(err)
