@@ -515,8 +515,7 @@ class FusionDefinition:
         if isinstance(contiguity, DataType):
             raise DefinitionError(f"define_tensor: the second argument is contiguity (nvFuser's order: shape, "
                                   f"contiguity, dtype, is_cpu, stride_order); pass dtype={contiguity} by keyword")
-        if not isinstance(dtype, DataType) or dtype is DataType.Null:
-            raise DefinitionError(f"define_tensor: dtype must be a DataType other than Null, got {dtype!r}")
+        _ops.tensor_dtype("define_tensor", dtype)
         if not isinstance(is_cpu, bool):
             raise DefinitionError(f"define_tensor: is_cpu must be a bool, got {is_cpu!r}")
         layout = _layout(shape, contiguity, stride_order)

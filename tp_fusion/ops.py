@@ -335,15 +335,21 @@ class Recorder:
         return self.dims(x, dim, what)[0]
 
     def dtype(self, dtype, what: str = "dtype") -> DataType:
-        if not isinstance(dtype, DataType):
-            hint = ""
-            if isinstance(dtype, torch.dtype):
-                try:
-                    hint = f"; for a torch dtype, DataType.from_torch({dtype}) is {DataType.from_torch(dtype)}"
-                except ValueError:
-                    pass
-            _fail(self.kind, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}{hint}")
-        return dtype
+        return tensor_dtype(self.kind, dtype, what)
+
+
+def tensor_dtype(op: str, dtype, what: str = "dtype") -> DataType:
+    """``dtype`` checked to be a tensor's element type: a DataType other than Null (nvFuser's "no dtype",
+    which a tensor cannot have). A torch dtype is refused with the DataType to pass instead."""
+    if not isinstance(dtype, DataType) or dtype is DataType.Null:
+        hint = ""
+        if isinstance(dtype, torch.dtype):
+            try:
+                hint = f"; for a torch dtype, DataType.from_torch({dtype}) is {DataType.from_torch(dtype)}"
+            except ValueError:
+                pass
+        _fail(op, f"{what} must be a DataType other than Null (e.g. DataType.Float), got {dtype!r}{hint}")
+    return dtype
 
 
 def _sequence(values) -> tuple | None:

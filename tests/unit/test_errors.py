@@ -183,6 +183,18 @@ def test_bad_definition_arguments():
     _raises(DefinitionError, r"output_shardings: run execute\(\) first", fd.output_shardings)
 
 
+def test_null_is_no_dtype_for_a_tensor():
+    """DataType.Null (nvFuser's "no dtype") where an op makes a tensor of a given dtype is refused when
+    recorded (cast to Null gave a tensor of dtype None: AttributeErrors when printed or executed)."""
+    fd, (x,) = _fd_with((4,))
+    for op, record in (("cast", lambda: fd.ops.cast(x, DataType.Null)),
+                       ("full", lambda: fd.ops.full([2], 1.0, DataType.Null)),
+                       ("define_tensor", lambda: fd.define_tensor([2], dtype=DataType.Null))):
+        _raises(DefinitionError, rf"{op}: dtype must be a DataType other than Null \(e.g. DataType.Float\), got "
+                                 r"DataType.Null", record)
+    assert len(fd.fusion.tensors) == 1 and str(fd)  # nothing recorded; the definition still prints
+
+
 def test_tensors_of_another_fusion():
     fd, (x,) = _fd_with((2, 3))
     other, (y,) = _fd_with((2, 3))
