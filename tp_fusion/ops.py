@@ -717,14 +717,23 @@ def _extremum_front(torch_name: str):
         if dtype not in (None, DataType.Null, x.dtype):
             _fail(rec.kind, f"the result has the dtype of T{x.name} {x._ir.type_str()}; dtype {dtype!r} "
                             "cannot change it (cast before or after)")
-        empty = [d for d in _reduced_dims(rec, x, dims) if x.shape[d] == 0]
-        if empty:
-            _fail(rec.kind, f"dim {empty[0]} of T{x.name} {x._ir.type_str()} has extent 0: torch has no "
-                            f"{torch_name} of no elements")
         return _reduction(rec, x, dims, keepdim)
     front.__doc__ = (f"``torch.{torch_name}(x, dims, keepdim)``; ``dims`` (or ``dim``) an int, a list, or None (every "
                      "dim). ``dtype`` is accepted for nvFuser's signature and must be None or x's dtype.")
     return front
+
+
+def _extremum_infer(torch_name: str, impl: Callable) -> Infer:
+    """A reduction's inference that refuses a reduced dim of extent 0 (torch has no max of no elements):
+    when recorded, and for a symbolic extent with the other checks of the inputs' sizes at execute."""
+    reduction = _reduction_infer(impl)
+
+    def infer(args, attrs):
+        empty = [d for d in attrs["dims"] if args[0].shape[d] == 0]
+        if empty:
+            _bad(f"dim {empty[0]} has extent 0: torch has no {torch_name} of no elements")
+        return reduction(args, attrs)
+    return infer
 
 
 def _var_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
@@ -752,7 +761,8 @@ for _name, _impl, _front, _pending in (("sum", _sum, _sum_front, "sum"), ("mean"
                                        ("min", _amin, _extremum_front("amin"), "min"),
                                        ("prod", _prod, _prod_front, "prod"), ("var", _var, _var_front, None),
                                        ("var_mean", _var_mean, _var_mean_front, None)):
-    register(_name, impl=_impl, infer=_reduction_infer(_impl), traits=Trait.REDUCTION,
+    _infer = _extremum_infer(f"a{_pending}", _impl) if _pending in ("max", "min") else _reduction_infer(_impl)
+    register(_name, impl=_impl, infer=_infer, traits=Trait.REDUCTION,
              rule=rules.reduction(_pending), flops=_flops_input, front=_front, pending=_pending or "sum",
              localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1)
 

@@ -513,3 +513,22 @@ def test_a_dim_sharded_on_a_mesh_axis_of_size_1_is_named_sharded():
                               r"this rank's shard .*expected local shape \[8, 4\]",
                   lambda: fd.execute([torch.ones(7, 4)]))
     assert "not sharded" not in str(err) and "parallelized" not in str(err)
+
+
+@pytest.mark.parametrize("op", ["amax", "max", "amin", "min"])
+def test_max_and_min_of_no_elements(op):
+    """torch has no max or min of no elements: a reduced dim of extent 0 is refused when recorded, and a
+    symbolic one bound to 0 with the other size checks at execute (InputError before running; was an
+    ExecutionError from inside the plan)."""
+    with FusionDefinition() as fixed:
+        x = fixed.define_tensor([0, 4])
+        _raises(DefinitionError, rf"{op}: cannot apply to T0 f32\[0, 4\]: dim 0 has extent 0: torch has no a"
+                                 rf"{op[-3:]} of no elements", lambda: getattr(fixed.ops, op)(x, [0]))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        fd.add_output(getattr(fd.ops, op)(x, [0]))
+    _raises(InputError, rf"execute: the inputs' sizes do not fit the fusion: {op}: cannot apply to T0 f32\[0, 4\]: "
+                        rf"dim 0 has extent 0: torch has no a{op[-3:]} of no elements",
+            lambda: fd.execute([torch.ones(0, 4)]))
+    assert fd.plan is None
+    torch.testing.assert_close(fd.execute([torch.ones(3, 4)])[0], torch.ones(4))
