@@ -21,7 +21,8 @@ class ShardingError(TPFusionError, ValueError):
 
 
 class InputError(TPFusionError, ValueError):
-    """Inputs handed to ``execute`` that do not match the fusion or their sharding."""
+    """Inputs handed to ``execute`` that do not match the fusion or their sharding; arguments of
+    ``compile`` and ``shard_tensor``, which stand for or make such inputs, that do not fit."""
 
 
 class LoweringError(TPFusionError, NotImplementedError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from tp_fusion import (
     ParallelType,
     ShardingError,
     TPFusionError,
+    shard_tensor,
 )
 from tp_fusion.runtime import dist
 
@@ -532,3 +534,26 @@ def test_max_and_min_of_no_elements(op):
             lambda: fd.execute([torch.ones(0, 4)]))
     assert fd.plan is None
     torch.testing.assert_close(fd.execute([torch.ones(3, 4)])[0], torch.ones(4))
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda full, t: shard_tensor(full.numpy(), t),
+     r"shard_tensor: full must be a torch.Tensor \(the whole, unsharded value\), got numpy.ndarray; "
+     r"torch.from_numpy\(full\) converts a numpy array"),
+    (lambda full, t: shard_tensor(full.tolist(), t), r"full must be a torch.Tensor .*, got builtins.list$"),
+    (lambda full, t: shard_tensor(full, None), r"shard_tensor: expected a TensorView \(or a Sharding, e.g. "
+                                               r"fd.output_shardings\(\)\[i\]\) to shard by, got None"),
+    (lambda full, t: shard_tensor(full, "T0"), r"expected a TensorView .* to shard by, got 'T0'"),
+    (lambda full, t: shard_tensor(full, t, rank="1"),
+     r"shard_tensor: rank must be a rank of the process group \(an int >= 0\), or None for this rank, got '1'"),
+    (lambda full, t: shard_tensor(full, t, rank=-1), r"rank must be .*, got -1"),
+    (lambda full, t: shard_tensor(full, t, rank=True), r"rank must be .*, got True"),
+])
+def test_shard_tensor_arguments(call, msg):
+    """Arguments of the wrong kind are an InputError (were AttributeErrors, or an empty shard for a rank of
+    '1' or -1, as for a rank outside the mesh)."""
+    _, t = _tv()
+    t.outer_split(0, 2).axis(0).parallelize(ParallelType.mesh_x)
+    full = torch.arange(48.0).reshape(8, 6)
+    _raises(InputError, msg, lambda: call(full, t))
+    assert shard_tensor(full, t, rank=np.int64(1)).shape == (4, 6) and shard_tensor(full, t, rank=5).numel() == 0
