@@ -661,16 +661,23 @@ class FusionDefinition:
         from tp_fusion.compile import compile_program
 
         self._check_outputs("compile")
-        if len(input_shapes) != len(self._inputs):
-            raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(input_shapes)} shapes")
-        shapes = [_integers(s) for s in input_shapes]
-        for name, shape, given in zip(self._inputs, shapes, input_shapes):
-            t = self._tensors[name]
-            if shape is None or any(e < 0 for e in shape) or len(shape) != t.ndim \
-                    or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
-                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
-                                 f"{list(given)}")
-        return compile_program(self.fusion, shapes, rank, torch.device(device))
+        if not isinstance(input_shapes, Sequence) or len(input_shapes) != len(self._inputs):
+            raise InputError(f"compile: expected a list of {_count(len(self._inputs), 'global shape')}, one per input "
+                             f"({', '.join(f'T{n}' for n in self._inputs)}), got {input_shapes!r}")
+        ranks = _integers([rank])
+        if ranks is None or ranks[0] < 0:
+            raise InputError(f"compile: rank must be the rank (an int >= 0) whose plan to build, got {rank!r}")
+        shapes = []
+        for name, given in zip(self._inputs, input_shapes):
+            t, shape = self._tensors[name], _integers(given)
+            if shape is None or len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
+                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape {given!r}; "
+                                 "input_shapes holds one list of extents per input")
+            if any(e < 0 for e in shape):
+                raise InputError(f"compile: input T{name} is given the global shape {list(shape)}; a plan is built "
+                                 f"for concrete global shapes: give each symbolic extent of {list(t.shape)} its size")
+            shapes.append(shape)
+        return compile_program(self.fusion, shapes, ranks[0], torch.device(device))
 
     def _check_outputs(self, what: str) -> None:
         """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not

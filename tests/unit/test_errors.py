@@ -418,6 +418,26 @@ def test_extents_and_factors_are_integers():
                 lambda bad=bad: fd.compile([bad]))
 
 
+def test_compile_arguments():
+    """fd.compile needs one concrete global shape per input and a rank >= 0 (a symbolic extent was reported as
+    a shape mismatch, a flat shape as a TypeError, and rank 'a' or -1 built a plan)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(MESH2)
+        x.outer_split(0, 2).axis(0).parallelize(ParallelType.mesh_x)
+    _raises(InputError, r"compile: input T0 is given the global shape \[-1, 4\]; a plan is built for concrete global "
+                        r"shapes: give each symbolic extent of \[-1, 4\] its size", lambda: fd.compile([[-1, 4]]))
+    _raises(InputError, r"compile: input T0 is defined as \[-1, 4\], got global shape 8; input_shapes holds one list "
+                        r"of extents per input", lambda: fd.compile([8]))
+    _raises(InputError, r"compile: expected a list of 1 global shape, one per input \(T0\), got 8",
+            lambda: fd.compile(8))
+    for rank in ("a", -1, 1.0, True):
+        _raises(InputError, rf"compile: rank must be the rank \(an int >= 0\) whose plan to build, got {rank!r}",
+                lambda rank=rank: fd.compile([[8, 4]], rank=rank))
+    assert fd.compile([[8, 4]], rank=np.int64(1)).rank == 1
+
+
 def test_a_rejected_input_does_not_poison_the_fusion():
     fd = _relu_fd()
     _raises(InputError, r"local extent 7", lambda: fd.execute([torch.ones(4, 7)]))
