@@ -288,10 +288,14 @@ class TensorView:
                                                         loops.pending_of(self._fd._producer(self.name))))
 
     def _check_axis(self, axis: int, n: int, what: str) -> int:
-        if not isinstance(axis, int) or not -n <= axis < n:
+        index = _integers([axis])
+        if index is None:
+            raise ShardingError(f"T{self.name}.{what}: the axis index must be an int (a loop axis, negative ones "
+                                f"count from the end), got {axis!r}")
+        if not -n <= index[0] < n:
             raise ShardingError(f"T{self.name}.{what}: axis {axis} is out of range for a loop domain of "
                                 f"{n} axes (tensor shape {list(self.shape)})")
-        return axis % n
+        return index[0] % n
 
 
 Operand = TensorView | Const | int | float | bool

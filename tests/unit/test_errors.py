@@ -258,8 +258,12 @@ def test_split_of_a_symbolic_extent_is_checked_at_execute():
     (lambda t: t.outer_split(-3, 2), r"T0.split: axis -3 is out of range"),
     (lambda t: t.axis(2), r"T0.axis: axis 2 is out of range for a loop domain of 2 axes"),
     (lambda t: t.axis(-3), r"T0.axis: axis -3 is out of range"),
+    (lambda t: t.axis("0"), r"T0.axis: the axis index must be an int \(a loop axis, negative ones count from the "
+                            r"end\), got '0'$"),
+    (lambda t: t.split(1.0, 2), r"T0.split: the axis index must be an int .*, got 1.0$"),
+    (lambda t: t.rfactor([None]), r"T0.rfactor: the axis index must be an int .*, got None$"),
 ])
-def test_axis_out_of_range(call, msg):
+def test_axis_out_of_range_or_not_an_int(call, msg):
     _, t = _tv()
     _raises(ShardingError, msg, lambda: call(t))
 
