@@ -539,9 +539,11 @@ class FusionDefinition:
                                   static_sizes=static_sizes, is_cpu=tensor.device.type == "cpu")
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
-        """A constant operand ``value`` (a Python number), converted to ``dtype`` when given."""
+        """A constant operand ``value`` (a Python number), converted to ``dtype`` when given (None or
+        ``DataType.Null``: kept as it is)."""
         if not isinstance(value, (int, float, bool)):
             raise DefinitionError(f"define_scalar: value must be a Python number, got {value!r}")
+        dtype = None if dtype in (None, DataType.Null) else _ops.data_type("define_scalar", dtype)
         if dtype is not None:
             value = {DataType.Bool: bool, DataType.Int: int, DataType.Int32: int}.get(dtype, float)(value)
         return Const(value, dtype)

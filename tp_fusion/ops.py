@@ -340,15 +340,22 @@ class Recorder:
 
 def tensor_dtype(op: str, dtype, what: str = "dtype") -> DataType:
     """``dtype`` checked to be a tensor's element type: a DataType other than Null (nvFuser's "no dtype",
-    which a tensor cannot have). A torch dtype is refused with the DataType to pass instead."""
-    if not isinstance(dtype, DataType) or dtype is DataType.Null:
+    which a tensor cannot have)."""
+    if dtype is DataType.Null:
+        _fail(op, f"{what} must be a DataType other than Null (e.g. DataType.Float), got {dtype!r}")
+    return data_type(op, dtype, what)
+
+
+def data_type(op: str, dtype, what: str = "dtype") -> DataType:
+    """``dtype`` checked to be a DataType; a torch dtype is refused naming the DataType to pass instead."""
+    if not isinstance(dtype, DataType):
         hint = ""
         if isinstance(dtype, torch.dtype):
             try:
                 hint = f"; for a torch dtype, DataType.from_torch({dtype}) is {DataType.from_torch(dtype)}"
             except ValueError:
                 pass
-        _fail(op, f"{what} must be a DataType other than Null (e.g. DataType.Float), got {dtype!r}{hint}")
+        _fail(op, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}{hint}")
     return dtype
 
 

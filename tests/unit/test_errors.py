@@ -185,6 +185,16 @@ def test_bad_definition_arguments():
     _raises(DefinitionError, r"output_shardings: run execute\(\) first", fd.output_shardings)
 
 
+@pytest.mark.parametrize("dtype,hint", [(torch.float32, r"; for a torch dtype, DataType.from_torch\(torch.float32\) is "
+                                                         r"DataType.Float$"),
+                                        ("float", r"$")])
+def test_define_scalar_takes_a_datatype(dtype, hint):
+    """As define_tensor does (a torch dtype or a string was kept as the scalar's dtype)."""
+    _raises(DefinitionError, rf"define_scalar: dtype must be a DataType \(e.g. DataType.Float\), got {dtype!r}{hint}",
+            lambda: FusionDefinition().define_scalar(1, dtype))
+    assert FusionDefinition().define_scalar(1, DataType.Null) == FusionDefinition().define_scalar(1)  # no dtype
+
+
 def test_null_is_no_dtype_for_a_tensor():
     """DataType.Null (nvFuser's "no dtype") where an op makes a tensor of a given dtype is refused when
     recorded (cast to Null gave a tensor of dtype None: AttributeErrors when printed or executed)."""
