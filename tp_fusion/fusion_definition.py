@@ -539,8 +539,9 @@ class FusionDefinition:
                                   static_sizes=static_sizes, is_cpu=tensor.device.type == "cpu")
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
-        """A constant operand ``value`` (a Python number), converted to ``dtype`` when given (None or
-        ``DataType.Null``: kept as it is)."""
+        """A constant operand ``value`` (a Python number, or a numpy scalar: the number it holds), converted
+        to ``dtype`` when given (None or ``DataType.Null``: kept as it is)."""
+        value = _ops.python_scalar(value)
         if not isinstance(value, (int, float, bool)):
             raise DefinitionError(f"define_scalar: value must be a Python number, got {value!r}")
         dtype = None if dtype in (None, DataType.Null) else _ops.data_type("define_scalar", dtype)
@@ -571,7 +572,8 @@ class FusionDefinition:
             elif isinstance(x, (int, float, bool)):
                 args.append(Const(x))
             else:
-                raise DefinitionError(f"{kind}: unsupported operand {x!r}; pass a TensorView or a number")
+                raise DefinitionError(f"{kind}: unsupported operand {_ops.describe_value(x)}; pass a TensorView or a "
+                                      "number")
         attrs = {k: None if v is DataType.Null else freeze(v) for k, v in attrs.items()}  # Null: no dtype
         if op.has(_ops.Trait.POINTWISE):
             args = [self._rebroadcast(a, args) for a in args]
@@ -729,6 +731,7 @@ class _OpsNamespace:
 
 def _method(name: str, front):
     def method(self, *args, **kwargs):
+        args, kwargs = map(_ops.python_scalar, args), {k: _ops.python_scalar(v) for k, v in kwargs.items()}
         return front(_ops.Recorder(self._fd, name), *args, **kwargs)
     sig = _ops.front_signature(front)
     method.__signature__ = sig.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),

@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -178,6 +179,22 @@ def user_ops() -> list[str]:
 # --- inference helpers ----------------------------------------------------------------------------
 
 
+def describe_value(x) -> str:
+    """How an error names a value given where a TensorView or a number goes: a tensor or an array by its
+    type and shape (its repr would list every element), anything else by its repr."""
+    if isinstance(x, torch.Tensor):
+        return f"a torch.Tensor of shape {list(x.shape)} (define it with fd.define_tensor and pass it to execute)"
+    if getattr(x, "ndim", 0):
+        return f"a {type(x).__module__}.{type(x).__qualname__} of shape {list(x.shape)}"
+    return repr(x)
+
+
+def python_scalar(x):
+    """A numpy scalar (``np.float32(2)``, ``np.int64(3)``) as the Python number it holds, so that ops take it
+    as they take that number; anything else as it is."""
+    return x.item() if isinstance(x, np.generic) else x
+
+
 def _fail(op: str, msg: str):
     """A front end's error: ``op: msg``."""
     raise DefinitionError(f"{op}: {msg}")
@@ -310,7 +327,7 @@ class Recorder:
         from tp_fusion.fusion_definition import TensorView
 
         if not isinstance(x, TensorView):
-            _fail(self.kind, f"expected a TensorView for {what}, got {x!r}")
+            _fail(self.kind, f"expected a TensorView for {what}, got {describe_value(x)}")
         self._fd._check_own(x, self.kind)
         return x
 
@@ -434,7 +451,7 @@ def _pointwise_operands(rec, *operands, **attrs):
     from tp_fusion.fusion_definition import TensorView
 
     if not any(isinstance(a, TensorView) for a in operands):
-        _fail(rec.kind, f"at least one operand must be a TensorView, got {', '.join(map(repr, operands))}")
+        _fail(rec.kind, f"at least one operand must be a TensorView, got {', '.join(map(describe_value, operands))}")
     return rec(*operands, **attrs)
 
 

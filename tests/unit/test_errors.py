@@ -195,6 +195,35 @@ def test_define_scalar_takes_a_datatype(dtype, hint):
     assert FusionDefinition().define_scalar(1, DataType.Null) == FusionDefinition().define_scalar(1)  # no dtype
 
 
+def test_a_tensor_or_array_where_a_tensorview_goes_is_named_by_its_shape():
+    """Not by its repr, which lists every element."""
+    fd, (x,) = _fd_with((8, 4))
+    err = _raises(DefinitionError, r"add: unsupported operand a torch.Tensor of shape \[8, 4\] \(define it with "
+                                   r"fd.define_tensor and pass it to execute\); pass a TensorView or a number$",
+                  lambda: fd.ops.add(x, torch.zeros(8, 4)))
+    assert "0." not in str(err)
+    _raises(DefinitionError, r"relu: expected a TensorView for x, got a numpy.ndarray of shape \[8, 4\]$",
+            lambda: fd.ops.relu(np.zeros((8, 4))))
+    _raises(DefinitionError, r"add: at least one operand must be a TensorView, got a torch.Tensor of shape \[2\] "
+                             r"\(define it with fd.define_tensor and pass it to execute\), 1$",
+            lambda: fd.ops.add(torch.ones(2), 1))
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """np.float32(2) and np.int64(3) in ops and define_scalar are the numbers they hold (were refused: 'pass a
+    TensorView or a number'), with torch's promotion for a Python number (a Half tensor stays Half)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3], dtype=DataType.Half)
+        fd.add_output(fd.ops.mul(fd.ops.add(x, np.float32(0.5)), np.int64(3)))
+        fd.add_output(fd.ops.mul(x, fd.define_scalar(np.float64(2.0), dtype=DataType.Double)))
+        fd.add_output(fd.ops.where(fd.ops.gt(x, np.int32(1)), x, np.float16(0)))
+    assert isinstance(fd.define_scalar(np.int64(4)).value, int)
+    t = torch.tensor([0.0, 1.5, 2.0], dtype=torch.half)
+    got = fd.execute([t])
+    for out, want in zip(got, [(t + 0.5) * 3, t * 2.0, torch.where(t > 1, t, 0.0)]):
+        torch.testing.assert_close(out, want)
+
+
 def test_null_is_no_dtype_for_a_tensor():
     """DataType.Null (nvFuser's "no dtype") where an op makes a tensor of a given dtype is refused when
     recorded (cast to Null gave a tensor of dtype None: AttributeErrors when printed or executed)."""
