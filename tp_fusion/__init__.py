@@ -29,12 +29,12 @@ from tp_fusion.errors import (
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.sharding import sharding as _sharding
-from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding
+from tp_fusion.sharding.sharding import Sharding
 from tp_fusion.types import DataType, ParallelType
 
 __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
-    "LoweringError", "ParallelType", "Partial", "Replicate", "Shard", "Sharding", "ShardingError",
+    "LoweringError", "ParallelType", "Sharding", "ShardingError",
     "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
     "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
 ]
