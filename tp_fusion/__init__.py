@@ -19,6 +19,8 @@ from tp_fusion.errors import (
     DefinitionError,
     ExecutionError,
     InputError,
+    LaunchArgumentError,
+    LaunchError,
     LoweringError,
     ShardingError,
     TPFusionError,
@@ -34,7 +36,7 @@ from tp_fusion.types import DataType, ParallelType
 
 __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
-    "LoweringError", "ParallelType", "Sharding", "ShardingError",
+    "LaunchArgumentError", "LaunchError", "LoweringError", "ParallelType", "Sharding", "ShardingError",
     "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
     "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
 ]

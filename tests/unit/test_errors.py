@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import tp_fusion
 from tp_fusion import (
     DataType,
     DefinitionError,
@@ -20,6 +21,7 @@ from tp_fusion import (
     TPFusionError,
     shard_tensor,
 )
+from tp_fusion.launch import RanksFailed
 from tp_fusion.runtime import dist
 
 
@@ -41,6 +43,10 @@ def test_error_hierarchy():
     for cls in (DefinitionError, ShardingError, InputError):
         assert issubclass(cls, TPFusionError) and issubclass(cls, ValueError)
     assert issubclass(LoweringError, TPFusionError) and issubclass(LoweringError, NotImplementedError)
+    # run_on_ranks' errors, which were the built-ins alone
+    assert issubclass(tp_fusion.LaunchError, TPFusionError) and issubclass(tp_fusion.LaunchError, RuntimeError)
+    assert issubclass(RanksFailed, tp_fusion.LaunchError)
+    assert all(issubclass(tp_fusion.LaunchArgumentError, c) for c in (TPFusionError, ValueError, TypeError))
 
 
 # --- definition errors -----------------------------------------------------------------------
