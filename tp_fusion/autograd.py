@@ -52,9 +52,10 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     backward fusion first; ``outputs``: the forward outputs ``apply`` returns (default all);
     ``grad_inputs``: the forward inputs the backward fusion's outputs are the gradients of (default
     all). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
-    here (a ``DefinitionError`` says which); dtypes of the returned outputs decide which of them are
-    differentiable. A gradient whose local shape or sharding is not its input's raises a
-    ``ShardingError`` in backward. See the module docstring for the conventions.
+    here (a ``DefinitionError`` says which), and so are the dtypes and global shapes of the backward
+    fusion's gradient inputs against their forward outputs'; dtypes of the returned outputs decide
+    which of them are differentiable. A gradient whose local shape or sharding is not its input's
+    raises a ``ShardingError`` in backward. See the module docstring for the conventions.
     """
     n_in, n_out = len(forward.fusion.inputs), len(forward.fusion.outputs)
     saved_inputs = _indices(saved_inputs, n_in, "saved_inputs", "input")
@@ -73,6 +74,7 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
             f"{len(saved_inputs)} saved forward inputs {list(saved_inputs)}, {len(saved_outputs)} saved forward "
             f"outputs {list(saved_outputs)} and {len(differentiable)} output gradients (of the floating-point "
             f"returned outputs {list(differentiable)}) = {n_grads}; define that many tensors in the backward fusion")
+    _check_gradient_inputs(name, fwd, bwd, differentiable, len(saved_inputs) + len(saved_outputs))
     if len(bwd.outputs) != len(grad_inputs):
         raise DefinitionError(
             f"autograd.function {name}: the backward fusion returns {len(bwd.outputs)} outputs, but grad_inputs "
@@ -80,6 +82,20 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
             "that order); add outputs to the backward fusion or change grad_inputs")
     spec = _Spec(name, forward, backward, saved_inputs, saved_outputs, outputs, differentiable, grad_inputs)
     return type(name, (_FusionFunction,), {"spec": spec, "__doc__": f"forward and backward fusions of {name}"})
+
+
+def _check_gradient_inputs(name: str, fwd, bwd, differentiable: tuple[int, ...], first: int) -> None:
+    """DefinitionError unless each backward input from position ``first`` on, the gradient of a forward
+    output in ``differentiable``, has that output's dtype and global shape (extents symbolic on either
+    side are not compared): torch hands each output's gradient in the output's shape and dtype."""
+    for j, i in enumerate(differentiable):
+        out, grad = fwd.tensor(fwd.outputs[i]), bwd.tensor(bwd.inputs[first + j])
+        same_shape = out.ndim == grad.ndim and all(a == b or a < 0 or b < 0 for a, b in zip(out.shape, grad.shape))
+        if not same_shape or out.dtype != grad.dtype:
+            raise DefinitionError(
+                f"autograd.function {name}: the backward fusion's input {first + j} (T{grad.name} {grad.type_str()}) "
+                f"is the gradient of forward output {i} (T{out.name} {out.type_str()}), which comes in that "
+                f"output's dtype and global shape; define that backward input as {out.type_str()}")
 
 
 def _indices(indices: Sequence[int], n: int, what: str, noun: str) -> tuple[int, ...]:

@@ -59,9 +59,11 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
         local_expected = t.sharding.local_shape(t.shape) if t.sharding else t.shape
         for d, (got, want) in enumerate(zip(x.shape, local_expected)):
             if want >= 0 and got != want:
-                factor = t.sharding.dim_factor(d) if t.sharding else 1
-                held = f"its global extent {t.shape[d]} split {factor} ways gives {want}" if factor > 1 else \
-                    f"it is not sharded (global extent {t.shape[d]})" + _unparallelized_split(t, d)
+                if t.sharding is not None and t.sharding.dim_shards(d):  # sharded, if only on mesh axes of size 1
+                    factor = t.sharding.dim_factor(d)
+                    held = f"its global extent {t.shape[d]} split {factor} way{'s' * (factor != 1)} gives {want}"
+                else:
+                    held = f"it is not sharded (global extent {t.shape[d]})" + _unparallelized_split(t, d)
                 raise InputError(
                     f"execute: input T{name} dim {d} has local extent {got}; {held}. Pass this rank's shard "
                     f"(shard_tensor) of a {list(t.shape)} tensor; expected local shape {list(local_expected)}")

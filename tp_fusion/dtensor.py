@@ -209,11 +209,21 @@ def _agree_on_inputs(shardings: list[Sharding | None], error: Exception | None) 
             raise UnsupportedPlacementError(
                 f"execute_with_dtensors: input {i} is a DTensor sharded as {mine} on rank {dist.rank()} but as "
                 f"{theirs[2]} on rank {r}; every rank must pass DTensors of the same placements")
+        fix = ("a submesh such as mesh_2d['tp'] differs between ranks, and a fusion must be the same on every rank. "
+               "Build the DTensors on the full mesh (e.g. placements (Replicate(), Shard(d)) on the 2-D mesh)"
+               if mine is not None and theirs is not None else "pass a DTensor for it on every rank or on none")
         raise UnsupportedPlacementError(
-            f"execute_with_dtensors: input {i} is a DTensor on mesh {None if mine is None else mine.mesh!r} on "
-            f"rank {dist.rank()} but on {None if theirs is None else theirs[:2]} on rank {r}; a submesh such as "
-            "mesh_2d['tp'] differs between ranks, and a fusion must be the same on every rank. Build the "
-            "DTensors on the full mesh (e.g. placements (Replicate(), Shard(d)) on the 2-D mesh)")
+            f"execute_with_dtensors: input {i} is {_passed_as(key[i])} on rank {dist.rank()} but {_passed_as(theirs)} "
+            f"on rank {r}; {fix}")
+
+
+def _passed_as(key) -> str:
+    """An input as a rank passed it, from its entry in ``_agree_on_inputs``' key: a DTensor on its mesh
+    (printed as a DeviceMesh, whatever rank it came from), or a plain tensor (None)."""
+    if key is None:
+        return "a plain tensor"
+    devices, shape, _ = key
+    return f"a DTensor on mesh {DeviceMesh(torch.tensor(devices).reshape(shape))!r}"
 
 
 def _torch_placements(sharding: Sharding) -> list:

@@ -21,7 +21,8 @@ class ShardingError(TPFusionError, ValueError):
 
 
 class InputError(TPFusionError, ValueError):
-    """Inputs handed to ``execute`` that do not match the fusion or their sharding."""
+    """Inputs handed to ``execute`` that do not match the fusion or their sharding; arguments of
+    ``compile`` and ``shard_tensor``, which stand for or make such inputs, that do not fit."""
 
 
 class LoweringError(TPFusionError, NotImplementedError):
@@ -38,3 +39,21 @@ class UnsupportedPlacementError(LoweringError):
 
 class UnevenShardError(ShardingError):
     """A DTensor input whose sharded dim does not split evenly across its mesh axis."""
+
+
+class LaunchError(TPFusionError, RuntimeError):
+    """Ranks that ``tp_fusion.launch`` could not start (``run_on_ranks`` under torchrun) or that failed."""
+
+
+class LaunchArgumentError(TPFusionError, ValueError, TypeError):
+    """``run_on_ranks`` given what it cannot start ranks with: an ``nproc`` that is no positive integer, or
+    an ``fn`` that cannot be pickled. Both a ValueError and a TypeError, so that code catching the
+    built-in one of either case catches it."""
+
+
+class RanksFailed(LaunchError):
+    """Some spawned ranks failed: ``exitcodes`` per rank (None: killed), ``failures`` rank -> traceback."""
+
+    def __init__(self, message: str, exitcodes: list, failures: dict[int, str]):
+        super().__init__(message)
+        self.exitcodes, self.failures = exitcodes, failures

@@ -256,9 +256,14 @@ def _fingerprint(*parts) -> int:
 def _check_process_group(fusion: Fusion) -> None:
     meshes = {t.sharding.mesh for t in fusion.tensors if t.sharding is not None}
     if meshes and not dist.is_initialized() and any(m.devices != (0,) for m in meshes):
-        raise InputError("execute: the fusion's meshes name ranks other than 0, but no torch.distributed process "
-                         "group is initialized; under torchrun call torch.distributed.init_process_group first, "
-                         "or start the ranks with tp_fusion.launch.run_on_ranks, which initializes it")
+        missing = "execute: the fusion's meshes name ranks other than 0, but no torch.distributed process group is " \
+                  "initialized"
+        if dist.aborted():
+            raise InputError(f"{missing}: a plan that failed on this rank earlier (its ExecutionError) destroyed it, "
+                             "so that no peer waited on it; initialize it again (torch.distributed."
+                             "init_process_group) before executing")
+        raise InputError(f"{missing}; under torchrun call torch.distributed.init_process_group first, or start the "
+                         "ranks with tp_fusion.launch.run_on_ranks, which initializes it")
 
 
 def _check_backend(fusion: Fusion, inputs: list) -> None:

@@ -288,10 +288,14 @@ class TensorView:
                                                         loops.pending_of(self._fd._producer(self.name))))
 
     def _check_axis(self, axis: int, n: int, what: str) -> int:
-        if not isinstance(axis, int) or not -n <= axis < n:
+        index = _integers([axis])
+        if index is None:
+            raise ShardingError(f"T{self.name}.{what}: the axis index must be an int (a loop axis, negative ones "
+                                f"count from the end), got {axis!r}")
+        if not -n <= index[0] < n:
             raise ShardingError(f"T{self.name}.{what}: axis {axis} is out of range for a loop domain of "
                                 f"{n} axes (tensor shape {list(self.shape)})")
-        return axis % n
+        return index[0] % n
 
 
 Operand = TensorView | Const | int | float | bool
@@ -515,8 +519,7 @@ class FusionDefinition:
         if isinstance(contiguity, DataType):
             raise DefinitionError(f"define_tensor: the second argument is contiguity (nvFuser's order: shape, "
                                   f"contiguity, dtype, is_cpu, stride_order); pass dtype={contiguity} by keyword")
-        if not isinstance(dtype, DataType) or dtype is DataType.Null:
-            raise DefinitionError(f"define_tensor: dtype must be a DataType other than Null, got {dtype!r}")
+        _ops.tensor_dtype("define_tensor", dtype)
         if not isinstance(is_cpu, bool):
             raise DefinitionError(f"define_tensor: is_cpu must be a bool, got {is_cpu!r}")
         layout = _layout(shape, contiguity, stride_order)
@@ -536,9 +539,12 @@ class FusionDefinition:
                                   static_sizes=static_sizes, is_cpu=tensor.device.type == "cpu")
 
     def define_scalar(self, value, dtype: DataType | None = None) -> Const:
-        """A constant operand ``value`` (a Python number), converted to ``dtype`` when given."""
+        """A constant operand ``value`` (a Python number, or a numpy scalar: the number it holds), converted
+        to ``dtype`` when given (None or ``DataType.Null``: kept as it is)."""
+        value = _ops.python_scalar(value)
         if not isinstance(value, (int, float, bool)):
             raise DefinitionError(f"define_scalar: value must be a Python number, got {value!r}")
+        dtype = None if dtype in (None, DataType.Null) else _ops.data_type("define_scalar", dtype)
         if dtype is not None:
             value = {DataType.Bool: bool, DataType.Int: int, DataType.Int32: int}.get(dtype, float)(value)
         return Const(value, dtype)
@@ -559,15 +565,15 @@ class FusionDefinition:
         args: list = []
         for x in inputs:
             if isinstance(x, TensorView):
-                if x._fd is not self:
-                    raise DefinitionError(f"{kind}: T{x.name} belongs to another FusionDefinition")
+                self._check_own(x, kind)
                 args.append(x.name)
             elif isinstance(x, Const):
                 args.append(x)
             elif isinstance(x, (int, float, bool)):
                 args.append(Const(x))
             else:
-                raise DefinitionError(f"{kind}: unsupported operand {x!r}; pass a TensorView or a number")
+                raise DefinitionError(f"{kind}: unsupported operand {_ops.describe_value(x)}; pass a TensorView or a "
+                                      "number")
         attrs = {k: None if v is DataType.Null else freeze(v) for k, v in attrs.items()}  # Null: no dtype
         if op.has(_ops.Trait.POINTWISE):
             args = [self._rebroadcast(a, args) for a in args]
@@ -580,6 +586,13 @@ class FusionDefinition:
         tvs = [self._new_tensor(t.shape, t.dtype) for t in outs]
         self._ops.append(Op(kind, tuple(args), tuple(tv.name for tv in tvs), tuple(attrs.items())))
         return tvs[0] if len(tvs) == 1 else tuple(tvs)
+
+    def _check_own(self, tv: TensorView, kind: str) -> None:
+        """``tv`` is a tensor of this definition: a TensorView is a name (T0, T1, ...), which in another
+        definition stands for another tensor."""
+        if tv._fd is not self:
+            raise DefinitionError(f"{kind}: T{tv.name} belongs to another FusionDefinition; an op takes tensors "
+                                  "of the definition it is recorded in")
 
     def _rebroadcast(self, a, args: list):
         """Operand ``a`` of a pointwise op on ``args``, as nvFuser's expanded broadcast: a dim that
@@ -656,16 +669,23 @@ class FusionDefinition:
         from tp_fusion.compile import compile_program
 
         self._check_outputs("compile")
-        if len(input_shapes) != len(self._inputs):
-            raise InputError(f"compile: the fusion takes {len(self._inputs)} inputs, got {len(input_shapes)} shapes")
-        shapes = [_integers(s) for s in input_shapes]
-        for name, shape, given in zip(self._inputs, shapes, input_shapes):
-            t = self._tensors[name]
-            if shape is None or any(e < 0 for e in shape) or len(shape) != t.ndim \
-                    or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
-                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
-                                 f"{list(given)}")
-        return compile_program(self.fusion, shapes, rank, torch.device(device))
+        if not isinstance(input_shapes, Sequence) or len(input_shapes) != len(self._inputs):
+            raise InputError(f"compile: expected a list of {_count(len(self._inputs), 'global shape')}, one per input "
+                             f"({', '.join(f'T{n}' for n in self._inputs)}), got {input_shapes!r}")
+        ranks = _integers([rank])
+        if ranks is None or ranks[0] < 0:
+            raise InputError(f"compile: rank must be the rank (an int >= 0) whose plan to build, got {rank!r}")
+        shapes = []
+        for name, given in zip(self._inputs, input_shapes):
+            t, shape = self._tensors[name], _integers(given)
+            if shape is None or len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
+                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape {given!r}; "
+                                 "input_shapes holds one list of extents per input")
+            if any(e < 0 for e in shape):
+                raise InputError(f"compile: input T{name} is given the global shape {list(shape)}; a plan is built "
+                                 f"for concrete global shapes: give each symbolic extent of {list(t.shape)} its size")
+            shapes.append(shape)
+        return compile_program(self.fusion, shapes, ranks[0], torch.device(device))
 
     def _check_outputs(self, what: str) -> None:
         """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not
@@ -711,6 +731,7 @@ class _OpsNamespace:
 
 def _method(name: str, front):
     def method(self, *args, **kwargs):
+        args, kwargs = map(_ops.python_scalar, args), {k: _ops.python_scalar(v) for k, v in kwargs.items()}
         return front(_ops.Recorder(self._fd, name), *args, **kwargs)
     sig = _ops.front_signature(front)
     method.__signature__ = sig.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),

@@ -19,6 +19,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.multiprocessing as mp
 
+from tp_fusion.errors import LaunchArgumentError, LaunchError, RanksFailed
+
 
 def under_torchrun() -> bool:
     """True when torchrun (or another launcher) set RANK, WORLD_SIZE and LOCAL_RANK."""
@@ -133,14 +135,6 @@ def _wait(procs, deadline: float, grace_s: float) -> list[int]:
                 p.join()
 
 
-class RanksFailed(RuntimeError):
-    """Some spawned ranks failed: ``exitcodes`` per rank (None: killed), ``failures`` rank -> traceback."""
-
-    def __init__(self, message: str, exitcodes: list, failures: dict[int, str]):
-        super().__init__(message)
-        self.exitcodes, self.failures = exitcodes, failures
-
-
 def _start_method() -> str:
     """``forkserver`` where the platform has it: one server process imports torch and tp_fusion once,
     and every rank of every later ``run_on_ranks`` forks from it (a fresh ``spawn`` re-imports torch
@@ -158,12 +152,12 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
                  deadline_s: float | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``nproc`` spawned CPU ranks joined by gloo.
 
-    ``fn`` must be picklable (a module-level function; else a TypeError, before any rank starts) and
-    ``nproc`` a positive integer (else a ValueError). Bounded in time: ``timeout_s`` is the
-    process group's timeout (each collective, and joining it), the whole run may take at most
-    ``deadline_s`` seconds (default ``timeout_s + 60``), and once a rank has failed the others get
-    ``grace_s`` seconds to finish before they are killed. If any rank fails, raises ``RanksFailed``
-    (a RuntimeError) carrying the exit codes and the failing ranks' tracebacks.
+    ``fn`` must be picklable (a module-level function) and ``nproc`` a positive integer, else a
+    ``LaunchArgumentError`` (a ValueError and a TypeError) before any rank starts. Bounded in time:
+    ``timeout_s`` is the process group's timeout (each collective, and joining it), the whole run may
+    take at most ``deadline_s`` seconds (default ``timeout_s + 60``), and once a rank has failed the
+    others get ``grace_s`` seconds to finish before they are killed. If any rank fails, raises ``RanksFailed``
+    (a ``TPFusionError`` and a RuntimeError) carrying the exit codes and the failing ranks' tracebacks.
 
     Example::
 
@@ -177,16 +171,16 @@ def run_on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0, grace_s: float
     ``run_program``, which does either.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, numbers.Integral) or nproc < 1:
-        raise ValueError(f"run_on_ranks: nproc must be a positive integer (the ranks to spawn), got {nproc!r}")
+        raise LaunchArgumentError(f"run_on_ranks: nproc must be a positive integer (the ranks to spawn), got {nproc!r}")
     try:
         pickle.dumps(fn)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise TypeError(
+        raise LaunchArgumentError(
             f"run_on_ranks: fn must be a module-level function (each rank unpickles it by name), got "
             f"{getattr(fn, '__qualname__', fn)!r}, which cannot be pickled ({e}); define it at the top level "
             "of a module") from e
     if under_torchrun():
-        raise RuntimeError(
+        raise LaunchError(
             f"run_on_ranks: running under torchrun (rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}), "
             f"each torchrun rank would spawn {nproc} ranks of its own; run the script with python, or under "
             "torchrun join its group (tp_fusion.launch.init_from_env()) and call the function on each rank")

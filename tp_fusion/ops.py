@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -178,6 +179,22 @@ def user_ops() -> list[str]:
 # --- inference helpers ----------------------------------------------------------------------------
 
 
+def describe_value(x) -> str:
+    """How an error names a value given where a TensorView or a number goes: a tensor or an array by its
+    type and shape (its repr would list every element), anything else by its repr."""
+    if isinstance(x, torch.Tensor):
+        return f"a torch.Tensor of shape {list(x.shape)} (define it with fd.define_tensor and pass it to execute)"
+    if getattr(x, "ndim", 0):
+        return f"a {type(x).__module__}.{type(x).__qualname__} of shape {list(x.shape)}"
+    return repr(x)
+
+
+def python_scalar(x):
+    """A numpy scalar (``np.float32(2)``, ``np.int64(3)``) as the Python number it holds, so that ops take it
+    as they take that number; anything else as it is."""
+    return x.item() if isinstance(x, np.generic) else x
+
+
 def _fail(op: str, msg: str):
     """A front end's error: ``op: msg``."""
     raise DefinitionError(f"{op}: {msg}")
@@ -310,7 +327,8 @@ class Recorder:
         from tp_fusion.fusion_definition import TensorView
 
         if not isinstance(x, TensorView):
-            _fail(self.kind, f"expected a TensorView for {what}, got {x!r}")
+            _fail(self.kind, f"expected a TensorView for {what}, got {describe_value(x)}")
+        self._fd._check_own(x, self.kind)
         return x
 
     def dims(self, x, dims, what: str = "dims") -> tuple[int, ...]:
@@ -334,15 +352,28 @@ class Recorder:
         return self.dims(x, dim, what)[0]
 
     def dtype(self, dtype, what: str = "dtype") -> DataType:
-        if not isinstance(dtype, DataType):
-            hint = ""
-            if isinstance(dtype, torch.dtype):
-                try:
-                    hint = f"; for a torch dtype, DataType.from_torch({dtype}) is {DataType.from_torch(dtype)}"
-                except ValueError:
-                    pass
-            _fail(self.kind, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}{hint}")
-        return dtype
+        return tensor_dtype(self.kind, dtype, what)
+
+
+def tensor_dtype(op: str, dtype, what: str = "dtype") -> DataType:
+    """``dtype`` checked to be a tensor's element type: a DataType other than Null (nvFuser's "no dtype",
+    which a tensor cannot have)."""
+    if dtype is DataType.Null:
+        _fail(op, f"{what} must be a DataType other than Null (e.g. DataType.Float), got {dtype!r}")
+    return data_type(op, dtype, what)
+
+
+def data_type(op: str, dtype, what: str = "dtype") -> DataType:
+    """``dtype`` checked to be a DataType; a torch dtype is refused naming the DataType to pass instead."""
+    if not isinstance(dtype, DataType):
+        hint = ""
+        if isinstance(dtype, torch.dtype):
+            try:
+                hint = f"; for a torch dtype, DataType.from_torch({dtype}) is {DataType.from_torch(dtype)}"
+            except ValueError:
+                pass
+        _fail(op, f"{what} must be a DataType (e.g. DataType.Float), got {dtype!r}{hint}")
+    return dtype
 
 
 def _sequence(values) -> tuple | None:
@@ -420,7 +451,7 @@ def _pointwise_operands(rec, *operands, **attrs):
     from tp_fusion.fusion_definition import TensorView
 
     if not any(isinstance(a, TensorView) for a in operands):
-        _fail(rec.kind, f"at least one operand must be a TensorView, got {', '.join(map(repr, operands))}")
+        _fail(rec.kind, f"at least one operand must be a TensorView, got {', '.join(map(describe_value, operands))}")
     return rec(*operands, **attrs)
 
 
@@ -710,14 +741,23 @@ def _extremum_front(torch_name: str):
         if dtype not in (None, DataType.Null, x.dtype):
             _fail(rec.kind, f"the result has the dtype of T{x.name} {x._ir.type_str()}; dtype {dtype!r} "
                             "cannot change it (cast before or after)")
-        empty = [d for d in _reduced_dims(rec, x, dims) if x.shape[d] == 0]
-        if empty:
-            _fail(rec.kind, f"dim {empty[0]} of T{x.name} {x._ir.type_str()} has extent 0: torch has no "
-                            f"{torch_name} of no elements")
         return _reduction(rec, x, dims, keepdim)
     front.__doc__ = (f"``torch.{torch_name}(x, dims, keepdim)``; ``dims`` (or ``dim``) an int, a list, or None (every "
                      "dim). ``dtype`` is accepted for nvFuser's signature and must be None or x's dtype.")
     return front
+
+
+def _extremum_infer(torch_name: str, impl: Callable) -> Infer:
+    """A reduction's inference that refuses a reduced dim of extent 0 (torch has no max of no elements):
+    when recorded, and for a symbolic extent with the other checks of the inputs' sizes at execute."""
+    reduction = _reduction_infer(impl)
+
+    def infer(args, attrs):
+        empty = [d for d in attrs["dims"] if args[0].shape[d] == 0]
+        if empty:
+            _bad(f"dim {empty[0]} has extent 0: torch has no {torch_name} of no elements")
+        return reduction(args, attrs)
+    return infer
 
 
 def _var_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
@@ -745,7 +785,8 @@ for _name, _impl, _front, _pending in (("sum", _sum, _sum_front, "sum"), ("mean"
                                        ("min", _amin, _extremum_front("amin"), "min"),
                                        ("prod", _prod, _prod_front, "prod"), ("var", _var, _var_front, None),
                                        ("var_mean", _var_mean, _var_mean_front, None)):
-    register(_name, impl=_impl, infer=_reduction_infer(_impl), traits=Trait.REDUCTION,
+    _infer = _extremum_infer(f"a{_pending}", _impl) if _pending in ("max", "min") else _reduction_infer(_impl)
+    register(_name, impl=_impl, infer=_infer, traits=Trait.REDUCTION,
              rule=rules.reduction(_pending), flops=_flops_input, front=_front, pending=_pending or "sum",
              localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1)
 

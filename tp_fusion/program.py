@@ -147,6 +147,12 @@ class Program:
         return {j: seg.steps[j + 1].op.outputs[0] not in self.gelu_apart
                 for j in sorted(gelu_epilogues(self.fusion, seg.steps))}
 
+    def __repr__(self) -> str:
+        """One line, as a REPL or a debugger shows ``fd.plan`` (``str`` prints the segments)."""
+        n = len(self.segments)
+        return f"<Plan: {n} segment{'' if n == 1 else 's'} on rank {self.rank} ({self.device}), collectives " \
+               f"{self.collectives()}>"
+
     def __str__(self) -> str:
         f = self.fusion
         lines = [f"Plan: {len(self.segments)} segment(s); inputs [{', '.join(f'T{i}' for i in f.inputs)}], "

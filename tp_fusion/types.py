@@ -6,6 +6,8 @@ import enum
 
 import torch
 
+from tp_fusion.errors import DefinitionError
+
 
 class DataType(enum.Enum):
     """A tensor's element type, with nvFuser's names: ``define_tensor([n], dtype=DataType.BFloat16)``.
@@ -36,7 +38,7 @@ class DataType(enum.Enum):
     def torch(self) -> torch.dtype:
         """The torch dtype (``DataType.Float.torch is torch.float32``)."""
         if self is DataType.Null:
-            raise ValueError("DataType.Null is no tensor dtype (nvFuser's 'no dtype'); pass a concrete DataType")
+            raise DefinitionError("DataType.Null is no tensor dtype (nvFuser's 'no dtype'); pass a concrete DataType")
         return getattr(torch, self.value)
 
     @property
@@ -51,11 +53,12 @@ class DataType(enum.Enum):
 
     @staticmethod
     def from_torch(dtype: torch.dtype) -> DataType:
-        """The DataType of a torch dtype; ValueError if there is none."""
+        """The DataType of a torch dtype; a DefinitionError (a ValueError) if there is none."""
         for dt in DataType:
             if dt is not DataType.Null and dt.torch == dtype:
                 return dt
-        raise ValueError(f"torch dtype {dtype} has no tp_fusion DataType")
+        raise DefinitionError(f"torch dtype {dtype} has no tp_fusion DataType; the DataTypes are "
+                              f"{', '.join(dt.name for dt in DataType if dt is not DataType.Null)}")
 
 
 _SHORT = {

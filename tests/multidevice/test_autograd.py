@@ -7,6 +7,8 @@ weights that torch's autograd gives the unsharded ``nn.Module``, and the input's
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -307,6 +309,38 @@ def test_backward_with_the_wrong_number_of_gradients_is_a_clear_error():
                                       define_backward(1, False, scheduled=False), saved_inputs=[0, 1, 2, 3])
     with pytest.raises(InputError, match=r"the fusion takes 5 inputs \(T0, T1, T2, T3, T4\), got 2"):
         mlp.apply(*_full()[:2])
+
+
+def _linear_function(grad_shape, grad_dtype=DataType.Float):
+    """z = x @ w.T ([8, 16]) and a backward fusion (x, w, grad_z) -> w + sum(grad_z) for w (not its gradient:
+    any math that takes grad_z as declared) whose grad_z is declared so."""
+    with FusionDefinition() as fwd:
+        x, w = fwd.define_tensor([8, 4]), fwd.define_tensor([16, 4])
+        fwd.add_output(fwd.ops.linear(x, w))
+    with FusionDefinition() as bwd:
+        _, bw, gz = bwd.define_tensor([8, 4]), bwd.define_tensor([16, 4]), bwd.define_tensor(grad_shape,
+                                                                                                dtype=grad_dtype)
+        bwd.add_output(bwd.ops.add(bw, bwd.ops.cast(bwd.ops.sum(gz), DataType.Float)))
+    return tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0, 1], grad_inputs=[1])
+
+
+@pytest.mark.parametrize("shape,dtype", [([8, 4], DataType.Float), ([16, 8], DataType.Float),
+                                         ([8, 16, 1], DataType.Float), ([8, 16], DataType.Double)])
+def test_an_incoming_gradient_declared_unlike_its_output_is_an_error_when_joined(shape, dtype):
+    """The backward fusion's gradient of a forward output comes in that output's shape and dtype: a
+    declaration that differs is refused by autograd.function, naming the output (was an InputError of the
+    backward's execute at loss.backward(), naming neither)."""
+    got = f"{dtype.short}[{', '.join(map(str, shape))}]"
+    with pytest.raises(DefinitionError, match=rf"the backward fusion's input 2 \(T2 {re.escape(got)}\) is the "
+                                              r"gradient of forward output 0 \(T2 f32\[8, 16\]\).*define that "
+                                              r"backward input as f32\[8, 16\]"):
+        _linear_function(shape, dtype)
+
+
+def test_an_incoming_gradient_with_symbolic_extents_is_accepted():
+    x, w = torch.randn(8, 4), torch.nn.Parameter(torch.randn(16, 4))
+    _linear_function([-1, 16]).apply(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, w.detach() + 8 * 16)
 
 
 def test_gradient_of_the_wrong_shape_is_a_clear_error():

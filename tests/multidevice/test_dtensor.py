@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,6 +166,29 @@ def test_dtensor_1d_mesh(multidevice_test):
 @pytest.mark.ranks(4)
 def test_dtensor_2d_mesh(multidevice_test):
     _check_2d(multidevice_test.rank, multidevice_test.size)
+
+
+@pytest.mark.ranks(4)
+def test_inputs_that_differ_between_ranks_name_both_meshes_alike(multidevice_test):
+    """A DTensor on a submesh (mesh_2d["tp"]) is on another mesh on each row: every rank raises, printing
+    its mesh and the other rank's as DeviceMeshes (the other's was a raw tuple "((2, 3), (2,))")."""
+    rank = multidevice_test.rank
+    mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.relu(fd.define_tensor([4, 4])))
+    mine, theirs, other = ("[0, 1]", "[2, 3]", 2) if rank < 2 else ("[2, 3]", "[0, 1]", 0)
+    with pytest.raises(UnsupportedPlacementError, match=(
+            rf"input 0 is a DTensor on mesh DeviceMesh\({re.escape(mine)}\) on rank {rank} but a DTensor on mesh "
+            rf"DeviceMesh\({re.escape(theirs)}\) on rank {other}; a submesh such as mesh_2d\['tp'\] differs")):
+        tp_fusion.execute_with_dtensors(fd, [distribute_tensor(torch.ones(4, 4), mesh_2d["tp"], [Replicate()])])
+    # A DTensor on some ranks (made without communicating) and a plain tensor on another.
+    whole, dtensor = init_device_mesh("cpu", (4,)), "a DTensor on mesh DeviceMesh([0, 1, 2, 3])"
+    x = torch.ones(4, 4) if rank == 3 else DTensor.from_local(torch.ones(4, 4), whole, [Replicate()], run_check=False)
+    mine, theirs, other = ("a plain tensor", dtensor, 0) if rank == 3 else (dtensor, "a plain tensor", 3)
+    with pytest.raises(UnsupportedPlacementError, match=(
+            rf"input 0 is {re.escape(mine)} on rank {rank} but {re.escape(theirs)} on rank {other}; pass a DTensor "
+            r"for it on every rank or on none$")):
+        tp_fusion.execute_with_dtensors(fd, [x])
 
 
 def test_dtype_mismatch_names_the_input():

@@ -17,6 +17,7 @@ import torch
 
 from tp_fusion import DeviceMesh, ExecutionError, FusionDefinition, ParallelType, TPFusionError, shard_tensor
 from tp_fusion import ops as _ops
+from tp_fusion.errors import LaunchArgumentError, LaunchError
 from tp_fusion.launch import RanksFailed, run_on_ranks
 from tp_fusion.runtime import dist
 
@@ -87,8 +88,9 @@ def test_run_on_ranks_under_torchrun_spawns_nothing(monkeypatch):
     """Every torchrun rank would spawn ranks of its own: a clear error instead, before any process starts."""
     for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
         monkeypatch.setenv(name, value)
-    with pytest.raises(RuntimeError, match=r"under torchrun \(rank 1 of 2\), each torchrun rank would spawn 2"):
+    with pytest.raises(LaunchError, match=r"under torchrun \(rank 1 of 2\), each torchrun rank would spawn 2") as info:
         run_on_ranks(_fault_in_segment_0, 2, 0, "raise")
+    assert isinstance(info.value, TPFusionError) and isinstance(info.value, RuntimeError)
 
 
 @pytest.fixture
@@ -101,8 +103,10 @@ def no_spawn(monkeypatch):
 
 @pytest.mark.parametrize("nproc", [0, -1, 2.0, "2", True])
 def test_run_on_ranks_refuses_a_bad_rank_count(no_spawn, nproc):
-    with pytest.raises(ValueError, match=rf"run_on_ranks: nproc must be a positive integer .*, got {nproc!r}"):
+    match = rf"run_on_ranks: nproc must be a positive integer .*, got {nproc!r}"
+    with pytest.raises(LaunchArgumentError, match=match) as info:
         run_on_ranks(_fault_in_segment_0, nproc, 0, "raise")
+    assert isinstance(info.value, TPFusionError) and isinstance(info.value, ValueError)
 
 
 def _local_function():
@@ -115,8 +119,10 @@ def _local_function():
                                      (_local_function(), "_local_function.<locals>.fn")])
 def test_run_on_ranks_refuses_a_function_it_cannot_pickle(no_spawn, fn, name):
     """The ranks unpickle ``fn``: a lambda or a nested function is an error naming it, before any spawn."""
-    with pytest.raises(TypeError, match=rf"fn must be a module-level function .*, got '[^']*{re.escape(name)}'"):
+    match = rf"fn must be a module-level function .*, got '[^']*{re.escape(name)}'"
+    with pytest.raises(LaunchArgumentError, match=match) as info:
         run_on_ranks(fn, 2)
+    assert isinstance(info.value, TPFusionError) and isinstance(info.value, TypeError)
 
 
 def test_compute_fault_fails_every_rank():
@@ -129,6 +135,7 @@ def test_exiting_peer_fails_every_rank(world, fail_rank):
     with pytest.raises(RanksFailed) as info:
         run_on_ranks(_fault_in_segment_0, world, fail_rank, "exit", timeout_s=PG_TIMEOUT_S)
     assert time.monotonic() - start < PG_TIMEOUT_S
+    assert isinstance(info.value, TPFusionError) and isinstance(info.value, RuntimeError)
     codes = info.value.exitcodes
     assert codes == [7 if r == fail_rank else 0 for r in range(world)], str(info.value)
     assert info.value.failures == {}, str(info.value)  # every surviving rank's assertions held

@@ -305,11 +305,16 @@ def _faults_and_retry(rank: int, world: int, workdir: str) -> None:
     assert time.monotonic() - start < BOUND_S, msg
     assert msg.startswith("rank 2 failed in segment 1 (communication): RuntimeError: injected allocation "
                           "failure in all_gather"), msg
+    assert msg.endswith("; this rank's process group is destroyed (a failed plan tears it down, so that no peer "
+                        "waits on it): initialize it again (torch.distributed.init_process_group) before the next "
+                        "execute"), msg
+    assert not dist.is_initialized()
 
-    # Item 3: a retry without a process group raises before running any segment.
+    # Item 3: a retry without a process group raises before running any segment, saying why it is gone.
     calls: list = []
     original = _inject_op("relu", -1, RuntimeError("never"), calls)
-    with pytest.raises(InputError, match="no torch.distributed process group is initialized"):
+    with pytest.raises(InputError, match=r"no torch.distributed process group is initialized: a plan that failed on "
+                                         r"this rank earlier \(its ExecutionError\) destroyed it.*initialize it again"):
         fd.execute(inputs)
     assert calls == [], calls  # not half a plan: segment 0 did not run
     _ops.OPS["relu"] = original
@@ -324,6 +329,9 @@ def _faults_and_retry(rank: int, world: int, workdir: str) -> None:
         (out,) = fd2.execute(inputs2)
         torch.testing.assert_close(out, want2)
         dist.destroy_process_group()
+        # destroyed by its owner, not by a failure: the plain hint
+        with pytest.raises(InputError, match=r"no torch.distributed process group is initialized; under torchrun"):
+            fd2.execute(inputs2)
         _reinit(workdir, rank, world, name)
     (out,) = fd2.execute(inputs2)
     torch.testing.assert_close(out, want2)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
+import tp_fusion
 from tp_fusion import (
     DataType,
     DefinitionError,
@@ -17,7 +19,9 @@ from tp_fusion import (
     ParallelType,
     ShardingError,
     TPFusionError,
+    shard_tensor,
 )
+from tp_fusion.launch import RanksFailed
 from tp_fusion.runtime import dist
 
 
@@ -39,6 +43,10 @@ def test_error_hierarchy():
     for cls in (DefinitionError, ShardingError, InputError):
         assert issubclass(cls, TPFusionError) and issubclass(cls, ValueError)
     assert issubclass(LoweringError, TPFusionError) and issubclass(LoweringError, NotImplementedError)
+    # run_on_ranks' errors, which were the built-ins alone
+    assert issubclass(tp_fusion.LaunchError, TPFusionError) and issubclass(tp_fusion.LaunchError, RuntimeError)
+    assert issubclass(RanksFailed, tp_fusion.LaunchError)
+    assert all(issubclass(tp_fusion.LaunchArgumentError, c) for c in (TPFusionError, ValueError, TypeError))
 
 
 # --- definition errors -----------------------------------------------------------------------
@@ -183,12 +191,72 @@ def test_bad_definition_arguments():
     _raises(DefinitionError, r"output_shardings: run execute\(\) first", fd.output_shardings)
 
 
+@pytest.mark.parametrize("dtype,hint", [(torch.float32, r"; for a torch dtype, DataType.from_torch\(torch.float32\) is "
+                                                         r"DataType.Float$"),
+                                        ("float", r"$")])
+def test_define_scalar_takes_a_datatype(dtype, hint):
+    """As define_tensor does (a torch dtype or a string was kept as the scalar's dtype)."""
+    _raises(DefinitionError, rf"define_scalar: dtype must be a DataType \(e.g. DataType.Float\), got {dtype!r}{hint}",
+            lambda: FusionDefinition().define_scalar(1, dtype))
+    assert FusionDefinition().define_scalar(1, DataType.Null) == FusionDefinition().define_scalar(1)  # no dtype
+
+
+def test_a_tensor_or_array_where_a_tensorview_goes_is_named_by_its_shape():
+    """Not by its repr, which lists every element."""
+    fd, (x,) = _fd_with((8, 4))
+    err = _raises(DefinitionError, r"add: unsupported operand a torch.Tensor of shape \[8, 4\] \(define it with "
+                                   r"fd.define_tensor and pass it to execute\); pass a TensorView or a number$",
+                  lambda: fd.ops.add(x, torch.zeros(8, 4)))
+    assert "0." not in str(err)
+    _raises(DefinitionError, r"relu: expected a TensorView for x, got a numpy.ndarray of shape \[8, 4\]$",
+            lambda: fd.ops.relu(np.zeros((8, 4))))
+    _raises(DefinitionError, r"add: at least one operand must be a TensorView, got a torch.Tensor of shape \[2\] "
+                             r"\(define it with fd.define_tensor and pass it to execute\), 1$",
+            lambda: fd.ops.add(torch.ones(2), 1))
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """np.float32(2) and np.int64(3) in ops and define_scalar are the numbers they hold (were refused: 'pass a
+    TensorView or a number'), with torch's promotion for a Python number (a Half tensor stays Half)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3], dtype=DataType.Half)
+        fd.add_output(fd.ops.mul(fd.ops.add(x, np.float32(0.5)), np.int64(3)))
+        fd.add_output(fd.ops.mul(x, fd.define_scalar(np.float64(2.0), dtype=DataType.Double)))
+        fd.add_output(fd.ops.where(fd.ops.gt(x, np.int32(1)), x, np.float16(0)))
+    assert isinstance(fd.define_scalar(np.int64(4)).value, int)
+    t = torch.tensor([0.0, 1.5, 2.0], dtype=torch.half)
+    got = fd.execute([t])
+    for out, want in zip(got, [(t + 0.5) * 3, t * 2.0, torch.where(t > 1, t, 0.0)]):
+        torch.testing.assert_close(out, want)
+
+
+def test_null_is_no_dtype_for_a_tensor():
+    """DataType.Null (nvFuser's "no dtype") where an op makes a tensor of a given dtype is refused when
+    recorded (cast to Null gave a tensor of dtype None: AttributeErrors when printed or executed)."""
+    fd, (x,) = _fd_with((4,))
+    for op, record in (("cast", lambda: fd.ops.cast(x, DataType.Null)),
+                       ("full", lambda: fd.ops.full([2], 1.0, DataType.Null)),
+                       ("define_tensor", lambda: fd.define_tensor([2], dtype=DataType.Null))):
+        _raises(DefinitionError, rf"{op}: dtype must be a DataType other than Null \(e.g. DataType.Float\), got "
+                                 r"DataType.Null", record)
+    assert len(fd.fusion.tensors) == 1 and str(fd)  # nothing recorded; the definition still prints
+
+
 def test_tensors_of_another_fusion():
     fd, (x,) = _fd_with((2, 3))
     other, (y,) = _fd_with((2, 3))
     _raises(DefinitionError, r"add: T0 belongs to another FusionDefinition", lambda: fd.ops.add(x, y))
     _raises(DefinitionError, r"add_output: expected a TensorView of this fusion", lambda: fd.add_output(y))
     _raises(DefinitionError, r"add_output: expected a TensorView", lambda: fd.add_output(torch.ones(2)))
+
+
+def test_size_and_shape_of_another_fusions_tensor():
+    """fd.ops.size/shape record no op, but a symbolic size they give names a tensor: of another fusion,
+    T0 would bind to this fusion's T0 at execute."""
+    other, (y,) = _fd_with((-1, 3))
+    fd, (x,) = _fd_with((-1, 3))
+    _raises(DefinitionError, r"size: T0 belongs to another FusionDefinition", lambda: fd.ops.size(y, 0))
+    _raises(DefinitionError, r"shape: T0 belongs to another FusionDefinition", lambda: fd.ops.shape(y))
 
 
 # --- schedule errors -------------------------------------------------------------------------
@@ -235,8 +303,12 @@ def test_split_of_a_symbolic_extent_is_checked_at_execute():
     (lambda t: t.outer_split(-3, 2), r"T0.split: axis -3 is out of range"),
     (lambda t: t.axis(2), r"T0.axis: axis 2 is out of range for a loop domain of 2 axes"),
     (lambda t: t.axis(-3), r"T0.axis: axis -3 is out of range"),
+    (lambda t: t.axis("0"), r"T0.axis: the axis index must be an int \(a loop axis, negative ones count from the "
+                            r"end\), got '0'$"),
+    (lambda t: t.split(1.0, 2), r"T0.split: the axis index must be an int .*, got 1.0$"),
+    (lambda t: t.rfactor([None]), r"T0.rfactor: the axis index must be an int .*, got None$"),
 ])
-def test_axis_out_of_range(call, msg):
+def test_axis_out_of_range_or_not_an_int(call, msg):
     _, t = _tv()
     _raises(ShardingError, msg, lambda: call(t))
 
@@ -395,6 +467,26 @@ def test_extents_and_factors_are_integers():
                 lambda bad=bad: fd.compile([bad]))
 
 
+def test_compile_arguments():
+    """fd.compile needs one concrete global shape per input and a rank >= 0 (a symbolic extent was reported as
+    a shape mismatch, a flat shape as a TypeError, and rank 'a' or -1 built a plan)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(MESH2)
+        x.outer_split(0, 2).axis(0).parallelize(ParallelType.mesh_x)
+    _raises(InputError, r"compile: input T0 is given the global shape \[-1, 4\]; a plan is built for concrete global "
+                        r"shapes: give each symbolic extent of \[-1, 4\] its size", lambda: fd.compile([[-1, 4]]))
+    _raises(InputError, r"compile: input T0 is defined as \[-1, 4\], got global shape 8; input_shapes holds one list "
+                        r"of extents per input", lambda: fd.compile([8]))
+    _raises(InputError, r"compile: expected a list of 1 global shape, one per input \(T0\), got 8",
+            lambda: fd.compile(8))
+    for rank in ("a", -1, 1.0, True):
+        _raises(InputError, rf"compile: rank must be the rank \(an int >= 0\) whose plan to build, got {rank!r}",
+                lambda rank=rank: fd.compile([[8, 4]], rank=rank))
+    assert fd.compile([[8, 4]], rank=np.int64(1)).rank == 1
+
+
 def test_a_rejected_input_does_not_poison_the_fusion():
     fd = _relu_fd()
     _raises(InputError, r"local extent 7", lambda: fd.execute([torch.ones(4, 7)]))
@@ -477,3 +569,60 @@ def test_a_split_left_unparallelized_is_named_when_the_input_does_not_fit():
             lambda: fd.execute([torch.ones(4, 4)]))
     _raises(InputError, r"input T0 dim 1 has local extent 2; it is not sharded \(global extent 4\)\. Pass",
             lambda: fd.execute([torch.ones(8, 2)]))
+
+
+def test_a_dim_sharded_on_a_mesh_axis_of_size_1_is_named_sharded():
+    """At world 1 a parallelized dim splits 1 way: a wrong local extent is reported as at worlds 2 and 4
+    (was "it is not sharded ... none of them parallelized", naming the call that was made)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 4])
+        fd.add_output(fd.ops.relu(x))
+        x.set_device_mesh(DeviceMesh([0]))
+        x.outer_split(0, 1)
+        x.axis(0).parallelize(ParallelType.mesh_x)
+    err = _raises(InputError, r"input T0 dim 0 has local extent 7; its global extent 8 split 1 way gives 8\. Pass "
+                              r"this rank's shard .*expected local shape \[8, 4\]",
+                  lambda: fd.execute([torch.ones(7, 4)]))
+    assert "not sharded" not in str(err) and "parallelized" not in str(err)
+
+
+@pytest.mark.parametrize("op", ["amax", "max", "amin", "min"])
+def test_max_and_min_of_no_elements(op):
+    """torch has no max or min of no elements: a reduced dim of extent 0 is refused when recorded, and a
+    symbolic one bound to 0 with the other size checks at execute (InputError before running; was an
+    ExecutionError from inside the plan)."""
+    with FusionDefinition() as fixed:
+        x = fixed.define_tensor([0, 4])
+        _raises(DefinitionError, rf"{op}: cannot apply to T0 f32\[0, 4\]: dim 0 has extent 0: torch has no a"
+                                 rf"{op[-3:]} of no elements", lambda: getattr(fixed.ops, op)(x, [0]))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 4])
+        fd.add_output(getattr(fd.ops, op)(x, [0]))
+    _raises(InputError, rf"execute: the inputs' sizes do not fit the fusion: {op}: cannot apply to T0 f32\[0, 4\]: "
+                        rf"dim 0 has extent 0: torch has no a{op[-3:]} of no elements",
+            lambda: fd.execute([torch.ones(0, 4)]))
+    assert fd.plan is None
+    torch.testing.assert_close(fd.execute([torch.ones(3, 4)])[0], torch.ones(4))
+
+
+@pytest.mark.parametrize("call,msg", [
+    (lambda full, t: shard_tensor(full.numpy(), t),
+     r"shard_tensor: full must be a torch.Tensor \(the whole, unsharded value\), got numpy.ndarray; "
+     r"torch.from_numpy\(full\) converts a numpy array"),
+    (lambda full, t: shard_tensor(full.tolist(), t), r"full must be a torch.Tensor .*, got builtins.list$"),
+    (lambda full, t: shard_tensor(full, None), r"shard_tensor: expected a TensorView \(or a Sharding, e.g. "
+                                               r"fd.output_shardings\(\)\[i\]\) to shard by, got None"),
+    (lambda full, t: shard_tensor(full, "T0"), r"expected a TensorView .* to shard by, got 'T0'"),
+    (lambda full, t: shard_tensor(full, t, rank="1"),
+     r"shard_tensor: rank must be a rank of the process group \(an int >= 0\), or None for this rank, got '1'"),
+    (lambda full, t: shard_tensor(full, t, rank=-1), r"rank must be .*, got -1"),
+    (lambda full, t: shard_tensor(full, t, rank=True), r"rank must be .*, got True"),
+])
+def test_shard_tensor_arguments(call, msg):
+    """Arguments of the wrong kind are an InputError (were AttributeErrors, or an empty shard for a rank of
+    '1' or -1, as for a rank outside the mesh)."""
+    _, t = _tv()
+    t.outer_split(0, 2).axis(0).parallelize(ParallelType.mesh_x)
+    full = torch.arange(48.0).reshape(8, 6)
+    _raises(InputError, msg, lambda: call(full, t))
+    assert shard_tensor(full, t, rank=np.int64(1)).shape == (4, 6) and shard_tensor(full, t, rank=5).numel() == 0

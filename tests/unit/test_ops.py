@@ -972,7 +972,7 @@ def test_nvfusers_reduction_overloads_and_scalar_constants_in_lists():
     (lambda fd, t, i: fd.ops.triu(t, 1.5), "triu: diagonal must be an int or a define_scalar, got 1.5"),
     (lambda fd, t, i: fd.ops.sum(t, [0], dim=1), "sum: give dims or dim, not both"),
     (lambda fd, t, i: fd.ops.iota(5, 1, 0.5, DataType.Int32), "iota: start 1 and step 0.5 must be whole numbers"),
-    (lambda fd, t, i: fd.ops.max(fd.define_tensor([3, 0]), [1]), "max: dim 1 of T2 f32.3, 0. has extent 0"),
+    (lambda fd, t, i: fd.ops.max(fd.define_tensor([3, 0]), [1]), "max: cannot apply to T2 .*: dim 1 has extent 0"),
     (lambda fd, t, i: fd.ops.embedding_fwd(i, t, padding_idx=3), "padding_idx 3 is out of range for weight T0"),
 ])
 def test_bad_arguments_of_nvfusers_ops_are_definition_errors(call, match):

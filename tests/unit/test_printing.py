@@ -192,6 +192,22 @@ def test_handles_repr():
     assert repr(DeviceMesh(torch.arange(4).reshape(2, 2))) == "DeviceMesh([0, 1, 2, 3], shape=[2, 2])"
 
 
+def test_plan_repr_is_one_line():
+    """What a REPL shows for fd.plan (was the dataclass dump of the whole program, 2.8 KB); str is the listing."""
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4]), fd.define_tensor([6, 4])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+        for tv in (x, w, y):
+            tv.set_device_mesh(mesh)
+        x.outer_split(0, 2).axis(0).parallelize(ParallelType.mesh_x)
+    plan = fd.compile([[8, 4], [6, 4]], rank=1)
+    assert repr(plan) == "<Plan: 2 segments on rank 1 (cpu), collectives ['allgather']>"
+    assert str(plan).startswith("Plan: 2 segment(s); inputs [T0, T1], outputs [T2]\n  segment 0: compute\n")
+    assert repr(_small_fusion().compile([[3, 8], [8], [3, 8]])).startswith("<Plan: 1 segment on rank 0 (cpu), ")
+
+
 @pytest.mark.parametrize("build", [_small_fusion, _mesh_2d_fusion,
                                    lambda: _tp_mlp_module().define_mlp(64, 32, 2, "sp", DataType.BFloat16)])
 def test_printing_is_deterministic(build):

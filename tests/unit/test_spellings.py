@@ -187,8 +187,11 @@ def test_null_dtype_means_no_dtype():
     t = torch.randn(3, 4).half()
     torch.testing.assert_close(fd.execute([t])[0], t.sum(0))
     assert DataType.from_torch(torch.float32) is DataType.Float
-    with pytest.raises(ValueError, match="Null"):
+    with pytest.raises(DefinitionError, match="DataType.Null is no tensor dtype"):  # a TPFusionError and a ValueError
         _ = DataType.Null.torch
+    with pytest.raises(DefinitionError, match=r"torch dtype torch.complex64 has no tp_fusion DataType; the DataTypes "
+                                              r"are Float, Double, Half, BFloat16, Int, Int32, UInt64, Bool"):
+        DataType.from_torch(torch.complex64)
 
 
 def test_splits_chain_and_inner_split():

@@ -37,6 +37,8 @@ def backend() -> str:
 
 
 def init_process_group(backend: str, rank: int, world_size: int, init_method: str, timeout_s: float) -> None:
+    global _aborted
+    _aborted = False
     _dist.init_process_group(
         backend, rank=rank, world_size=world_size, init_method=init_method,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -55,6 +57,8 @@ def before_destroy(callback) -> None:
 def destroy_process_group() -> None:
     """Destroy the default process group and every group made under it (a group object left alive
     past interpreter exit aborts the process: gloo's threads are torn down unjoined)."""
+    global _aborted
+    _aborted = False
     if is_initialized():
         for callback in _before_destroy:
             callback()
@@ -229,11 +233,23 @@ def default_store():
         return None
 
 
+_aborted = False  # abort() tore the last default process group down (not its owner, nor a new init since)
+
+
+def aborted() -> bool:
+    """Whether there is no default process group because ``abort`` tore it down (a plan failed on this
+    rank); False once ``init_process_group`` or ``destroy_process_group`` here ran after it, or while a
+    group that the user initialized through torch itself is up."""
+    return _aborted and not is_initialized()
+
+
 def abort() -> None:
     """Tear down every process group of this rank now, never waiting on pending work (NCCL:
     ``ncclCommAbort`` where torch has it; gloo: destroying closes the connections)."""
+    global _aborted
     if not is_initialized():
         return
+    _aborted = True
     try:
         from torch.distributed import distributed_c10d as c10d
 

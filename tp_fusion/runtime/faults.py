@@ -246,14 +246,25 @@ def _peer_failure(error: str) -> bool:
     return any(sign in text for sign in _PEER_SIGNS)
 
 
+GROUP_DESTROYED = ("; this rank's process group is destroyed (a failed plan tears it down, so that no peer waits on "
+                   "it): initialize it again (torch.distributed.init_process_group) before the next execute")
+
+
 def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseException | None = None,
                    grace_s: float | None = None) -> str:
     """Publish this rank's failure, abort its process groups, and describe the failure that came first.
 
     ``local``: the error arose on this rank for sure (a compute step, not a collective that may
     have broken because a peer left). A peer's record is waited for at most ``grace_s`` seconds (env
-    ``TP_FUSION_FAULT_GRACE_S``, default 3). Returns the text for this rank's ExecutionError.
+    ``TP_FUSION_FAULT_GRACE_S``, default 3). Returns the text for this rank's ExecutionError, which
+    ends saying that the process group is gone (``GROUP_DESTROYED``).
     """
+    return _first_failure(rank, where, error, local, exc, grace_s) + GROUP_DESTROYED
+
+
+def _first_failure(rank: int, where: str, error: str, local: bool, exc: BaseException | None,
+                   grace_s: float | None) -> str:
+    """``report_failure`` but for the note that the process group is destroyed."""
     if grace_s is None:
         grace_s = float(os.environ.get("TP_FUSION_FAULT_GRACE_S", "3"))
     if not local and not _peer_failure(error):
