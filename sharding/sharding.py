@@ -7,11 +7,12 @@ the printer use. Placements are indexed by mesh axis (0 = outermost); ``mesh_x``
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
-from tp_fusion.errors import ShardingError
+from tp_fusion.errors import InputError, ShardingError
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.types import ParallelType
 
@@ -256,7 +257,21 @@ def _sharding_of(tv_or_sharding, shape: tuple[int, ...]) -> Sharding | None:
     holds of its value once any pending sum is done (what ``execute`` returns for an output)."""
     if isinstance(tv_or_sharding, Sharding):
         return tv_or_sharding
+    if not hasattr(tv_or_sharding, "bound_sharding"):
+        raise InputError(f"shard_tensor: expected a TensorView (or a Sharding, e.g. fd.output_shardings()[i]) to "
+                         f"shard by, got {tv_or_sharding!r}")
     return tv_or_sharding.bound_sharding(shape)
+
+
+def _check_shard_arguments(full, rank) -> None:
+    """``shard_tensor``'s arguments of the wrong kind, as ``InputError``s that say what to pass."""
+    if not isinstance(full, torch.Tensor):
+        hint = "; torch.from_numpy(full) converts a numpy array" if type(full).__module__ == "numpy" else ""
+        raise InputError(f"shard_tensor: full must be a torch.Tensor (the whole, unsharded value), got "
+                         f"{type(full).__module__}.{type(full).__qualname__}{hint}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0):
+        raise InputError(f"shard_tensor: rank must be a rank of the process group (an int >= 0), or None for this "
+                         f"rank, got {rank!r}")
 
 
 def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) -> torch.Tensor:
@@ -266,6 +281,7 @@ def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) ->
     device-parallel reduction axis) is done, as in nvFuser. A rank outside the mesh holds an empty tensor."""
     from tp_fusion.runtime import dist
 
+    _check_shard_arguments(full, rank)
     sharding = _sharding_of(tv_or_sharding, tuple(full.shape))
     if sharding is None or sharding.mesh is None:
         return full.clone()

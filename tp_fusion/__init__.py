@@ -11,10 +11,6 @@ docs/guide.md, the code layout docs/architecture.md.
 
 __version__ = "0.2.0"
 
-import numbers
-
-import torch
-
 from tp_fusion.errors import (
     DefinitionError,
     ExecutionError,
@@ -30,10 +26,11 @@ from tp_fusion.errors import (
 )
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.sharding import sharding as _sharding
-from tp_fusion.sharding.sharding import Sharding
+from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor  # noqa: F401
 from tp_fusion.types import DataType, ParallelType
 
+# Partial, Replicate and Shard are importable by name (tp_fusion.Shard) but not exported by ``import *``,
+# where they would shadow torch.distributed.tensor's placements of the same names.
 __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
     "LaunchArgumentError", "LaunchError", "LoweringError", "ParallelType", "Sharding", "ShardingError",
@@ -48,24 +45,6 @@ def release_cuda_graphs() -> None:
     from tp_fusion.runtime import graphs
 
     graphs.release_all()
-
-
-def shard_tensor(full, tv_or_sharding, rank: int | None = None):
-    """The local shard of the whole tensor ``full`` that ``rank`` (default: this rank) holds under the
-    sharding of a TensorView (of its schedule, a pending sum done) or a ``Sharding``; a rank outside the
-    mesh holds an empty tensor. Wrong kinds of arguments raise ``InputError`` here; the sharding itself is
-    ``tp_fusion.sharding.shard_tensor``'s."""
-    if not isinstance(full, torch.Tensor):
-        hint = "; torch.from_numpy(full) converts a numpy array" if type(full).__module__ == "numpy" else ""
-        raise InputError(f"shard_tensor: full must be a torch.Tensor (the whole, unsharded value), got "
-                         f"{type(full).__module__}.{type(full).__qualname__}{hint}")
-    if not isinstance(tv_or_sharding, (TensorView, Sharding)):
-        raise InputError(f"shard_tensor: expected a TensorView (or a Sharding, e.g. fd.output_shardings()[i]) to shard "
-                         f"by, got {tv_or_sharding!r}")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0):
-        raise InputError(f"shard_tensor: rank must be a rank of the process group (an int >= 0), or None for this "
-                         f"rank, got {rank!r}")
-    return _sharding.shard_tensor(full, tv_or_sharding, rank)
 
 
 def execute_with_dtensors(fd, dtensors):

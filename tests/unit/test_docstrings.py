@@ -83,11 +83,11 @@ def test_data_type_repr_and_doc():
 def test_star_import_leaves_torchs_placements_alone():
     """tp_fusion's placement classes are not in API.md: ``from tp_fusion import *`` after
     ``from torch.distributed.tensor import Shard`` must not replace torch's (DTensor then refused it). They
-    stay importable from where they live."""
+    stay importable by name."""
     namespace: dict = {}
     exec("from torch.distributed.tensor import Partial, Replicate, Shard\nfrom tp_fusion import *", namespace)
     assert {namespace[n].__module__ for n in ("Partial", "Replicate", "Shard")} == {
         "torch.distributed.tensor.placement_types"}
     assert {"FusionDefinition", "DeviceMesh", "ParallelType", "DataType", "shard_tensor", "Sharding",
             "TPFusionError", "execute_with_dtensors"} <= set(namespace)
-    from tp_fusion.sharding.sharding import Partial, Replicate, Shard  # noqa: F401
+    from tp_fusion import Partial, Replicate, Shard  # noqa: F401
