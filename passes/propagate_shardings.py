@@ -233,16 +233,17 @@ def _run_as_needed(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh):
 
 def _copy_read(op, draft: _Draft) -> Sharding | None:
     """The sharding of the copy that another op makes of this op's one tensor operand, where this op can
-    read that copy and give its result so: a view of a gathered copy (``reshard.gathered``; a view of ``g`` that is
-    then gathered, where ``g @ w`` gathers ``g`` too, reads the one gathered copy), or a pointwise op of a
-    pending sum's summed copy (``lerp(y, -y, w)``: ``neg`` reads the sum that the lerp needs). Else None."""
+    read that copy and give its result so: a view or a pointwise op of a gathered copy (``reshard.gathered``;
+    a view of ``g`` that is then gathered, where ``g @ w`` gathers ``g`` too, reads the one gathered copy;
+    ``cat([x, neg(x)])`` gathers x once and negates the whole), or a pointwise op of a pending sum's summed
+    copy (``lerp(y, -y, w)``: ``neg`` reads the sum that the lerp needs). Else None."""
     if len(op.tensor_inputs) != 1:
         return None
     (a,) = op.tensor_inputs
     copy, have = draft.copies.get(a), draft.tensor(a).sharding
     if copy is None:
         return None
-    if traits(op.kind) & Trait.VIEW and gathered(have, copy) \
+    if is_cheap(op) and gathered(have, copy) \
             or traits(op.kind) & Trait.POINTWISE and have.has_partial and copy.mesh == have.mesh:
         return copy
     return None

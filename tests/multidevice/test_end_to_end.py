@@ -605,6 +605,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
                                             fd.ops.matmul(fd.ops.permute(gb, [1, 0]), y)),
         lambda ga, x, gb, y: ga.T @ x + gb.T @ y, ["allgather", "allgather"], out={0: X}),
     "strided_shards_gathered_once_for_two_readers": lambda m: strided_gathered_once_case(m),
+    "gathered_once_for_a_cat_of_it_and_its_negation": lambda m: _unary_case(  # not x and neg(x) each
+        m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cat([x, fd.ops.neg(x)], 0), lambda t: torch.cat([t, -t], 0),
+        ["allgather"]),
     "pending_max_summed_once_for_two_readers": lambda m: _unary_case(
         m, [8, 8], {0: X}, {1: X}, _max_and_sum_of_exp,
         lambda t: torch.cat([t.amax(0, keepdim=True), (t - t.amax(0, keepdim=True)).exp().sum(0, keepdim=True)], 1),
