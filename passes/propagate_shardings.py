@@ -161,21 +161,35 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
 
 
 def _hint(draft: _Draft, name: int) -> Sharding | None:
-    """The sharding ``name`` should be made in: its annotation, else the one annotation that every op
-    reading it passes on unchanged, where each is a pointwise op (not a user's ``set``) whose result has
-    ``name``'s shape (a weight gradient cast to f32, or summed over two uses of the weight, with the
-    result annotated: the GEMM makes that sharding, gathering its activation once, rather than keeping
-    its own and moving the product)."""
+    """The sharding ``name`` should be made in: its annotation, else the one annotation of the dtype
+    conversions (``_converts``) that are all that read it, where that is on the mesh of its producer's
+    operands: an f32 master weight's gradient ``cast(permute(g) @ x, f32)`` annotated on its features
+    is made so by the GEMM (gathering x once) as an annotated ``permute(g) @ x`` is, rather than kept on
+    x's token shards and its product moved. (Not through other ops: a hint on a GEMM or a chain of
+    pointwise ops takes the choice of what to move from the bytes.)"""
     t = draft.tensor(name)
     if t.annotated:
         return t.sharding
     readers = draft.consumers(name)
-    if not readers or name in draft.outputs or any(
-            not traits(op.kind) & Trait.POINTWISE or traits(op.kind) & Trait.RESHARD or len(op.outputs) != 1
-            or draft.tensor(op.outputs[0]).shape != t.shape for op in readers):
+    if not readers or name in draft.outputs or not all(_converts(draft, op, name) for op in readers):
         return None
     hints = {_hint(draft, op.outputs[0]) for op in readers}
-    return hints.pop() if len(hints) == 1 else None
+    hint = hints.pop() if len(hints) == 1 else None
+    producer = draft.producer(name)
+    operands = producer.tensor_inputs if producer is not None else ()
+    if hint is None or any(draft.tensor(a).sharding.mesh != hint.mesh for a in operands):
+        return None
+    return hint
+
+
+def _converts(draft: _Draft, op, name: int) -> bool:
+    """Whether ``op`` converts ``name`` to another dtype and nothing else: a pointwise op (not a ``set``)
+    whose one input is ``name`` and whose one result has its shape and another dtype (a cast)."""
+    if not traits(op.kind) & Trait.POINTWISE or traits(op.kind) & Trait.RESHARD \
+            or op.inputs != (name,) or len(op.outputs) != 1:
+        return False
+    out, t = draft.tensor(op.outputs[0]), draft.tensor(name)
+    return out.shape == t.shape and out.dtype != t.dtype
 
 
 def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> None:
