@@ -229,23 +229,20 @@ def _saves_work(op: Op, c: Candidate) -> bool:
 
 
 def _move_nbytes(fusion: Fusion, name: int) -> float:
-    """The bytes that moving tensor ``name`` costs: its own, or where fewer those of the operands of the
-    cheap op that made it (``is_cheap``: a view or a pointwise op), moved instead and the op run again
-    on them; an operand every device holds whole moves nothing (``propagate_shardings``: a broadcast
-    that is then gathered is made whole from its gathered source; a one-hot ``iota == broadcast(ids)``
-    wanted on vocabulary shards is made there from the gathered ids)."""
-    memo: dict[int, float] = {}
-
-    def cost(t: int) -> float:
-        if t not in memo:
-            op = fusion.producer(t)
-            memo[t] = own = nbytes(fusion, t)
-            if op is not None and is_cheap(op):
-                moved = (a for a in set(op.tensor_inputs)
-                         if fusion.tensor(a).sharding is None or not fusion.tensor(a).sharding.is_replicated)
-                memo[t] = min(own, sum(cost(a) for a in moved))
-        return memo[t]
-    return cost(name)
+    """The bytes that moving tensor ``name`` costs: its own, or where fewer those of the one operand that
+    is not held whole of the cheap op that made it (``is_cheap``: a view or a pointwise op), moved instead
+    and the op run again on it (``propagate_shardings``: a broadcast that is then gathered is made whole
+    from its gathered source; a one-hot ``iota == broadcast(ids)`` wanted on vocabulary shards is made
+    there from the gathered ids)."""
+    op = fusion.producer(name)
+    own = nbytes(fusion, name)
+    if op is None or not is_cheap(op):
+        return own
+    moving = {a for a in op.tensor_inputs
+              if fusion.tensor(a).sharding is None or not fusion.tensor(a).sharding.is_replicated}
+    if not moving:
+        return 0
+    return min(own, _move_nbytes(fusion, moving.pop())) if len(moving) == 1 else own
 
 
 def _taken(p: Placement, op: Op, fusion: Fusion, n: int, j: int = 0) -> bool:
