@@ -32,8 +32,8 @@ def lower_communications(fusion: Fusion) -> Fusion:
             continue
         cur = src_t.name
         for i, step in enumerate(steps):
-            last = i == len(steps) - 1
-            key = (cur, step.collective, tuple(step.attrs().items()), step.after)
+            last, attrs = i == len(steps) - 1, tuple(step.attrs().items())
+            key = (cur, step.collective, attrs, step.after)
             if key in made and step.collective.communicates:
                 cur = made[key]
                 if last:  # the set's own result: a local copy of the one made before
@@ -44,6 +44,6 @@ def lower_communications(fusion: Fusion) -> Fusion:
             else:
                 out = len(tensors)
                 tensors.append(Tensor(out, dst_t.shape, dst_t.dtype, step.after))
-            ops.append(Op(step.collective.value, (cur,), (out,), tuple(step.attrs().items())))
+            ops.append(Op(step.collective.value, (cur,), (out,), attrs))
             made[key] = cur = out
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))

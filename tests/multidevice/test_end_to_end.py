@@ -388,16 +388,20 @@ def pending_sum_in_many_shardings_case(mesh, targets: tuple[dict, ...], collecti
                 lambda a, b: [F.linear(a, b)] * len(targets), collectives)
 
 
-def rms_norm_backward_case(mesh, residual: bool = False) -> Case:
+def rms_norm_backward_case(mesh, residual: bool = False, cast: bool = False) -> Case:
     """A sequence-parallel RMSNorm backward's pattern: gy, a row-parallel matmul's pending sum, read by
     grad_x = gy * g (on rows) and grad_g = sum over rows of gy * xhat (xhat on rows). gy is reduce-scattered
     once and both products run on rows; grad_g sums a [H] partial. (Before: an allgather of xhat, an
     allreduce and a reduce_scatter of the product; the pattern comes from a model-pattern hunt.) With
-    ``residual``, grad_x is ``gy * g + xhat``, so no op that reads gy has an annotated result."""
+    ``residual``, grad_x is ``gy * g + xhat``, so no op that reads gy has an annotated result. With
+    ``cast``, the matmul is f32 and the norm reads its f64 cast: gy is reduce-scattered in f32, half the
+    bytes (the inputs are small integers, so that the f32 sums are exact in any order)."""
+    gemm = F32 if cast else F64
     with FusionDefinition() as fd:
-        a, w = fd.define_tensor([16, 8], dtype=F64), fd.define_tensor([8, 4], dtype=F64)
+        a, w = fd.define_tensor([16, 8], dtype=gemm), fd.define_tensor([8, 4], dtype=gemm)
         xhat, g = fd.define_tensor([16, 4], dtype=F64), fd.define_tensor([4], dtype=F64)
         gy = fd.ops.matmul(a, w)
+        gy = fd.ops.cast(gy, F64) if cast else gy
         grad_g = fd.ops.sum(fd.ops.mul(gy, xhat), [0])
         grad_x = fd.ops.mul(gy, g)
         grad_x = fd.ops.add(grad_x, xhat) if residual else grad_x
@@ -410,8 +414,13 @@ def rms_norm_backward_case(mesh, residual: bool = False) -> Case:
         shard(grad_x, mesh, {0: X})
         shard(grad_g, mesh)
     full = [_rand(s, shape) for s, shape in ((85, (16, 8)), (86, (8, 4)), (87, (16, 4)), (88, (4,)))]
-    return Case(fd, [a, w, xhat, g], full, lambda a, w, x, g: [(a @ w) * g + (x if residual else 0),
-                                                              ((a @ w) * x).sum(0)], ["reduce_scatter", "allreduce"])
+    if cast:
+        full[:2] = [t.mul(2).round().float() for t in full[:2]]
+
+    def reference(a, w, x, g):
+        gy = (a @ w).double()
+        return [gy * g + (x if residual else 0), (gy * x).sum(0)]
+    return Case(fd, [a, w, xhat, g], full, reference, ["reduce_scatter", "allreduce"])
 
 
 def sp_embedding_gradient_case(mesh) -> Case:
@@ -607,7 +616,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [8, 8], {0: X}, {1: X}, _max_and_sum_of_exp,
         lambda t: torch.cat([t.amax(0, keepdim=True), (t - t.amax(0, keepdim=True)).exp().sum(0, keepdim=True)], 1),
         ["allreduce", "reduce_scatter"]),
-    "pending_sum_cast_scattered_in_its_dtype": lambda m: cast_pending_sum_on_rows_case(m),
+    "pending_sum_cast_scattered_in_its_dtype": lambda m: rms_norm_backward_case(m, cast=True),
     "unread_outputs_stay_where_made": lambda m: binary_case(  # layer_norm's mean and rstd are not gathered
         m, [[8, 4], [8, 4]], [{}, {0: X}],
         lambda fd, x, r: fd.ops.add(fd.ops.native_layer_norm(x, [4], None, None, eps=1e-5)[0], r),
@@ -711,37 +720,6 @@ def _max_and_sum_of_exp(fd, x):
     """``cat([m, sum(exp(x - m))])`` for the column max ``m``, which two ops read: a pending max on rows."""
     m = fd.ops.amax(x, [0], keepdim=True)
     return fd.ops.cat([m, fd.ops.sum(fd.ops.exp(fd.ops.sub(x, m)), [0], keepdim=True)], 1)
-
-
-def cast_pending_sum_on_rows_case(mesh) -> Case:
-    """An SP RMSNorm backward in f64 of an f32 column-parallel GEMM's pending gradient ``gy``, grad_x on
-    token shards: gy is reduce-scattered in f32 (half the bytes of its f64 cast), grad_w allreduced."""
-    t, f, h = 8, 16, 12
-    with FusionDefinition() as fd:
-        gg, w = fd.define_tensor([t, f], dtype=F32), fd.define_tensor([f, h], dtype=F32)
-        x, g = fd.define_tensor([t, h], dtype=F64), fd.define_tensor([h], dtype=F64)
-        gy = fd.ops.cast(fd.ops.matmul(gg, w), F64)
-        r = fd.ops.rsqrt(fd.ops.add(fd.ops.mean(fd.ops.mul(x, x), [1], keepdim=True), 1e-6))
-        xhat = fd.ops.mul(x, r)
-        gx = fd.ops.mul(gy, g)
-        grad_x = fd.ops.mul(r, fd.ops.sub(gx, fd.ops.mul(xhat, fd.ops.mean(fd.ops.mul(gx, xhat), [1], keepdim=True))))
-        fd.add_output(grad_x)
-        fd.add_output(fd.ops.sum(fd.ops.mul(gy, xhat), [0]))
-        shard(gg, mesh, {1: X})
-        shard(w, mesh, {0: X})
-        for tv in (x, grad_x):
-            shard(tv, mesh, {0: X})
-        shard(g, mesh)
-    # small integers: the f32 GEMM's sums are exact in any order, so its result is the reference's
-    full = [_rand(97, (t, f), F32).mul(2).round(), _rand(98, (f, h), F32).mul(2).round(), _rand(99, (t, h)),
-            1 + 0.1 * _rand(100, (h,))]
-
-    def reference(gg, w, x, g):
-        gy = (gg @ w).double()
-        r = torch.rsqrt((x * x).mean(1, keepdim=True) + 1e-6)
-        xhat, gx = x * r, gy * g
-        return [r * (gx - xhat * (gx * xhat).mean(1, keepdim=True)), (gy * xhat).sum(0)]
-    return Case(fd, [gg, w, x, g], full, reference, ["reduce_scatter", "allreduce"])
 
 
 def _outputs(fd, first, *more):

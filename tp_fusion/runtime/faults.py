@@ -246,7 +246,7 @@ def _peer_failure(error: str) -> bool:
     return any(sign in text for sign in _PEER_SIGNS)
 
 
-GROUP_DESTROYED = ("; this rank's process group is destroyed (a failed plan tears it down, so that no peer waits on "
+_GROUP_DESTROYED = ("; this rank's process group is destroyed (a failed plan tears it down, so that no peer waits on "
                    "it): initialize it again (torch.distributed.init_process_group) before the next execute")
 
 
@@ -257,9 +257,9 @@ def report_failure(rank: int, where: str, error: str, local: bool, exc: BaseExce
     ``local``: the error arose on this rank for sure (a compute step, not a collective that may
     have broken because a peer left). A peer's record is waited for at most ``grace_s`` seconds (env
     ``TP_FUSION_FAULT_GRACE_S``, default 3). Returns the text for this rank's ExecutionError, which
-    ends saying that the process group is gone (``GROUP_DESTROYED``).
+    ends saying that the process group is gone (``_GROUP_DESTROYED``).
     """
-    return _first_failure(rank, where, error, local, exc, grace_s) + GROUP_DESTROYED
+    return _first_failure(rank, where, error, local, exc, grace_s) + _GROUP_DESTROYED
 
 
 def _first_failure(rank: int, where: str, error: str, local: bool, exc: BaseException | None,
