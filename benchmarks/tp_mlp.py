@@ -97,6 +97,10 @@ SP_DESIGNS = {
     "rs_ring_1_piece": overlap.Tuning(rs_reduce="ring"),
     "rs_ring_2_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=2),
     "rs_ring_4_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=4),
+    # The ring's partial GEMMs write into the next rank's slot (no copy engine, no staging); the last
+    # GEMM reads the received partial as its C operand: no push, no add pass, no copy out
+    "rs_ring_remote_store": overlap.Tuning(rs_reduce="ring", rs_remote_store=True),
+    "rs_ring_remote_store_2_pieces": overlap.Tuning(rs_reduce="ring", rs_subchunks=2, rs_remote_store=True),
     "rs_sum_2_pieces": overlap.Tuning(rs_subchunks=2),
     # Chunk boundaries off the middle (round 18's compute-only probe: GEMM 1 best 256 rows early, GEMM 2
     # 512-768 rows late, on 8192 and 16384 tokens)
