@@ -116,7 +116,10 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
     linear's gradient then runs one allreduce of it, not one of grad_x and one of each of grad_w, grad_b;
     on a DP x TP mesh too, where grad_x stays on the DP axis's token shards), or all summed to one shard
     and made from the source by pointwise ops alone, so that its dims are theirs (a bf16 gradient cast to
-    f32 for an RMSNorm backward on token shards is reduce-scattered in bf16, half the bytes)."""
+    f32 for an RMSNorm backward on token shards is reduce-scattered in bf16, half the bytes), or all
+    summed to one shard through other ops, where an allreduce of the source moves less than their
+    reduce_scatter (the source is summed whole and those ops then run on the shard: a tied embedding and
+    LM head's TP backward allreduces grad_h [T, H], not the [V, H] weight gradient)."""
     source: dict[int, int] = {}  # a pending tensor -> the source whose sum it carries
     aligned: set[int] = set()  # pending tensors made from their source by pointwise ops of its shape
     exits: dict[int, dict[int, Sharding]] = {}  # a source -> the tensors summed, each to what it is summed to
@@ -150,9 +153,11 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
             if not isinstance(p, Partial):
                 continue
             wanted = {s.placements[axis] if s.mesh == have.mesh else None for s in summed.values()}
-            if wanted == {REPLICATE} or len(wanted) == 1 and isinstance(next(iter(wanted)), Shard) \
-                    and all(t in aligned or t == src for t in summed):
-                target[axis] = wanted.pop()
+            one = next(iter(wanted)) if len(wanted) == 1 else None
+            if one == REPLICATE or isinstance(one, Shard) and all(t in aligned or t == src for t in summed):
+                target[axis] = one
+            elif isinstance(one, Shard) and 2 * nbytes(draft, src) < sum(nbytes(draft, t) for t in summed):
+                target[axis] = REPLICATE  # an allreduce of the source; what reads it runs on its shards
             else:
                 break
         else:

@@ -441,6 +441,32 @@ def sp_embedding_gradient_case(mesh) -> Case:
     return Case(fd, [ids, grad_h], full, lambda i, g: [F.one_hot(i, v).double().T @ g], ["allgather"] * 2)
 
 
+def tied_embedding_gradient_case(mesh) -> Case:
+    """The TP backward of a tied embedding and LM head (one [V, H] weight on vocabulary shards): the
+    embedding's gradient one_hot(ids)^T @ grad_h, grad_h = grad_logits @ W a pending sum, plus the head's
+    grad_logits^T @ h. One allreduce of grad_h [T, H], then both products on the vocabulary shard
+    (Megatron-LM's plan; a reduce_scatter of the [V, H] product before)."""
+    t, h, v = 8, 4, 64
+    with FusionDefinition() as fd:
+        ids = fd.define_tensor([t], dtype=DataType.Int)
+        hn, w, grad_logits = (fd.define_tensor(s, dtype=F64) for s in ([t, h], [v, h], [t, v]))
+        grad_h = fd.ops.matmul(grad_logits, w)
+        hit = fd.ops.eq(fd.ops.broadcast_in_dim(fd.ops.iota(v), [t, v], [1]),
+                        fd.ops.broadcast_in_dim(ids, [t, v], [0]))
+        grad_w = fd.ops.add(fd.ops.matmul(fd.ops.permute(fd.ops.cast(hit, F64), [1, 0]), grad_h),
+                            fd.ops.matmul(fd.ops.permute(grad_logits, [1, 0]), hn))
+        fd.add_output(grad_w)
+        shard(ids, mesh)
+        shard(hn, mesh)
+        for tv, dim in ((w, 0), (grad_logits, 1), (grad_w, 0)):
+            shard(tv, mesh, {dim: X})
+    full = [torch.tensor([3, 63, 0, 8, 8, 12, 1, 40]), _rand(104, (t, h)), _rand(105, (v, h)), _rand(106, (t, v))]
+
+    def reference(i, hn, w, g):
+        return [F.one_hot(i, v).double().T @ (g @ w) + g.T @ hn]
+    return Case(fd, [ids, hn, w, grad_logits], full, reference, ["allreduce"])
+
+
 def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bool = False) -> Case:
     """A TP layer norm's backward fed by a row-parallel matmul's pending gradient: one allreduce of the
     gradient (before: one of each of grad_x [T, E], grad_w [E] and grad_b [E]), with the three results
@@ -667,6 +693,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, False, written=True),
     "sp_cross_entropy_backward_gathers_the_targets": sp_cross_entropy_backward_case,
     "sp_embedding_gradient_gathers_the_tokens": sp_embedding_gradient_case,
+    "tied_embedding_gradient_sums_grad_h": tied_embedding_gradient_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
