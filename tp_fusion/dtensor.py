@@ -275,7 +275,8 @@ def _read_inputs(fd: FusionDefinition, inputs: list, local: list, shardings: lis
 
 
 def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
-    """Run ``fd`` on DTensor inputs (one per fusion input, in order); returns one DTensor per output.
+    """Run ``fd`` on DTensor inputs (one per fusion input, in order; one tensor alone as a list of one,
+    as ``fd.execute`` takes it); returns one DTensor per output.
 
     Each DTensor input annotates its fusion input with its mesh and placements (see the module
     docstring for what this does to ``fd``); plain tensors are passed through as local inputs.
@@ -284,7 +285,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     contiguous global strides.
     """
     api = _dtensor_api()
-    inputs = list(dtensors)
+    inputs = [dtensors] if isinstance(dtensors, torch.Tensor) else list(dtensors)
     local: list = []
     shardings: list[Sharding | None] = []
     torch_meshes: dict[DeviceMesh, object] = {}

@@ -69,13 +69,15 @@ def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
 
 
 def _signature(inputs: Sequence, view: _InputView) -> tuple:
-    """What a compiled plan depends on: the shapes, dtypes and devices of the inputs this rank holds.
-    Not their strides (a declared layout is checked on every call), nor the empty tensors passed for
-    inputs it holds no part of: a rank whose layouts differ from its peers' still finds the plan they find."""
+    """What a compiled plan depends on: the shapes, dtypes and devices of the inputs this rank holds, and
+    their kinds (a DTensor or a sparse tensor misses the plan of a dense one of its shape, so the checks of
+    a compile refuse it). Not their strides (a declared layout is checked on every call), nor the empty
+    tensors passed for inputs it holds no part of: a rank whose layouts differ from its peers' still finds
+    the plan they find."""
     if len(inputs) != len(view.held):
         return (len(inputs),)
-    return tuple(None if not h else (tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
-                 for x, h in zip(inputs, view.held))
+    return tuple(None if not h else (tuple(x.shape), x.dtype, x.device, x.layout, dist.is_dtensor(x))
+                 if isinstance(x, torch.Tensor) else type(x) for x, h in zip(inputs, view.held))
 
 
 class Executor:

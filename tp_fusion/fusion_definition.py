@@ -685,7 +685,12 @@ class FusionDefinition:
                 raise InputError(f"compile: input T{name} is given the global shape {list(shape)}; a plan is built "
                                  f"for concrete global shapes: give each symbolic extent of {list(t.shape)} its size")
             shapes.append(shape)
-        return compile_program(self.fusion, shapes, ranks[0], torch.device(device))
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise InputError(f"compile: device must be a torch.device or its name ('cpu', 'cuda'), got {device!r}") \
+                from e
+        return compile_program(self.fusion, shapes, ranks[0], device)
 
     def _check_outputs(self, what: str) -> None:
         """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not

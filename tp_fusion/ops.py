@@ -331,6 +331,12 @@ class Recorder:
         self._fd._check_own(x, self.kind)
         return x
 
+    def flag(self, value, what: str) -> bool:
+        """``value``, checked to be a bool (``keepdim="no"`` would be taken as True)."""
+        if not isinstance(value, bool):
+            _fail(self.kind, f"{what} must be True or False, got {value!r}")
+        return value
+
     def dims(self, x, dims, what: str = "dims") -> tuple[int, ...]:
         """``dims`` (an int or a sequence) normalized to sorted, non-negative, distinct dims of ``x``."""
         if not isinstance(dims, (int, list, tuple)):
@@ -338,7 +344,9 @@ class Recorder:
         dims = (dims,) if isinstance(dims, int) else tuple(dims)
         n = x.ndim
         for d in dims:
-            if not isinstance(d, int) or isinstance(d, bool) or not -n <= d < n:
+            if not isinstance(d, int) or isinstance(d, bool):
+                _fail(self.kind, f"{what} must be an int or a list of ints, got {dims!r}")
+            if not -n <= d < n:
                 _fail(self.kind, f"dim {d!r} is out of range for T{x.name} {x._ir.type_str()}")
         out = tuple(sorted({d % n for d in dims}))
         if len(out) != len(dims):
@@ -700,7 +708,7 @@ def _reduced_dims(rec, x, dims) -> tuple[int, ...]:
 def _reduction(rec, x, dims, keepdim, **attrs):
     """Records a reduction of ``x`` over ``dims`` (``_reduced_dims``)."""
     x = rec.tv(x, "x")
-    return rec(x, dims=_reduced_dims(rec, x, dims), keepdim=bool(keepdim), **attrs)
+    return rec(x, dims=_reduced_dims(rec, x, dims), keepdim=rec.flag(keepdim, "keepdim"), **attrs)
 
 
 def _nvfuser_overloads(rec, dims, dim, dtype):
@@ -768,7 +776,7 @@ def _var_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
 def _var_mean_front(rec, x, dims=None, correction: int = 1, keepdim: bool = False):
     """``torch.var_mean(x, dims, correction=..., keepdim=...)`` -> (var, mean)."""
     x = rec.tv(x, "x")
-    return rec(x, dims=_reduced_dims(rec, x, dims), correction=correction, keepdim=bool(keepdim))
+    return rec(x, dims=_reduced_dims(rec, x, dims), correction=correction, keepdim=rec.flag(keepdim, "keepdim"))
 
 
 def _mean_localize(attrs: dict, s: Localize) -> dict:
@@ -1283,6 +1291,8 @@ def _cat_front(rec, tensors, dim: int, manual_padding: bool = False):
     if manual_padding:
         _fail("cat", "manual_padding=True (inputs padded by the caller) is nvFuser-internal; pass the unpadded "
                      "tensors with manual_padding=False")
+    if not isinstance(tensors, (list, tuple)):
+        _fail("cat", f"pass a list of tensors, got {describe_value(tensors)}")
     tensors = [rec.tv(t, "each tensor") for t in tensors]
     if not tensors:
         _fail("cat", "give at least one tensor")

@@ -75,7 +75,11 @@ def _check_1d(rank: int, world: int) -> None:
 
     # DTensors handed to execute (not execute_with_dtensors) are a clear error, scheduled fusion or not
     # (before: a raw storage error, or an InputError about the wrong local extent).
-    for fusion in (fd2, _mlp_fusion()):
+    # Also where a plain tensor of the DTensor's global shape has a plan already (an unscheduled fusion
+    # executed on whole tensors; before: a raw storage error).
+    cached = _mlp_fusion()
+    cached.execute(full)
+    for fusion in (fd2, _mlp_fusion(), cached):
         with pytest.raises(tp_fusion.InputError, match=r"input T0 is a DTensor; .*execute_with_dtensors"):
             fusion.execute([distribute_tensor(t, mesh, p) for t, p in zip(full, tp)])
 
@@ -116,6 +120,9 @@ def _check_1d(rank: int, world: int) -> None:
     assert tuple(s.placements) == (_StridedShard(0, split_factor=T // world),)
     torch.testing.assert_close(s.to_local(), full[0].reshape(T // world, world, H)[:, rank])
     torch.testing.assert_close(s.full_tensor(), full[0])
+    # One DTensor alone is the list of it, as for fd.execute (before: its rows were taken as the inputs).
+    (s1,) = tp_fusion.execute_with_dtensors(fd4, distribute_tensor(full[0], mesh, [Shard(0)]))
+    torch.testing.assert_close(s1.full_tensor(), full[0])
     assert isinstance(UnevenShardError("x"), ValueError)
     with pytest.raises(tp_fusion.InputError, match="GLOBAL shape"):
         tp_fusion.execute_with_dtensors(_mlp_fusion(t=2 * T), [distribute_tensor(t, mesh, p)

@@ -90,6 +90,14 @@ def test_good_device_mesh(devices, shape):
     (lambda fd: fd.ops.unsqueeze(fd.define_tensor([2, 3]), "1"), DefinitionError, "unsqueeze: dim '1'"),
     (lambda fd: fd.ops.full([2, 3], 1.0, torch.float32), DefinitionError, "dtype must be a DataType"),
     (lambda fd: fd.ops.conv2d, AttributeError, "no op 'conv2d'; the ops are: .*linear.*relu"),
+    # a TensorView where a list belongs; a dim that is no int; a keepdim that is no bool (was taken as True)
+    (lambda fd: fd.ops.cat(fd.define_tensor([2, 3]), 0), DefinitionError, "cat: pass a list of tensors, got a "),
+    (lambda fd: fd.ops.mean(fd.define_tensor([2, 3]), [1.0]), DefinitionError,
+     r"mean: dims must be an int or a list of ints"),
+    (lambda fd: fd.ops.sum(fd.define_tensor([2, 3]), [1], keepdim="no"), DefinitionError,
+     "sum: keepdim must be True or False, got 'no'"),
+    (lambda fd: fd.ops.var_mean(fd.define_tensor([2, 3]), [1], keepdim=1), DefinitionError,
+     "var_mean: keepdim must be True or False, got 1"),
 ])
 def test_bad_arguments_give_clear_errors(make, cls, match):
     with pytest.raises(cls, match=match) as info:

@@ -442,10 +442,14 @@ def test_non_tensor_input(value, name):
     _raises(InputError, rf"execute: input T0 must be a torch.Tensor, got {name}", lambda: _relu_fd().execute([value]))
 
 
-def test_sparse_input():
-    sparse = torch.eye(4, 8).to_sparse()
+@pytest.mark.parametrize("cached", [False, True])
+def test_sparse_input(cached):
+    """Refused also where a dense tensor of its shape has a plan already (before: a raw storage error)."""
+    fd = _relu_fd()
+    if cached:
+        fd.execute([torch.ones(4, 8)])
     _raises(InputError, r"execute: input T0 has layout torch.sparse_coo; pass a dense tensor",
-            lambda: _relu_fd().execute([sparse]))
+            lambda: fd.execute([torch.eye(4, 8).to_sparse()]))
 
 
 def test_extents_and_factors_are_integers():
@@ -485,6 +489,9 @@ def test_compile_arguments():
         _raises(InputError, rf"compile: rank must be the rank \(an int >= 0\) whose plan to build, got {rank!r}",
                 lambda rank=rank: fd.compile([[8, 4]], rank=rank))
     assert fd.compile([[8, 4]], rank=np.int64(1)).rank == 1
+    for device in ("tpu", 3.5):  # torch's own RuntimeError and TypeError before
+        _raises(InputError, rf"compile: device must be a torch.device or its name \('cpu', 'cuda'\), got {device!r}",
+                lambda device=device: fd.compile([[8, 4]], device=device))
 
 
 def test_a_rejected_input_does_not_poison_the_fusion():
