@@ -55,32 +55,94 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     needs in another sharding, where its operands move fewer bytes than that result, runs so on moved
     operands (a per-token scale: ``y * broadcast(s)`` wanted whole gathers s, not the product; a one-hot
     ``iota == broadcast(tgt)`` of token-sharded targets wanted on vocabulary shards gathers tgt).
+    An op that costs more than its bytes and could run whole on copies of its operands that other ops
+    gather runs so where the plan then moves fewer bytes in all (``_could_run_on_copies``).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
-    draft, ops = _walks(fusion, mesh, {})
-    summed = _summed_at_source(fusion, draft, ops)
-    if summed:  # again, with those pending sums summed where they are made
-        draft, ops = _walks(fusion, mesh, summed)
-    _backward(fusion, draft, ops, mesh)
+    draft, ops = _plan(fusion, mesh, frozenset())
+    found = _could_run_on_copies(draft, ops)
+    # All at once (a stack of alike layers), else one by one where they are few: each try plans the
+    # whole fusion again, so that compile time stays linear in its size.
+    tries = [frozenset(found)] + ([frozenset({o}) for o in found] if 1 < len(found) <= _MAX_TRIES else [])
+    chosen: frozenset[int] = frozenset()
+    for more in tries:
+        if more <= chosen:
+            continue
+        trial = _plan(fusion, mesh, chosen | more)
+        if _moved_bytes(*trial) < _moved_bytes(draft, ops):
+            chosen, (draft, ops) = chosen | more, trial
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 
 
-def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding]) -> tuple[_Draft, list]:
+_MAX_TRIES = 4  # the most ops that run on copies ``propagate_shardings`` tries one by one
+
+
+def _plan(fusion: Fusion, mesh: DeviceMesh, on_copies: frozenset[int]) -> tuple[_Draft, list]:
+    """The shardings and strategies, with the ops that make ``on_copies`` run on the gathered copies of
+    their operands (``_could_run_on_copies``)."""
+    draft, ops = _walks(fusion, mesh, {}, on_copies)
+    summed = _summed_at_source(fusion, draft, ops)
+    if summed:  # again, with those pending sums summed where they are made
+        draft, ops = _walks(fusion, mesh, summed, on_copies)
+    _backward(fusion, draft, ops, mesh)
+    return draft, ops
+
+
+def _could_run_on_copies(draft: _Draft, ops: list) -> list[int]:
+    """The results of ops that could run, with no communication, on copies of their operands that other
+    ops gather anyway, but run on their shards (a GEMM or another op that costs more than its bytes; cheap
+    ops read such copies where their consumers want it, ``_copy_read``). Run whole instead, their results
+    may need no move later: under SP, with k's weight replicated (fewer kv heads than ranks), ``linear(x,
+    wk)`` on the x gathered for q gives k for every token, and the attention runs on heads, where k on
+    token shards gathered q and the [heads, T, T] scores. ``propagate_shardings`` keeps what moves fewer
+    bytes, as the work whole costs more."""
+    found = []
+    for op in ops:
+        if is_cheap(op) or len(op.outputs) != 1 \
+                or op.strategy.outputs[0].is_replicated or op.strategy.outputs[0].has_partial:
+            continue
+        reads = [a in draft.copies and draft.copies[a] != need and draft.copies[a].is_replicated
+                 and gathered(draft.tensor(a).sharding, draft.copies[a])
+                 for a, need in zip(op.inputs, op.strategy.inputs) if isinstance(a, int)]
+        if any(reads) and all(read or draft.tensor(a).sharding.is_replicated
+                              for a, read in zip(op.tensor_inputs, reads)):
+            found.append(op.outputs[0])
+    return found
+
+
+def _moved_bytes(draft: _Draft, ops: list) -> float:
+    """The bytes of every move the plan makes: of operands to what their ops need, each tensor to each
+    sharding once, and of results made otherwise than assigned (a move that slices is free)."""
+    moves = {}
+    for op in ops:
+        needs = (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD else op.strategy.inputs
+        for a, need in zip(op.inputs, needs):
+            if need is not None and not free_between(draft.tensor(a).sharding, need):
+                moves[a, need] = nbytes(draft, a)
+        for o, made in zip(op.outputs, op.strategy.outputs):
+            if not free_between(made, draft.tensor(o).sharding):
+                moves[o, made] = nbytes(draft, o)
+    return sum(moves.values())
+
+
+def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding],
+           on_copies: frozenset[int]) -> tuple[_Draft, list]:
     """The forward walk, and again where the first found moves, so that every op sees the moves the ops
     after it need too."""
-    draft, ops = _forward(fusion, mesh, {}, summed)
+    draft, ops = _forward(fusion, mesh, {}, summed, on_copies)
     if draft.copies:
-        draft, ops = _forward(fusion, mesh, draft.copies, summed)
+        draft, ops = _forward(fusion, mesh, draft.copies, summed, on_copies)
     return draft, ops
 
 
 def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
-             summed: dict[int, Sharding]) -> tuple[_Draft, list]:
+             summed: dict[int, Sharding], on_copies: frozenset[int]) -> tuple[_Draft, list]:
     """Each op's strategy, in order, and its unannotated outputs' shardings; ``copies`` holds the moves
     that the ops of an earlier walk needed (the draft's ``copies`` adds this walk's); ``summed`` the
-    pending sums to sum where they are made (``_summed_at_source``), as if annotated so."""
+    pending sums to sum where they are made (``_summed_at_source``), as if annotated so; the ops that make
+    ``on_copies`` read the copies of their operands."""
     draft = _Draft(fusion)
     draft.copies.update(copies)
     for i in fusion.inputs:
@@ -89,7 +151,8 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
     outputs = set(fusion.outputs)
     ops = []
     for op in fusion.ops:
-        st = choose(op, draft, _hint(draft, op.outputs[0]) or summed.get(op.outputs[0]), mesh, draft.copies)
+        st = choose(op, draft, _hint(draft, op.outputs[0]) or summed.get(op.outputs[0]), mesh, draft.copies,
+                    reads_copies=op.outputs[0] in on_copies)
         # a move on the operand's own mesh that communicates; a user's set makes one of its operand
         moves = zip(op.inputs, (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD
                     else st.inputs)

@@ -87,7 +87,7 @@ def nbytes(fusion: Fusion, name: int) -> float:
 
 
 def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMesh,
-           copies: Mapping[int, Sharding] | None = None) -> Strategy:
+           copies: Mapping[int, Sharding] | None = None, reads_copies: bool = False) -> Strategy:
     """Pick, mesh axis by mesh axis (mesh_x first), a candidate of the op's rule:
     1. one that produces ``hint`` (the output's assigned sharding) with only free input transitions;
     2. else one that keeps the sharding of the first operand, in preference order, that is sharded;
@@ -116,6 +116,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     gather ``g`` once, on a 2-D mesh too, where ``g`` stays split on the other axis). A pending sum that
     is two operands of the op gets one placement for both (``y * y``: both summed, not one kept pending, which
     would sum the product again), also where one operand is a pointwise op of it (``y * neg(y)``).
+    ``reads_copies``: any op, not only a view, reads the copies that gather some mesh axes of its operands.
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -128,7 +129,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
         copy = copies.get(a) if copies and s is not None else None
         copy = copy if copy is not None and copy.mesh == mesh else None
         copied.append(None if copy is None else copy.placements)
-        if copy is not None and (s.has_partial or traits(op.kind) & Trait.VIEW and gathered(s, copy)):
+        if copy is not None and (s.has_partial or (reads_copies or traits(op.kind) & Trait.VIEW) and gathered(s, copy)):
             s = copy
         have.append(None if not isinstance(a, int) else
                     s.placements if s is not None and s.mesh == mesh else (REPLICATE,) * mesh.ndim)

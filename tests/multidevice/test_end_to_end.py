@@ -467,6 +467,58 @@ def tied_embedding_gradient_case(mesh) -> Case:
     return Case(fd, [ids, hn, w, grad_logits], full, reference, ["allreduce"])
 
 
+def replicated_weight_reads_the_gathered_input_case(mesh) -> Case:
+    """Under SP, q = linear(x, wq) with wq column-parallel and k = linear(x, wk) with wk replicated and k
+    wanted whole: both read the one gathered x (k computed whole), where k was computed on x's token
+    shards and gathered too."""
+    with FusionDefinition() as fd:
+        x, wq, wk = (fd.define_tensor(s, dtype=F64) for s in ([8, 16], [8, 16], [4, 16]))
+        q, k = fd.ops.linear(x, wq), fd.ops.linear(x, wk)
+        fd.add_output(q)
+        fd.add_output(k)
+        for tv, dims in ((x, {0: X}), (wq, {0: X}), (wk, {}), (q, {1: X}), (k, {})):
+            shard(tv, mesh, dims)
+    full = [_rand(s, shape) for s, shape in ((112, (8, 16)), (113, (8, 16)), (114, (4, 16)))]
+    return Case(fd, [x, wq, wk], full, lambda x, wq, wk: [x @ wq.T, x @ wk.T], ["allgather"])
+
+
+def sp_attention_with_one_kv_head_case(mesh) -> Case:
+    """Sequence-parallel grouped-query attention written from matmuls, with one kv head shared by 4 query
+    heads (fewer kv heads than ranks: wk and wv replicated): k and v are computed for every token from the
+    x gathered for q, and the attention runs on query heads, so x is gathered once and the output
+    reduce-scattered (Megatron-LM's plan). Before, k and v stayed on token shards, and q and the
+    [heads, T, T] scores were gathered as well."""
+    t, h, heads, hd = 8, 16, 4, 4
+    with FusionDefinition() as fd:
+        x, wq, wk, wv, wo = (fd.define_tensor(s, dtype=F64) for s in
+                             ([t, h], [heads * hd, h], [hd, h], [hd, h], [h, heads * hd]))
+        q = fd.ops.permute(fd.ops.reshape(fd.ops.linear(x, wq), [t, heads, hd]), [1, 0, 2])
+
+        # [t, hd] -> [heads, t, hd]: the one kv head for every query head
+        k, v = (fd.ops.broadcast_in_dim(fd.ops.linear(x, w), [heads, t, hd], [1, 2]) for w in (wk, wv))
+        scores = fd.ops.mul(fd.ops.matmul(q, fd.ops.permute(k, [0, 2, 1])), 0.5)
+        causal = fd.ops.ge(fd.ops.broadcast_in_dim(fd.ops.iota(t), [t, t], [0]),
+                           fd.ops.broadcast_in_dim(fd.ops.iota(t), [t, t], [1]))
+        scores = fd.ops.where(fd.ops.broadcast_in_dim(causal, [heads, t, t], [1, 2]), scores, float("-inf"))
+        o = fd.ops.matmul(fd.ops.softmax(scores, -1), v)
+        y = fd.ops.linear(fd.ops.reshape(fd.ops.permute(o, [1, 0, 2]), [t, heads * hd]), wo)
+        fd.add_output(y)
+        shard(x, mesh, {0: X})
+        shard(wq, mesh, {0: X})
+        shard(wk, mesh)
+        shard(wv, mesh)
+        shard(wo, mesh, {1: X})
+        shard(y, mesh, {0: X})
+    full = [_rand(s, shape) for s, shape in ((107, (t, h)), (108, (heads * hd, h)), (109, (hd, h)), (110, (hd, h)),
+                                             (111, (h, heads * hd)))]
+
+    def reference(x, wq, wk, wv, wo):
+        q = (x @ wq.T).reshape(t, heads, hd).transpose(0, 1)
+        k, v = (x @ wk.T).expand(heads, t, hd), (x @ wv.T).expand(heads, t, hd)
+        return [F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(t, -1) @ wo.T]
+    return Case(fd, [x, wq, wk, wv, wo], full, reference, ["allgather", "reduce_scatter"])
+
+
 def layer_norm_backward_of_a_pending_sum_case(mesh, annotated: bool, written: bool = False) -> Case:
     """A TP layer norm's backward fed by a row-parallel matmul's pending gradient: one allreduce of the
     gradient (before: one of each of grad_x [T, E], grad_w [E] and grad_b [E]), with the three results
@@ -694,6 +746,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "sp_cross_entropy_backward_gathers_the_targets": sp_cross_entropy_backward_case,
     "sp_embedding_gradient_gathers_the_tokens": sp_embedding_gradient_case,
     "tied_embedding_gradient_sums_grad_h": tied_embedding_gradient_case,
+    "sp_attention_with_one_kv_head_gathers_x_once": sp_attention_with_one_kv_head_case,
+    "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
