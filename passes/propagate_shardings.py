@@ -66,13 +66,13 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     # All at once (a stack of alike layers), else one by one where they are few: each try plans the
     # whole fusion again, so that compile time stays linear in its size.
     tries = [frozenset(found)] + ([frozenset({o}) for o in found] if 1 < len(found) <= _MAX_TRIES else [])
-    chosen: frozenset[int] = frozenset()
+    chosen, moved = frozenset(), _moved_bytes(draft, ops)
     for more in tries:
         if more <= chosen:
             continue
         trial = _plan(fusion, mesh, chosen | more)
-        if _moved_bytes(*trial) < _moved_bytes(draft, ops):
-            chosen, (draft, ops) = chosen | more, trial
+        if _moved_bytes(*trial) < moved:
+            chosen, (draft, ops), moved = chosen | more, trial, _moved_bytes(*trial)
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 
 
@@ -103,13 +103,23 @@ def _could_run_on_copies(draft: _Draft, ops: list) -> list[int]:
         if is_cheap(op) or len(op.outputs) != 1 \
                 or op.strategy.outputs[0].is_replicated or op.strategy.outputs[0].has_partial:
             continue
-        reads = [a in draft.copies and draft.copies[a] != need and draft.copies[a].is_replicated
-                 and gathered(draft.tensor(a).sharding, draft.copies[a])
-                 for a, need in zip(op.inputs, op.strategy.inputs) if isinstance(a, int)]
-        if any(reads) and all(read or draft.tensor(a).sharding.is_replicated
-                              for a, read in zip(op.tensor_inputs, reads)):
+        operands = [(a, need) for a, need in _operand_needs(op, op.strategy, draft) if need is not None]
+        reads = [_copy_whole(draft, a) not in (None, need) for a, need in operands]
+        if any(reads) and all(read or draft.tensor(a).sharding.is_replicated for (a, _), read in zip(operands, reads)):
             found.append(op.outputs[0])
     return found
+
+
+def _copy_whole(draft: _Draft, a: int) -> Sharding | None:
+    """The copy that another op gathers of ``a`` whole on its mesh, if any."""
+    copy = draft.copies.get(a)
+    return copy if copy is not None and copy.is_replicated and gathered(draft.tensor(a).sharding, copy) else None
+
+
+def _operand_needs(op, st: Strategy, draft: _Draft):
+    """(operand, the sharding ``op`` run as ``st`` needs it in) for each operand (None: not a tensor); a
+    user's ``set`` needs its operand as its result."""
+    return zip(op.inputs, (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD else st.inputs)
 
 
 def _moved_bytes(draft: _Draft, ops: list) -> float:
@@ -117,8 +127,7 @@ def _moved_bytes(draft: _Draft, ops: list) -> float:
     sharding once, and of results made otherwise than assigned (a move that slices is free)."""
     moves = {}
     for op in ops:
-        needs = (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD else op.strategy.inputs
-        for a, need in zip(op.inputs, needs):
+        for a, need in _operand_needs(op, op.strategy, draft):
             if need is not None and not free_between(draft.tensor(a).sharding, need):
                 moves[a, need] = nbytes(draft, a)
         for o, made in zip(op.outputs, op.strategy.outputs):
@@ -153,10 +162,7 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
     for op in fusion.ops:
         st = choose(op, draft, _hint(draft, op.outputs[0]) or summed.get(op.outputs[0]), mesh, draft.copies,
                     reads_copies=op.outputs[0] in on_copies)
-        # a move on the operand's own mesh that communicates; a user's set makes one of its operand
-        moves = zip(op.inputs, (draft.tensor(op.outputs[0]).sharding,) if traits(op.kind) & Trait.RESHARD
-                    else st.inputs)
-        for a, need in moves:
+        for a, need in _operand_needs(op, st, draft):  # a move on the operand's own mesh that communicates
             if need is not None and not need.has_partial and draft.tensor(a).sharding.mesh == need.mesh \
                     and not free_between(draft.tensor(a).sharding, need):
                 draft.copies.setdefault(a, need)
@@ -207,9 +213,8 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
                     exits.setdefault(source[o], {})[o] = draft.tensor(o).sharding
     summed_to = {}
     for src, summed in exits.items():
-        have = draft.tensor(src).sharding
-        if draft.tensor(src).annotated or src in fusion.inputs \
-                or not nbytes(draft, src) < sum(nbytes(draft, t) for t in summed):
+        have, summed_bytes = draft.tensor(src).sharding, sum(nbytes(draft, t) for t in summed)
+        if draft.tensor(src).annotated or src in fusion.inputs or not nbytes(draft, src) < summed_bytes:
             continue
         target = list(have.placements)
         for axis, p in enumerate(have.placements):
@@ -219,7 +224,7 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
             one = next(iter(wanted)) if len(wanted) == 1 else None
             if one == REPLICATE or isinstance(one, Shard) and all(t in aligned or t == src for t in summed):
                 target[axis] = one
-            elif isinstance(one, Shard) and 2 * nbytes(draft, src) < sum(nbytes(draft, t) for t in summed):
+            elif isinstance(one, Shard) and 2 * nbytes(draft, src) < summed_bytes:
                 target[axis] = REPLICATE  # an allreduce of the source; what reads it runs on its shards
             else:
                 break
