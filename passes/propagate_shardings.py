@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tp_fusion.sharding.reshard import free_between, gathered
-from tp_fusion.sharding.sharding import REPLICATE, Partial, Shard, Sharding
+from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
 
 from tp_fusion.ir import Fusion
@@ -56,37 +56,41 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     operands (a per-token scale: ``y * broadcast(s)`` wanted whole gathers s, not the product; a one-hot
     ``iota == broadcast(tgt)`` of token-sharded targets wanted on vocabulary shards gathers tgt).
     An op that costs more than its bytes and could run whole on copies of its operands that other ops
-    gather runs so where the plan then moves fewer bytes in all (``_could_run_on_copies``).
+    gather runs so where the plan then moves fewer bytes in all (``_could_run_on_copies``); so do cheap ops
+    that could share one gather of an operand instead of each moving its result (``_could_gather_once``).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
     draft, ops = _plan(fusion, mesh, frozenset())
-    found = _could_run_on_copies(draft, ops)
-    # All at once (a stack of alike layers), else one by one where they are few: each try plans the
-    # whole fusion again, so that compile time stays linear in its size.
-    tries = [frozenset(found)] + ([frozenset({o}) for o in found] if 1 < len(found) <= _MAX_TRIES else [])
     chosen, moved = frozenset(), _moved_bytes(draft, ops)
-    for more in tries:
-        if more <= chosen:
-            continue
-        trial = _plan(fusion, mesh, chosen | more)
-        if _moved_bytes(*trial) < moved:
-            chosen, (draft, ops), moved = chosen | more, trial, _moved_bytes(*trial)
+    for found in (_could_run_on_copies(draft, ops), _could_gather_once(fusion, draft, ops)):
+        # All at once (a stack of alike layers), else one by one where they are few: each try plans the
+        # whole fusion again, so that compile time stays linear in its size.
+        tries = [frozenset(found)] + ([frozenset({c}) for c in found] if 1 < len(found) <= _MAX_TRIES else [])
+        for more in tries:
+            if more <= chosen:
+                continue
+            trial = _plan(fusion, mesh, chosen | more)
+            if _moved_bytes(*trial) < moved:
+                chosen, (draft, ops), moved = chosen | more, trial, _moved_bytes(*trial)
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 
 
-_MAX_TRIES = 4  # the most ops that run on copies ``propagate_shardings`` tries one by one
+_MAX_TRIES = 4  # the most choices of one kind ``propagate_shardings`` tries one by one
 
 
-def _plan(fusion: Fusion, mesh: DeviceMesh, on_copies: frozenset[int]) -> tuple[_Draft, list]:
-    """The shardings and strategies, with the ops that make ``on_copies`` run on the gathered copies of
-    their operands (``_could_run_on_copies``)."""
-    draft, ops = _walks(fusion, mesh, {}, on_copies)
+def _plan(fusion: Fusion, mesh: DeviceMesh, choices: frozenset) -> tuple[_Draft, list]:
+    """The shardings and strategies, with ``choices`` made: an int, an op's result, makes that op run on the
+    gathered copies of its operands (``_could_run_on_copies``); a pair (tensor, sharding) gathers that
+    tensor so once for the cheap ops that read it (``_could_gather_once``)."""
+    on_copies = frozenset(c for c in choices if isinstance(c, int))
+    seeds = dict(c for c in choices if isinstance(c, tuple))
+    draft, ops = _walks(fusion, mesh, seeds, {}, on_copies)
     summed = _summed_at_source(fusion, draft, ops)
     if summed:  # again, with those pending sums summed where they are made
-        draft, ops = _walks(fusion, mesh, summed, on_copies)
-    _backward(fusion, draft, ops, mesh)
+        draft, ops = _walks(fusion, mesh, seeds, summed, on_copies)
+    _backward(fusion, draft, ops, mesh, seeds)
     return draft, ops
 
 
@@ -116,6 +120,43 @@ def _copy_whole(draft: _Draft, a: int) -> Sharding | None:
     return copy if copy is not None and copy.is_replicated and gathered(draft.tensor(a).sharding, copy) else None
 
 
+def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[tuple[int, Sharding]]:
+    """(tensor, the sharding that gathers it) for each tensor that several cheap ops read whose results are
+    each gathered on those mesh axes (another op that gathers the tensor so counts as one of them): one
+    gather of the tensor could serve them all, each op then run whole on it (``_run_as_needed`` reads the
+    copy). Each op alone moves its result, as its operands together are larger (per-token scales
+    ``g * s_e`` of one token-sharded g, each product read by a column-parallel linear, gather g once and
+    each small ``s_e``, not every product)."""
+    index = {id(op): i for i, op in enumerate(fusion.ops)}
+    readers = {(a, copy): 1 for a, copy in draft.copies.items()  # the op that gathers it anyway
+               if copy != draft.tensor(a).sharding and gathered(draft.tensor(a).sharding, copy)}
+    for op in ops:
+        o, made = op.outputs[0], op.strategy.outputs[0]
+        need = _single_need(fusion, ops, index, o)
+        if not is_cheap(op) or draft.tensor(o).annotated or need is None or need.mesh != made.mesh \
+                or need.has_partial or made.has_partial or free_between(made, need):
+            continue
+        for a in set(op.tensor_inputs):
+            have = draft.tensor(a).sharding
+            if have.mesh != need.mesh or have.has_partial:
+                continue
+            whole = Sharding(have.mesh, tuple(q if isinstance(q, Replicate) else p
+                                              for p, q in zip(have.placements, need.placements)))
+            if whole != have:
+                readers[a, whole] = readers.get((a, whole), 0) + 1
+    return [key for key, n in readers.items() if n > 1]
+
+
+def _single_need(fusion: Fusion, ops: list, index: dict[int, int], o: int) -> Sharding | None:
+    """The one sharding that every op reading ``o`` needs it in (``index``: an op's place in ``ops`` by the
+    id of the fusion's op), else None."""
+    needs = set()
+    for consumer in fusion.consumers(o):
+        st: Strategy = ops[index[id(consumer)]].strategy
+        needs |= {st.inputs[k] for k, a in enumerate(consumer.inputs) if a == o}
+    return needs.pop() if len(needs) == 1 else None
+
+
 def _operand_needs(op, st: Strategy, draft: _Draft):
     """(operand, the sharding ``op`` run as ``st`` needs it in) for each operand (None: not a tensor); a
     user's ``set`` needs its operand as its result."""
@@ -136,11 +177,11 @@ def _moved_bytes(draft: _Draft, ops: list) -> float:
     return sum(moves.values())
 
 
-def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding],
+def _walks(fusion: Fusion, mesh: DeviceMesh, seeds: dict[int, Sharding], summed: dict[int, Sharding],
            on_copies: frozenset[int]) -> tuple[_Draft, list]:
-    """The forward walk, and again where the first found moves, so that every op sees the moves the ops
-    after it need too."""
-    draft, ops = _forward(fusion, mesh, {}, summed, on_copies)
+    """The forward walk from the copies ``seeds`` makes, and again where the first found moves, so that
+    every op sees the moves the ops after it need too."""
+    draft, ops = _forward(fusion, mesh, seeds, summed, on_copies)
     if draft.copies:
         draft, ops = _forward(fusion, mesh, draft.copies, summed, on_copies)
     return draft, ops
@@ -265,19 +306,16 @@ def _converts(draft: _Draft, op, name: int) -> bool:
     return out.shape == t.shape and out.dtype != t.dtype
 
 
-def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> None:
-    """See ``propagate_shardings``; updates ``draft`` and the producers' strategies in ``ops``.
+def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh, seeds: dict[int, Sharding]) -> None:
+    """See ``propagate_shardings``; updates ``draft`` and the producers' strategies in ``ops``; cheap ops
+    read the copies ``seeds`` makes (``_could_gather_once``).
     Fusion outputs take part (an output may come back sharded, as in nvFuser). A tensor materialized
     from a pending sum (a row-parallel linear's output) takes a Shard that all its consumers need
     too: the sum is then a reduce_scatter, not an allreduce and a slice."""
     index = {id(op): i for i, op in enumerate(fusion.ops)}
 
     def single_need(o: int) -> Sharding | None:
-        needs = set()
-        for consumer in fusion.consumers(o):
-            st: Strategy = ops[index[id(consumer)]].strategy
-            needs |= {st.inputs[k] for k, a in enumerate(consumer.inputs) if a == o}
-        return needs.pop() if len(needs) == 1 else None
+        return _single_need(fusion, ops, index, o)
 
     for i in reversed(range(len(ops))):
         op = ops[i]
@@ -300,18 +338,19 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh) -> Non
             hint = draft.tensor(op.outputs[0]).sharding
             ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if read is not None else None))
         elif is_cheap(op) and not draft.tensor(op.outputs[0]).annotated:
-            ops[i] = _run_as_needed(op, single_need(op.outputs[0]), draft, mesh)
+            ops[i] = _run_as_needed(op, single_need(op.outputs[0]), draft, mesh, seeds)
 
 
-def _run_as_needed(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh):
+def _run_as_needed(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh, copies: dict[int, Sharding]):
     """``op`` (cheap, computed on shards) re-chosen to give ``need``, what its consumers need, where
-    ``choose`` finds its operands move fewer bytes than its result would; else ``op`` as it is. (A pending
-    sum is left to the rules on sums: summed before the op or after it moves the same bytes.)"""
+    ``choose`` finds its operands move fewer bytes than its result would (a move to ``copies`` is made
+    anyway: free); else ``op`` as it is. (A pending sum is left to the rules on sums: summed before the op
+    or after it moves the same bytes.)"""
     made = op.strategy.outputs[0]
     if need is None or need == made or made.is_replicated or made.has_partial or need.has_partial \
             or need.mesh != made.mesh:
         return op
-    st = choose(op, draft, need, mesh)
+    st = choose(op, draft, need, mesh, copies)
     if st.outputs[0] != need:
         return op
     draft.set_sharding(op.outputs[0], need)

@@ -482,6 +482,30 @@ def replicated_weight_reads_the_gathered_input_case(mesh) -> Case:
     return Case(fd, [x, wq, wk], full, lambda x, wq, wk: [x @ wq.T, x @ wk.T], ["allgather"])
 
 
+def per_token_scales_of_one_tensor_case(mesh) -> Case:
+    """Dense expert gating under SP: ``linear(g * s_e, w_e)`` for 3 experts, g [T, H] and each scale s_e [T]
+    on token shards, each w_e column-parallel: g is gathered once and each small s_e, and every product
+    is made whole from them. Before, each product [T, H] was gathered (each op alone moves less so)."""
+    t, h, f, experts = 8, 16, 12, 3
+    with FusionDefinition() as fd:
+        g = fd.define_tensor([t, h], dtype=F64)
+        scales = [fd.define_tensor([t], dtype=F64) for _ in range(experts)]
+        weights = [fd.define_tensor([f, h], dtype=F64) for _ in range(experts)]
+        outs = [fd.ops.linear(fd.ops.mul(g, fd.ops.broadcast_in_dim(s, [t, h], [0])), w)
+                for s, w in zip(scales, weights)]
+        for out in outs:
+            fd.add_output(out)
+        for tv, dims in ((g, {0: X}), *((s, {0: X}) for s in scales), *((w, {0: X}) for w in weights),
+                         *((out, {1: X}) for out in outs)):
+            shard(tv, mesh, dims)
+    full = [_rand(120, (t, h))] + [_rand(121 + e, (t,)) for e in range(experts)] + \
+        [_rand(124 + e, (f, h)) for e in range(experts)]
+
+    def reference(g, *rest):
+        return [(g * s[:, None]) @ w.T for s, w in zip(rest[:experts], rest[experts:])]
+    return Case(fd, [g, *scales, *weights], full, reference, ["allgather"] * (1 + experts))
+
+
 def sp_attention_with_one_kv_head_case(mesh) -> Case:
     """Sequence-parallel grouped-query attention written from matmuls, with one kv head shared by 4 query
     heads (fewer kv heads than ranks: wk and wv replicated): k and v are computed for every token from the
@@ -748,6 +772,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "tied_embedding_gradient_sums_grad_h": tied_embedding_gradient_case,
     "sp_attention_with_one_kv_head_gathers_x_once": sp_attention_with_one_kv_head_case,
     "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
+    "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
