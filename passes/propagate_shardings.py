@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from tp_fusion.sharding.reshard import free_between, gathered
+import functools
+import operator
+from dataclasses import dataclass
+
+from tp_fusion.sharding.reshard import free_between, gathered, local_between
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
 
@@ -57,17 +61,21 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     ``iota == broadcast(tgt)`` of token-sharded targets wanted on vocabulary shards gathers tgt).
     An op that costs more than its bytes and could run whole on copies of its operands that other ops
     gather runs so where the plan then moves fewer bytes in all (``_could_run_on_copies``); so do cheap ops
-    that could share one gather of an operand instead of each moving its result (``_could_gather_once``).
+    that could share one gather of an operand instead of each moving its result (``_could_gather_once``),
+    and such an op's result is made in the annotation that pointwise ops of its shape lead to
+    (``_could_take_hint``).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
-    draft, ops = _plan(fusion, mesh, frozenset())
-    chosen, moved = frozenset(), _moved_bytes(draft, ops)
-    for found in (_could_run_on_copies(draft, ops), _could_gather_once(fusion, draft, ops)):
+    chosen = _Choices()
+    draft, ops = _plan(fusion, mesh, chosen)
+    moved = _moved_bytes(draft, ops)
+    for find in (_could_run_on_copies, _could_gather_once, _could_take_hint):
+        found = find(fusion, draft, ops)
         # All at once (a stack of alike layers), else one by one where they are few: each try plans the
         # whole fusion again, so that compile time stays linear in its size.
-        tries = [frozenset(found)] + ([frozenset({c}) for c in found] if 1 < len(found) <= _MAX_TRIES else [])
+        tries = [functools.reduce(operator.or_, found, _Choices())] + (found if 1 < len(found) <= _MAX_TRIES else [])
         for more in tries:
             if more <= chosen:
                 continue
@@ -80,21 +88,36 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
 _MAX_TRIES = 4  # the most choices of one kind ``propagate_shardings`` tries one by one
 
 
-def _plan(fusion: Fusion, mesh: DeviceMesh, choices: frozenset) -> tuple[_Draft, list]:
-    """The shardings and strategies, with ``choices`` made: an int, an op's result, makes that op run on the
-    gathered copies of its operands (``_could_run_on_copies``); a pair (tensor, sharding) gathers that
-    tensor so once for the cheap ops that read it (``_could_gather_once``)."""
-    on_copies = frozenset(c for c in choices if isinstance(c, int))
-    seeds = dict(c for c in choices if isinstance(c, tuple))
-    draft, ops = _walks(fusion, mesh, seeds, {}, on_copies)
+@dataclass(frozen=True)
+class _Choices:
+    """What a plan is made with beyond the rules: each kind is tried where it could move fewer bytes, and
+    kept where the whole plan then does (``propagate_shardings``)."""
+
+    on_copies: frozenset[int] = frozenset()  # results of ops that run whole on the gathered copies of their
+    #                                          operands (``_could_run_on_copies``)
+    seeds: frozenset[tuple[int, Sharding]] = frozenset()  # (tensor, sharding): gathered so once for the cheap
+    #                                                       ops that read it (``_could_gather_once``)
+    hinted: frozenset[int] = frozenset()  # tensors made in the one annotation that the pointwise ops reading
+    #                                       them lead to (``_could_take_hint``)
+
+    def __or__(self, other: _Choices) -> _Choices:
+        return _Choices(self.on_copies | other.on_copies, self.seeds | other.seeds, self.hinted | other.hinted)
+
+    def __le__(self, other: _Choices) -> bool:
+        return self.on_copies <= other.on_copies and self.seeds <= other.seeds and self.hinted <= other.hinted
+
+
+def _plan(fusion: Fusion, mesh: DeviceMesh, choices: _Choices) -> tuple[_Draft, list]:
+    """The shardings and strategies, with ``choices`` made."""
+    draft, ops = _walks(fusion, mesh, {}, choices)
     summed = _summed_at_source(fusion, draft, ops)
     if summed:  # again, with those pending sums summed where they are made
-        draft, ops = _walks(fusion, mesh, seeds, summed, on_copies)
-    _backward(fusion, draft, ops, mesh, seeds)
+        draft, ops = _walks(fusion, mesh, summed, choices)
+    _backward(fusion, draft, ops, mesh, dict(choices.seeds))
     return draft, ops
 
 
-def _could_run_on_copies(draft: _Draft, ops: list) -> list[int]:
+def _could_run_on_copies(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
     """The results of ops that could run, with no communication, on copies of their operands that other
     ops gather anyway, but run on their shards (a GEMM or another op that costs more than its bytes; cheap
     ops read such copies where their consumers want it, ``_copy_read``). Run whole instead, their results
@@ -110,7 +133,7 @@ def _could_run_on_copies(draft: _Draft, ops: list) -> list[int]:
         operands = [(a, need) for a, need in _operand_needs(op, op.strategy, draft) if need is not None]
         reads = [_copy_whole(draft, a) not in (None, need) for a, need in operands]
         if any(reads) and all(read or draft.tensor(a).sharding.is_replicated for (a, _), read in zip(operands, reads)):
-            found.append(op.outputs[0])
+            found.append(_Choices(on_copies=frozenset({op.outputs[0]})))
     return found
 
 
@@ -120,7 +143,7 @@ def _copy_whole(draft: _Draft, a: int) -> Sharding | None:
     return copy if copy is not None and copy.is_replicated and gathered(draft.tensor(a).sharding, copy) else None
 
 
-def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[tuple[int, Sharding]]:
+def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
     """(tensor, the sharding that gathers it) for each tensor that several cheap ops read whose results are
     each gathered on those mesh axes (another op that gathers the tensor so counts as one of them): one
     gather of the tensor could serve them all, each op then run whole on it (``_run_as_needed`` reads the
@@ -129,7 +152,8 @@ def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[tuple[i
     each small ``s_e``, not every product)."""
     index = {id(op): i for i, op in enumerate(fusion.ops)}
     readers = {(a, copy): 1 for a, copy in draft.copies.items()  # the op that gathers it anyway
-               if copy != draft.tensor(a).sharding and gathered(draft.tensor(a).sharding, copy)}
+               if not draft.tensor(a).sharding.has_partial and copy != draft.tensor(a).sharding
+               and gathered(draft.tensor(a).sharding, copy)}
     for op in ops:
         o, made = op.outputs[0], op.strategy.outputs[0]
         need = _single_need(fusion, ops, index, o)
@@ -144,7 +168,7 @@ def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[tuple[i
                                               for p, q in zip(have.placements, need.placements)))
             if whole != have:
                 readers[a, whole] = readers.get((a, whole), 0) + 1
-    return [key for key, n in readers.items() if n > 1]
+    return [_Choices(seeds=frozenset({key})) for key, n in readers.items() if n > 1]
 
 
 def _single_need(fusion: Fusion, ops: list, index: dict[int, int], o: int) -> Sharding | None:
@@ -169,30 +193,29 @@ def _moved_bytes(draft: _Draft, ops: list) -> float:
     moves = {}
     for op in ops:
         for a, need in _operand_needs(op, op.strategy, draft):
-            if need is not None and not free_between(draft.tensor(a).sharding, need):
+            if need is not None and not local_between(draft.tensor(a).sharding, need):
                 moves[a, need] = nbytes(draft, a)
         for o, made in zip(op.outputs, op.strategy.outputs):
-            if not free_between(made, draft.tensor(o).sharding):
+            if not local_between(made, draft.tensor(o).sharding):
                 moves[o, made] = nbytes(draft, o)
     return sum(moves.values())
 
 
-def _walks(fusion: Fusion, mesh: DeviceMesh, seeds: dict[int, Sharding], summed: dict[int, Sharding],
-           on_copies: frozenset[int]) -> tuple[_Draft, list]:
-    """The forward walk from the copies ``seeds`` makes, and again where the first found moves, so that
-    every op sees the moves the ops after it need too."""
-    draft, ops = _forward(fusion, mesh, seeds, summed, on_copies)
+def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding], choices: _Choices) -> tuple[_Draft, list]:
+    """The forward walk, and again where the first found moves, so that every op sees the moves the ops
+    after it need too."""
+    draft, ops = _forward(fusion, mesh, dict(choices.seeds), summed, choices)
     if draft.copies:
-        draft, ops = _forward(fusion, mesh, draft.copies, summed, on_copies)
+        draft, ops = _forward(fusion, mesh, draft.copies, summed, choices)
     return draft, ops
 
 
 def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
-             summed: dict[int, Sharding], on_copies: frozenset[int]) -> tuple[_Draft, list]:
+             summed: dict[int, Sharding], choices: _Choices) -> tuple[_Draft, list]:
     """Each op's strategy, in order, and its unannotated outputs' shardings; ``copies`` holds the moves
-    that the ops of an earlier walk needed (the draft's ``copies`` adds this walk's); ``summed`` the
-    pending sums to sum where they are made (``_summed_at_source``), as if annotated so; the ops that make
-    ``on_copies`` read the copies of their operands."""
+    that the ops of an earlier walk needed, or the ``choices`` seed (the draft's ``copies`` adds this
+    walk's); ``summed`` the pending sums to sum where they are made (``_summed_at_source``), as if
+    annotated so."""
     draft = _Draft(fusion)
     draft.copies.update(copies)
     for i in fusion.inputs:
@@ -201,8 +224,9 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
     outputs = set(fusion.outputs)
     ops = []
     for op in fusion.ops:
-        st = choose(op, draft, _hint(draft, op.outputs[0]) or summed.get(op.outputs[0]), mesh, draft.copies,
-                    reads_copies=op.outputs[0] in on_copies)
+        o = op.outputs[0]
+        st = choose(op, draft, _hint(draft, o, o in choices.hinted) or summed.get(o), mesh, draft.copies,
+                    reads_copies=o in choices.on_copies)
         for a, need in _operand_needs(op, st, draft):  # a move on the operand's own mesh that communicates
             if need is not None and not need.has_partial and draft.tensor(a).sharding.mesh == need.mesh \
                     and not free_between(draft.tensor(a).sharding, need):
@@ -274,26 +298,53 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
     return summed_to
 
 
-def _hint(draft: _Draft, name: int) -> Sharding | None:
+def _hint(draft: _Draft, name: int, through: bool = False) -> Sharding | None:
     """The sharding ``name`` should be made in: its annotation, else the one annotation of the dtype
     conversions (``_converts``) that are all that read it, where that is on the mesh of its producer's
     operands: an f32 master weight's gradient ``cast(permute(g) @ x, f32)`` annotated on its features
     is made so by the GEMM (gathering x once) as an annotated ``permute(g) @ x`` is, rather than kept on
-    x's token shards and its product moved. (Not through other ops: a hint on a GEMM or a chain of
-    pointwise ops takes the choice of what to move from the bytes.)"""
+    x's token shards and its product moved. ``through``: through any pointwise ops of its shape too
+    (``_could_take_hint``; else a hint on a GEMM or a chain of pointwise ops takes the choice of what to
+    move from the bytes)."""
     t = draft.tensor(name)
     if t.annotated:
         return t.sharding
     readers = draft.consumers(name)
-    if not readers or name in draft.outputs or not all(_converts(draft, op, name) for op in readers):
+    passes_on = _keeps_shape if through else _converts
+    if not readers or name in draft.outputs or not all(passes_on(draft, op, name) for op in readers):
         return None
-    hints = {_hint(draft, op.outputs[0]) for op in readers}
+    hints = {_hint(draft, op.outputs[0], through) for op in readers}
     hint = hints.pop() if len(hints) == 1 else None
     producer = draft.producer(name)
-    operands = producer.tensor_inputs if producer is not None else ()
-    if hint is None or any(draft.tensor(a).sharding.mesh != hint.mesh for a in operands):
+    operands = producer.tensor_inputs if producer is not None else ()  # those the walk has given a sharding
+    if hint is None or any(draft.tensor(a).sharding is not None and draft.tensor(a).sharding.mesh != hint.mesh
+                           for a in operands):
         return None
     return hint
+
+
+def _could_take_hint(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
+    """The results of ops that cost more than their bytes (a GEMM) made otherwise than the one annotation
+    that the pointwise ops of their shape reading them lead to: made so, the op may move less than its
+    result would (an SP weight gradient scaled, negated or accumulated, ``acc + permute(g) @ x`` annotated
+    on its features, gathers x rather than an all_to_all of g and a reduce_scatter of the product). Not
+    taken by rule: a residual add after a row-parallel GEMM keeps its pending sum for the fused
+    GEMM+reduce_scatter."""
+    found = []
+    for op in ops:
+        o = op.outputs[0]
+        if is_cheap(op) or len(op.outputs) != 1 or draft.tensor(o).annotated or _hint(draft, o) is not None:
+            continue
+        hint = _hint(draft, o, through=True)
+        if hint is not None and hint != op.strategy.outputs[0]:
+            found.append(_Choices(hinted=frozenset({o})))
+    return found
+
+
+def _keeps_shape(draft: _Draft, op, name: int) -> bool:
+    """Whether ``op`` is a pointwise op (not a ``set``) with one result of ``name``'s shape."""
+    return bool(traits(op.kind) & Trait.POINTWISE) and not traits(op.kind) & Trait.RESHARD \
+        and len(op.outputs) == 1 and draft.tensor(op.outputs[0]).shape == draft.tensor(name).shape
 
 
 def _converts(draft: _Draft, op, name: int) -> bool:

@@ -126,6 +126,19 @@ def is_free(src: Placement, dst: Placement) -> bool:
     return src == dst or (isinstance(src, Replicate) and isinstance(dst, Shard))
 
 
+def is_local(src: Placement, dst: Placement) -> bool:
+    """A transition that moves nothing between devices: ``is_free``, or a replicated value made a pending
+    sum (``TO_PARTIAL``: each device keeps the value or the reduction's identity). What a move costs is
+    priced by this; ``is_free`` also promises that no work is done."""
+    return is_free(src, dst) or isinstance(src, Replicate) and isinstance(dst, Partial)
+
+
+def local_between(src: Sharding, dst: Sharding) -> bool:
+    """Whether ``dst`` is reached from ``src`` on the same mesh with no communication (``is_local`` on
+    every mesh axis)."""
+    return src.mesh == dst.mesh and all(is_local(a, b) for a, b in zip(src.placements, dst.placements))
+
+
 def free_between(src: Sharding, dst: Sharding) -> bool:
     """Whether ``dst`` is reached from ``src`` on the same mesh with no communication (``is_free`` on every
     mesh axis)."""

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tp_fusion.sharding.reshard import gathered, is_free, step_collective
+from tp_fusion.sharding.reshard import gathered, is_free, is_local, step_collective
 from tp_fusion.sharding.rules import Candidate
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
 
@@ -199,12 +199,13 @@ def _follow(follows: list[Candidate], cands: list[Candidate], op: Op, fusion: Fu
 def _moved(c: Candidate, op: Op, fusion: Fusion, mesh: DeviceMesh, have: list, copied: list,
            hint: Placement | None, axis: int, n: int) -> float:
     """The bytes candidate ``c`` moves on mesh axis ``axis``: every operand that must communicate to reach
-    its placement (unless the copy another op needs, ``copied``, has it so), and each output where it
+    its placement (``reshard.is_local``: a replicated operand joins a pending sum for free; unless the copy
+    another op needs, ``copied``, has it so), and each output where it
     must communicate to reach its assigned placement (``hint`` for the first; assigned on another mesh than
     the op's, ``mesh``: always; no assigned one: where a consumer cannot take it as it is, ``_taken`` on an
     axis of ``n`` devices). Infinite where an extent is symbolic (no comparison then)."""
     moved = sum(_move_nbytes(fusion, a) for a, h, copy, p in zip(op.inputs, have, copied, c.inputs)
-                if h is not None and not is_free(h[axis], p) and not (copy is not None and copy[axis] == p))
+                if h is not None and not is_local(h[axis], p) and not (copy is not None and copy[axis] == p))
     for j, (o, p) in enumerate(zip(op.outputs, c.outputs)):
         t = fusion.tensor(o)
         if j > 0 and t.annotated and t.sharding.mesh != mesh:

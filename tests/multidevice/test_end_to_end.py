@@ -506,6 +506,37 @@ def per_token_scales_of_one_tensor_case(mesh) -> Case:
     return Case(fd, [g, *scales, *weights], full, reference, ["allgather"] * (1 + experts))
 
 
+def residual_then_pending_sums_case(mesh) -> Case:
+    """TP attention backward's residual gradient written left to right, ``gy + g1 @ w1 + g2 @ w2`` with each
+    product row-parallel (a pending sum): the replicated gy joins the pending sum (a local step), and one
+    allreduce sums it all. Before, each product was allreduced where the add met it."""
+    t, h, k = 8, 16, 8
+    with FusionDefinition() as fd:
+        gy, g1, g2, w1, w2 = (fd.define_tensor(s, dtype=F64) for s in ([t, h], [t, k], [t, k], [k, h], [k, h]))
+        gx = fd.ops.add(fd.ops.add(gy, fd.ops.matmul(g1, w1)), fd.ops.matmul(g2, w2))
+        fd.add_output(gx)
+        for tv, dims in ((gy, {}), (g1, {1: X}), (g2, {1: X}), (w1, {0: X}), (w2, {0: X}), (gx, {})):
+            shard(tv, mesh, dims)
+    full = [_rand(130 + i, shape) for i, shape in enumerate(([t, h], [t, k], [t, k], [k, h], [k, h]))]
+    return Case(fd, [gy, g1, g2, w1, w2], full, lambda gy, g1, g2, w1, w2: [gy + g1 @ w1 + g2 @ w2], ["allreduce"])
+
+
+def sp_weight_gradient_accumulated_case(mesh) -> Case:
+    """SP weight gradient accumulated into a main_grad and scaled, ``acc + 0.5 * permute(gy) @ x`` with x on
+    token shards, gy and acc on features: the annotation passes back through the pointwise ops to the GEMM,
+    which gathers x (as with no op after it). Before, gy went through an all_to_all and the [F, H] product
+    through a reduce_scatter."""
+    t, h, f = 8, 8, 16
+    with FusionDefinition() as fd:
+        x, gy, acc = (fd.define_tensor(s, dtype=F64) for s in ([t, h], [t, f], [f, h]))
+        out = fd.ops.add(acc, fd.ops.mul(fd.ops.matmul(fd.ops.permute(gy, [1, 0]), x), 0.5))
+        fd.add_output(out)
+        for tv, dims in ((x, {0: X}), (gy, {1: X}), (acc, {0: X}), (out, {0: X})):
+            shard(tv, mesh, dims)
+    full = [_rand(140 + i, shape) for i, shape in enumerate(([t, h], [t, f], [f, h]))]
+    return Case(fd, [x, gy, acc], full, lambda x, gy, acc: [acc + 0.5 * gy.T @ x], ["allgather"])
+
+
 def sp_attention_with_one_kv_head_case(mesh) -> Case:
     """Sequence-parallel grouped-query attention written from matmuls, with one kv head shared by 4 query
     heads (fewer kv heads than ranks: wk and wv replicated): k and v are computed for every token from the
@@ -773,6 +804,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "sp_attention_with_one_kv_head_gathers_x_once": sp_attention_with_one_kv_head_case,
     "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
+    "residual_then_pending_sums_allreduced_once": residual_then_pending_sums_case,
+    "sp_weight_gradient_accumulated_gathers_x": sp_weight_gradient_accumulated_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
