@@ -278,13 +278,16 @@ def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) ->
     """The local shard of ``full`` that ``rank`` (default: this rank) holds under the sharding of a
     TensorView or a Sharding. Given a Sharding, a Partial placement holds the full value on mesh index 0
     and its reduction's identity elsewhere (``Partial.of_whole``); given a TensorView, a pending sum (a
-    device-parallel reduction axis) is done, as in nvFuser. A rank outside the mesh holds an empty tensor."""
+    device-parallel reduction axis) is done, as in nvFuser, and the shard is laid out as ``define_tensor``
+    declared it (``stride_order``). A rank outside the mesh holds an empty tensor."""
+    from tp_fusion.ops import with_stride_order
     from tp_fusion.runtime import dist
 
     _check_shard_arguments(full, rank)
     sharding = _sharding_of(tv_or_sharding, tuple(full.shape))
+    order = getattr(tv_or_sharding, "stride_order", None)  # a TensorView's declared layout: the shard has it
     if sharding is None or sharding.mesh is None:
-        return full.clone()
+        return (full if order is None else with_stride_order(full, order)).clone()
     rank = dist.rank() if rank is None else rank
     if rank not in sharding.mesh:
         return full.new_empty((0,))
@@ -292,7 +295,7 @@ def shard_tensor(full: torch.Tensor, tv_or_sharding, rank: int | None = None) ->
     out = full
     for d in range(full.dim()):
         out = sharding.local_piece(out, rank, d)
-    out = out.contiguous().clone()
+    out = (out.contiguous() if order is None else with_stride_order(out, order)).clone()  # (clone keeps strides)
     for index, p in zip(sharding.mesh.coords(rank), sharding.placements):
         if isinstance(p, Partial):
             out = p.of_whole(out, index)

@@ -164,8 +164,9 @@ class _FusionFunction(torch.autograd.Function):
         ctx.save_for_backward(*[inputs[i] for i in spec.saved_inputs], *[outs[i] for i in spec.saved_outputs])
         ctx.output_meta = [_Meta(outs[i]) for i in spec.differentiable]
         ctx.input_meta = [_Meta(x) for x in inputs]
-        plan = spec.forward.plan  # the sharding each input had: its gradient must have it too
+        plan = spec.forward.plan  # the sharding and global shape each input had: its gradient must have them too
         ctx.input_shardings = [plan.fusion.tensor(name).sharding for name in plan.fusion.inputs]
+        ctx.input_global_shapes = [plan.fusion.tensor(name).shape for name in plan.fusion.inputs]
         # what the backward fusion's inputs are laid out as: saved inputs and outputs, then output gradients
         # (torch gives each the layout of its output); a DTensor's, the backward annotates from it
         out_shardings = plan.output_shardings()
@@ -191,7 +192,7 @@ class _FusionFunction(torch.autograd.Function):
                                     f"{spec.name}.backward: output {k}")
         results = _run(spec.backward, [*saved, *out_grads])
         _check_backward_inputs(spec, ctx.backward_input_shardings)
-        bwd, fwd = spec.backward.plan.fusion, spec.forward.plan.fusion
+        bwd = spec.backward.plan.fusion
         input_grads: list = [None] * len(ctx.input_meta)
         for k, (i, grad) in enumerate(zip(spec.grad_inputs, results)):
             if not ctx.needs_input_grad[i]:
@@ -204,7 +205,7 @@ class _FusionFunction(torch.autograd.Function):
                     f"output the input's mesh, or leave it unscheduled (it is then computed in the input's "
                     f"sharding)")
             grad = inp.redistribute(grad)
-            want_global, got_global = fwd.tensor(fwd.inputs[i]).shape, bwd.tensor(bwd.outputs[k]).shape
+            want_global, got_global = ctx.input_global_shapes[i], bwd.tensor(bwd.outputs[k]).shape
             if want_global != got_global:
                 raise ShardingError(
                     f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
@@ -223,7 +224,26 @@ class _FusionFunction(torch.autograd.Function):
                     f"other elements than its shard of the input; give that backward output the sharding of "
                     f"forward input {i}")
             input_grads[i] = grad.to(inp.dtype) if grad.dtype != inp.dtype else grad
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*saved, *grads) if t is not None):
+            return _raising_if_differentiated(spec.name, input_grads)  # create_graph=True
         return tuple(input_grads)
+
+
+def _raising_if_differentiated(name: str, grads: list) -> tuple:
+    """``grads`` made to raise if autograd differentiates through them (a double backward: a gradient
+    penalty, a Hessian-vector product). The backward fusion runs outside autograd, so their own gradients
+    would silently be zero; torch's ``once_differentiable`` does the same, looking at the incoming
+    gradients alone (here the saved inputs and outputs count too)."""
+    given = [g for g in grads if g is not None]
+    if not given:
+        return tuple(grads)
+    error = torch._C._functions.DelayedError(
+        f"{name}: a tp_fusion.autograd.function is differentiable once; its backward fusion runs outside "
+        "autograd, so a gradient of its gradients (create_graph=True, then backward through them) is not "
+        "computed".encode(), len(given))
+    raising = error(*[g.detach().requires_grad_() for g in given])
+    raising = iter((raising,) if isinstance(raising, torch.Tensor) else raising)  # one tensor for one input
+    return tuple(None if g is None else next(raising) for g in grads)
 
 
 def _check_backward_inputs(spec: _Spec, given: list) -> None:

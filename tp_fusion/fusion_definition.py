@@ -547,6 +547,9 @@ class FusionDefinition:
         dtype = None if dtype in (None, DataType.Null) else _ops.data_type("define_scalar", dtype)
         if dtype is not None:
             value = {DataType.Bool: bool, DataType.Int: int, DataType.Int32: int}.get(dtype, float)(value)
+            if dtype in (DataType.Int, DataType.Int32) and not torch.iinfo(dtype.torch).min <= value <= \
+                    torch.iinfo(dtype.torch).max:
+                raise DefinitionError(f"define_scalar: {value} does not fit in {dtype.torch}")
         return Const(value, dtype)
 
     def add_output(self, tv: TensorView) -> None:

@@ -407,6 +407,13 @@ def _extents(op: str, values, what: str) -> tuple:
     return out
 
 
+def _target_shape(op: str, shape: tuple) -> tuple:
+    """``shape`` of a reshape or a broadcast, checked: each int extent is >= 0, or -1 (inferred or kept)."""
+    if any(isinstance(e, int) and e < -1 for e in shape):
+        _fail(op, f"shape {list(shape)} has a negative extent; an extent is >= 0, or -1 to infer or keep it")
+    return shape
+
+
 def _known(values) -> tuple[int, ...]:
     """``values`` with each symbolic size as -1 (not known before execute)."""
     return tuple(-1 if isinstance(v, SymbolicSize) else v for v in values)
@@ -1022,7 +1029,7 @@ def _reshape_front(rec, x, new_shape=None, *, shape=None):
     new_shape = new_shape if new_shape is not None else shape
     if new_shape is None:
         _fail("reshape", "give the new shape")
-    return rec(rec.tv(x, "x"), shape=_int_list("reshape", new_shape, "new_shape"))
+    return rec(rec.tv(x, "x"), shape=_target_shape("reshape", _int_list("reshape", new_shape, "new_shape")))
 
 
 def _shape_localize(attrs: dict, s: Localize) -> dict:
@@ -1037,7 +1044,7 @@ def _permute_front(rec, x, dims):
     """``x.permute(dims)``."""
     x = rec.tv(x, "x")
     dims = tuple(dims)
-    in_range = all(isinstance(d, int) and -x.ndim <= d < x.ndim for d in dims)
+    in_range = all(isinstance(d, int) and not isinstance(d, bool) and -x.ndim <= d < x.ndim for d in dims)
     if not in_range or sorted(d % x.ndim for d in dims) != list(range(x.ndim)):
         _fail("permute", f"dims {list(dims)} are not a permutation of T{x.name}'s {x.ndim} dims {x._ir.type_str()}")
     return rec(x, dims=tuple(d % x.ndim for d in dims))
@@ -1106,8 +1113,8 @@ def _broadcast_in_dim_front(rec, x, shape, broadcast_dims):
     dims wrap); every other output dim is new. -1 in ``shape`` keeps the input's extent; an extent may
     be a symbolic ``fd.ops.size`` scalar."""
     x = rec.tv(x, "x")
-    shape, bdims = _extents("broadcast_in_dim", shape, "shape"), _int_list("broadcast_in_dim", broadcast_dims,
-                                                                           "broadcast_dims")
+    shape = _target_shape("broadcast_in_dim", _extents("broadcast_in_dim", shape, "shape"))
+    bdims = _int_list("broadcast_in_dim", broadcast_dims, "broadcast_dims")
     bdims = tuple(d % len(shape) if -len(shape) <= d < 0 else d for d in bdims)
     ok = len(bdims) == x.ndim and list(bdims) == sorted(set(bdims)) and all(0 <= d < len(shape) for d in bdims)
     ok = ok and all(_known(shape)[d] in (-1, x.shape[i]) or x.shape[i] in (1, -1) for i, d in enumerate(bdims))
@@ -1306,7 +1313,7 @@ def _expand_front(rec, x, shape):
     """nvFuser's ``expand``, torch's ``x.expand(shape)``: dims of extent 1 grow to ``shape``'s extents,
     -1 keeps a dim, new leading dims may be added (recorded as ``broadcast_in_dim``)."""
     x = rec.tv(x, "x")
-    shape = _extents("expand", shape, "shape")
+    shape = _target_shape("expand", _extents("expand", shape, "shape"))
     lead = len(shape) - x.ndim
     if lead < 0 or any(e == -1 for e in shape[:lead]):
         _fail("expand", f"shape {list(shape)} must have at least the {x.ndim} dims of T{x.name} {x._ir.type_str()}, "
@@ -1612,8 +1619,7 @@ def _layer_norm_infer(args, attrs):
 def _layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
     """``F.layer_norm(x, normalized_shape, weight, bias, eps)``."""
     x = rec.tv(x, "x")
-    ns = (normalized_shape,) if isinstance(normalized_shape, int) else _int_list("layer_norm", normalized_shape,
-                                                                                 "normalized_shape")
+    ns = _normalized_shape("layer_norm", normalized_shape)
     given = {k: rec.tv(v, k) for k, v in (("weight", weight), ("bias", bias)) if v is not None}
     return rec(x, *given.values(), normalized_shape=ns, eps=float(eps), affine=tuple(given))
 
@@ -1629,8 +1635,12 @@ def _normalized_dims(op, n: int) -> tuple[int, ...]:
 
 
 def _normalized_shape(op: str, normalized_shape) -> tuple[int, ...]:
-    return (normalized_shape,) if isinstance(normalized_shape, int) else _int_list(op, normalized_shape,
-                                                                                   "normalized_shape")
+    """A layer norm's ``normalized_shape``: an int or a list of at least one int (as torch's)."""
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else _int_list(op, normalized_shape,
+                                                                                 "normalized_shape")
+    if not ns:
+        _fail(op, "normalized_shape must have at least one extent (the trailing dims to normalize)")
+    return ns
 
 
 def _stats_dtype(dtype: DataType) -> DataType:
@@ -1884,7 +1894,10 @@ def _uniform_front(rec, low=None, high=None, shape=None, *, minval=None, maxval=
     if shape is None:
         _fail("uniform", "missing its shape")
     attrs = _draw_attrs("uniform", shape, dtype, rng_seed, rng_offset)
-    return rec(minval=_number("uniform", low, "low"), maxval=_number("uniform", high, "high"), **attrs)
+    low, high = _number("uniform", low, "low"), _number("uniform", high, "high")
+    if low > high:
+        _fail("uniform", f"low {low} is above high {high}: the draw is from [low, high)")
+    return rec(minval=low, maxval=high, **attrs)
 
 
 def _either_name(op: str, value, name: str, alias_value, alias: str):
@@ -1941,7 +1954,13 @@ def _aten_flash(q, k, v) -> bool:
     """Whether aten's CUDA flash kernel runs these operands."""
     e = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and e % 8 == 0 and e <= 256
-            and k.shape[-1] == v.shape[-1] == e)
+            and k.shape[-1] == v.shape[-1] == e and _nonempty(q, k, v))
+
+
+def _nonempty(*tensors) -> bool:
+    """Whether no operand is empty: aten's attention kernels fail on empty ones (the CPU flash kernel with a
+    floating-point exception); the math path gives torch's result (zeros where there are no keys)."""
+    return all(t.numel() for t in tensors)
 
 
 def _cudnn_attention(q, k, v, dropout_p: float) -> bool:
@@ -1964,14 +1983,14 @@ def _laid_out_like(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _cpu_flash(q, k, v, dropout_p: float) -> bool:
     """Whether aten's CPU flash kernel runs these operands (it has no dropout)."""
     return (q.device.type == "cpu" and dropout_p == 0 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and k.shape[-1] == v.shape[-1] == q.shape[-1])
+            and k.shape[-1] == v.shape[-1] == q.shape[-1] and _nonempty(q, k, v))
 
 
 def _as_4d(*tensors):
     """[N*, H, S, E] as [B, H, S, E], the last dim of unit stride: aten's attention kernels read a
     tensor whose last dim is strided as if it were not (torch's ``F.scaled_dot_product_attention``
     checks for it; calling the kernels directly does not)."""
-    out = [t.reshape(-1, *t.shape[-3:]) for t in tensors]
+    out = [t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:]) for t in tensors]  # (-1 fails on 0 elements)
     return [t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous() for t in out]
 
 
@@ -2032,7 +2051,7 @@ def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
 def _sdpfa_bwd(grad_out, q, k, v, out, lse, philox_seed, philox_offset, dropout_p=0.0, is_causal=False, scale=None):
     shapes = q.shape, k.shape, v.shape
     g4, q4, k4, v4, o4 = _as_4d(grad_out, q, k, v, out)
-    lse3 = lse.reshape(-1, *lse.shape[-2:])
+    lse3 = lse.reshape(math.prod(lse.shape[:-2]), *lse.shape[-2:])
     if _cudnn_attention(q, k, v, dropout_p):
         # The layouts torch's own autograd passes: the output laid out after the query (as cuDNN's forward
         # allocates it), its gradient with the output's strides, the logsumexp a contiguous [B, H, S, 1].

@@ -354,6 +354,46 @@ def test_gradient_of_the_wrong_shape_is_a_clear_error():
         z.sum().backward()
 
 
+def _symbolic_linear_function():
+    """z = x @ w.T with x [T, 3] of any T, and its backward fusion (x, w, grad_z) -> grad_x, grad_w."""
+    with FusionDefinition() as fwd:
+        x, w = fwd.define_tensor([-1, 3], dtype=F64), fwd.define_tensor([5, 3], dtype=F64)
+        fwd.add_output(fwd.ops.linear(x, w))
+    with FusionDefinition() as bwd:
+        x, w, g = (bwd.define_tensor(shape, dtype=F64) for shape in ([-1, 3], [5, 3], [-1, 5]))
+        bwd.add_output(bwd.ops.matmul(g, w))
+        bwd.add_output(bwd.ops.matmul(bwd.ops.permute(g, [1, 0]), x))
+    return tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0, 1])
+
+
+def test_forwards_of_several_sizes_before_one_backward():
+    """Microbatches of different lengths through one function, then one backward: each gradient is checked
+    against the shape of its own forward's input (was: the last forward's, a ShardingError)."""
+    linear = _symbolic_linear_function()
+    w = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    xs = [torch.randn(t, 3, dtype=torch.float64, requires_grad=True) for t in (4, 6)]
+    sum(linear.apply(x, w).square().sum() for x in xs).backward()
+    w_ref = w.detach().clone().requires_grad_()
+    xs_ref = [x.detach().clone().requires_grad_() for x in xs]
+    sum((x @ w_ref.T).square().sum() for x in xs_ref).backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    for x, x_ref in zip(xs, xs_ref):
+        torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_a_gradient_of_the_gradients_is_a_clear_error():
+    """The backward fusion runs outside autograd: with create_graph=True the first-order gradients are
+    right, and differentiating through them raises (was: silently zero second-order terms)."""
+    linear = _symbolic_linear_function()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    grad_x, grad_w = torch.autograd.grad(linear.apply(x, w).square().sum(), [x, w], create_graph=True)
+    torch.testing.assert_close(grad_x, 2 * (x @ w.T) @ w)
+    torch.testing.assert_close(grad_w, 2 * (x @ w.T).T @ x)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        (grad_x.square().sum() + grad_w.sum()).backward()
+
+
 @pytest.mark.ranks(2, 4)
 @pytest.mark.parametrize("strided", ["grad_x", "saved_x", "grad_y", "replicated_grad_x"])
 def test_a_backward_tensor_of_another_sharding_with_the_right_shape_is_a_clear_error(multidevice_test, strided):

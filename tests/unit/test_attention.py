@@ -64,6 +64,23 @@ def test_sdpfa_fwd_bwd_match_torch(dtype, is_causal, scale, device):
     assert (seed.shape, seed.dtype, offset.shape, offset.dtype) == ((2,), torch.uint64, (), torch.uint64)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("q_len, kv_len", [(0, 0), (3, 0), (0, 5)])
+def test_attention_of_empty_sequences_matches_torch(q_len, kv_len, dtype, device):
+    """No queries or no keys: torch's result (zeros where there are no keys) and gradients. aten's kernels
+    refuse empty operands (its CPU flash kernel with a floating-point exception), so these take the math
+    path."""
+    q, g = (_rand(i, 1, 2, q_len, 8, dtype=dtype).to(device) for i in (0, 3))
+    k, v = (_rand(i, 1, 2, kv_len, 8, dtype=dtype).to(device) for i in (1, 2))
+    fd = _attention_fusion([1, 2, q_len, 8], [1, 2, kv_len, 8], DataType.from_torch(dtype))
+    out, lse, _, _, *grads = fd.execute([q, k, v, g])
+    for got, ref in zip((out, *grads), _reference(q, k, v, g)):
+        assert got.dtype == dtype and got.shape == ref.shape
+        torch.testing.assert_close(got, ref.to(dtype))
+    assert lse.shape == (1, 2, q_len) and (lse == float("-inf")).all()
+
+
 def test_sdpfa_more_batch_dims_cross_attention_and_layout():
     """[N*, H, S, E] with two batch dims, a key longer than the query, a value head dim of its own,
     and operands laid out [B, S, H, E] in memory (nvFuser's BSHE)."""

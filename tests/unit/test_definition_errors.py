@@ -98,6 +98,22 @@ def test_good_device_mesh(devices, shape):
      "sum: keepdim must be True or False, got 'no'"),
     (lambda fd: fd.ops.var_mean(fd.define_tensor([2, 3]), [1], keepdim=1), DefinitionError,
      "var_mean: keepdim must be True or False, got 1"),
+    # shapes and arguments torch refuses at once (they failed inside execute, or were taken)
+    (lambda fd: fd.ops.reshape(fd.define_tensor([2, 3]), [-2, -3]), DefinitionError,
+     r"reshape: shape \[-2, -3\] has a negative extent"),
+    (lambda fd: fd.ops.broadcast_in_dim(fd.define_tensor([2, 3]), [-2, 2, 3], [1, 2]), DefinitionError,
+     r"broadcast_in_dim: shape \[-2, 2, 3\] has a negative extent"),
+    (lambda fd: fd.ops.expand(fd.define_tensor([1, 3]), [-2, 3]), DefinitionError,
+     r"expand: shape \[-2, 3\] has a negative extent"),
+    (lambda fd: fd.ops.layer_norm(fd.define_tensor([2, 3]), []), DefinitionError,
+     "layer_norm: normalized_shape must have at least one extent"),
+    (lambda fd: fd.ops.native_layer_norm(fd.define_tensor([2, 3]), [], None, None, 1e-5), DefinitionError,
+     "native_layer_norm: normalized_shape must have at least one extent"),
+    (lambda fd: fd.ops.permute(fd.define_tensor([2, 3]), [True, False]), DefinitionError,
+     "permute: dims .* are not a permutation"),
+    (lambda fd: fd.ops.uniform(1.0, 0.0, [2, 3]), DefinitionError, "uniform: low 1.0 is above high 0.0"),
+    (lambda fd: fd.define_scalar(2**40, DataType.Int32), DefinitionError,
+     "define_scalar: 1099511627776 does not fit in torch.int32"),
 ])
 def test_bad_arguments_give_clear_errors(make, cls, match):
     with pytest.raises(cls, match=match) as info:

@@ -1209,6 +1209,25 @@ def test_shard_tensor_of_a_full_value_that_does_not_fit(full, match):
         shard_tensor(torch.zeros(full), _sharded_4x6(), rank=0)
 
 
+@pytest.mark.parametrize("mesh", [MESH2, None], ids=["sharded", "no_mesh"])
+def test_shard_tensor_lays_the_shard_out_as_the_input_declares(mesh):
+    """An input declared column-major (``stride_order``) gets a column-major shard, which ``execute``
+    takes as it is (it was row-major, and refused as not matching the declared layout)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], stride_order=[0, 1])
+        fd.add_output(x)
+    if mesh is not None:
+        x.set_device_mesh(mesh)
+        x.outer_split(1, 2)
+        x.axis(1).parallelize(X)
+    full = torch.arange(24.0).view(4, 6)
+    for rank in (0, 1):
+        local = shard_tensor(full, x, rank=rank)
+        want = full if mesh is None else full[:, 3 * rank:3 * rank + 3]
+        assert local.stride() == (1, 4) and torch.equal(local, want)
+        assert local.data_ptr() != full.data_ptr()
+
+
 def test_shard_tensor_of_a_symbolic_dim_parallelized_without_a_split():
     """Its extent is the mesh axis' size, whatever multiple of it the value has."""
     with FusionDefinition() as fd:
