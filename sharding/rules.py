@@ -365,19 +365,6 @@ def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
                      partial_sets=(frozenset(range(len(ins))),))
 
 
-def cat_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
-    """``_cat_spec``'s candidates, and k operands of one extent each block-sharded on the concatenated dim
-    giving ``Shard(d, outer=k)``: [k, n, e/n] holds block r of each operand on rank r, which is the local
-    cat of the local blocks (the gradient of a fused QKV or gate/up weight, from gradients on heads or
-    features, is made in the fused weight's strided layout with no communication)."""
-    cands = from_spec(_cat_spec)(op, fusion, n)
-    ins, _ = _shapes(op, fusion)
-    d, extents = op.attr("dim"), {shape[op.attr("dim")] for shape in ins}
-    if len(ins) > 1 and len(extents) == 1 and (e := extents.pop()) > 0 and e % n == 0:
-        cands.append(Candidate((Shard(d),) * len(ins), (Shard(d, len(ins)),)))
-    return cands
-
-
 def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     """A reshape keeps a Shard where the elements each rank holds are one piece of an output dim too.
     Within a group of merged or split dims, viewed as one flat dim, ``Shard(d, outer=k)`` holds the
@@ -487,5 +474,5 @@ select = from_spec(_select_spec)
 embedding = from_spec(_embedding_spec)
 take_along = from_spec(_take_along_spec)
 scatter = from_spec(_scatter_spec)
-cat = cat_candidates
+cat = from_spec(_cat_spec)
 reshape = reshape_candidates
