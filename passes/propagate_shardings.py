@@ -156,9 +156,10 @@ def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choice
                and gathered(draft.tensor(a).sharding, copy)}
     for op in ops:
         o, made = op.outputs[0], op.strategy.outputs[0]
+        if not is_cheap(op) or draft.tensor(o).annotated:
+            continue
         need = _single_need(fusion, ops, index, o)
-        if not is_cheap(op) or draft.tensor(o).annotated or need is None or need.mesh != made.mesh \
-                or need.has_partial or made.has_partial or free_between(made, need):
+        if need is None or need.mesh != made.mesh or need.has_partial or made.has_partial or free_between(made, need):
             continue
         for a in set(op.tensor_inputs):
             have = draft.tensor(a).sharding
@@ -327,9 +328,9 @@ def _could_take_hint(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]
     """The results of ops that cost more than their bytes (a GEMM) made otherwise than the one annotation
     that the pointwise ops of their shape reading them lead to: made so, the op may move less than its
     result would (an SP weight gradient scaled, negated or accumulated, ``acc + permute(g) @ x`` annotated
-    on its features, gathers x rather than an all_to_all of g and a reduce_scatter of the product). Not
-    taken by rule: a residual add after a row-parallel GEMM keeps its pending sum for the fused
-    GEMM+reduce_scatter."""
+    on its features, gathers x rather than an all_to_all of g and a reduce_scatter of the product). Not a
+    rule: a residual add after a row-parallel GEMM keeps its pending sum, reduce-scattered with the GEMM,
+    where moving the activation and the weight instead would move more (at real sizes, ffn >= hidden)."""
     found = []
     for op in ops:
         o = op.outputs[0]
