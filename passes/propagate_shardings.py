@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
 
 from tp_fusion.ir import Fusion
 from tp_fusion.mesh import DeviceMesh
-from tp_fusion.ops import Trait, is_biased_gemm, traits
+from tp_fusion.ops import Trait, is_biased_gemm, opdef, traits
 
 
 def default_mesh(fusion: Fusion) -> DeviceMesh | None:
@@ -71,7 +72,7 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     chosen = _Choices()
     draft, ops = _plan(fusion, mesh, chosen)
     moved = _moved_bytes(draft, ops)
-    for find in (_could_run_on_copies, _could_gather_once, _could_take_hint):
+    for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked):
         found = find(fusion, draft, ops)
         # All at once (a stack of alike layers), else one by one where they are few: each try plans the
         # whole fusion again, so that compile time stays linear in its size.
@@ -99,12 +100,14 @@ class _Choices:
     #                                                       ops that read it (``_could_gather_once``)
     hinted: frozenset[int] = frozenset()  # tensors made in the one annotation that the pointwise ops reading
     #                                       them lead to (``_could_take_hint``)
+    made_as: frozenset[tuple[int, Sharding]] = frozenset()  # (tensor, sharding): made so, by a way to run its op
+    #                                                         that is taken where asked for (``_could_run_as_asked``)
 
     def __or__(self, other: _Choices) -> _Choices:
-        return _Choices(self.on_copies | other.on_copies, self.seeds | other.seeds, self.hinted | other.hinted)
+        return _Choices(*(getattr(self, f.name) | getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def __le__(self, other: _Choices) -> bool:
-        return self.on_copies <= other.on_copies and self.seeds <= other.seeds and self.hinted <= other.hinted
+        return all(getattr(self, f.name) <= getattr(other, f.name) for f in dataclasses.fields(self))
 
 
 def _plan(fusion: Fusion, mesh: DeviceMesh, choices: _Choices) -> tuple[_Draft, list]:
@@ -222,12 +225,12 @@ def _forward(fusion: Fusion, mesh: DeviceMesh, copies: dict[int, Sharding],
     for i in fusion.inputs:
         if draft.tensor(i).sharding is None:
             draft.set_sharding(i, Sharding.replicated(mesh))
-    outputs = set(fusion.outputs)
+    outputs, made_as = set(fusion.outputs), dict(choices.made_as)
     ops = []
     for op in fusion.ops:
         o = op.outputs[0]
-        st = choose(op, draft, _hint(draft, o, o in choices.hinted) or summed.get(o), mesh, draft.copies,
-                    reads_copies=o in choices.on_copies)
+        hint = _hint(draft, o, o in choices.hinted) or made_as.get(o) or summed.get(o)
+        st = choose(op, draft, hint, mesh, draft.copies, reads_copies=o in choices.on_copies)
         for a, need in _operand_needs(op, st, draft):  # a move on the operand's own mesh that communicates
             if need is not None and not need.has_partial and draft.tensor(a).sharding.mesh == need.mesh \
                     and not free_between(draft.tensor(a).sharding, need):
@@ -339,6 +342,29 @@ def _could_take_hint(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]
         hint = _hint(draft, o, through=True)
         if hint is not None and hint != op.strategy.outputs[0]:
             found.append(_Choices(hinted=frozenset({o})))
+    return found
+
+
+def _could_run_as_asked(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
+    """Results of ops whose rule has a way to run taken only where asked for (``Candidate.asked``) that their
+    operands fit as they are: a cat of block shards made strided with no communication (the gradient of a
+    fused QKV weight, in the weight's strided layout already), where otherwise its operands are gathered.
+    Made so, the ops after may move more (a result needed whole then moves whole), so the plan decides."""
+    found = []
+    for op in ops:
+        o, st, rule = op.outputs[0], op.strategy, opdef(op.kind).rule
+        if len(op.outputs) != 1 or draft.tensor(o).annotated or not getattr(rule, "asks", False):
+            continue
+        have = [draft.tensor(a).sharding if isinstance(a, int) else None for a in op.inputs]
+        if any(h is not None and h.mesh != st.mesh for h in have):
+            continue
+        made = list(st.outputs[0].placements)
+        for axis, n in enumerate(st.mesh.shape):
+            for c in rule(op, draft, n):
+                if c.asked and all(h is None or h.placements[axis] == p for h, p in zip(have, c.inputs)):
+                    made[axis] = c.outputs[0]
+        if tuple(made) != st.outputs[0].placements:
+            found.append(_Choices(made_as=frozenset({(o, Sharding(st.mesh, tuple(made)))})))
     return found
 
 

@@ -28,6 +28,9 @@ class Candidate:
 
     inputs: tuple[Placement | None, ...]  # None for a non-tensor operand
     outputs: tuple[Placement, ...]
+    asked: bool = False  # taken only where the result is asked for so (its annotation, a hint): a way to run
+    #                      whose worth only the whole plan's bytes tell (``propagate_shardings`` tries it, for
+    #                      the rules marked ``asks``)
 
 
 @dataclass(frozen=True)
@@ -365,6 +368,29 @@ def _cat_spec(op: Op, fusion: Fusion) -> LabelSpec:
                      partial_sets=(frozenset(range(len(ins))),))
 
 
+def cat_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
+    """``_cat_spec``'s candidates, and, where asked for, k operands of one extent block-sharded on the
+    concatenated dim d giving ``Shard(d, outer=k)``: [k, n, e/n] holds block r of each operand on rank r,
+    the local cat of the local blocks (the gradient of a fused QKV or gate/up weight from gradients on heads
+    or features is in the fused weight's strided layout already). Asked for only: where the result is then
+    needed whole, gathering the operands moves less."""
+    cands = from_spec(_cat_spec)(op, fusion, n)
+    if len(op.inputs) > 1 and (extent := _cat_extent(op, fusion)) is not None and extent % n == 0:
+        d = op.attr("dim")
+        cands.append(Candidate((Shard(d),) * len(op.inputs), (Shard(d, len(op.inputs)),), asked=True))
+    return cands
+
+
+cat_candidates.asks = True  # it may give a candidate ``asked`` for only (``propagate_shardings`` looks for them)
+
+
+def _cat_extent(op: Op, fusion: Fusion) -> int | None:
+    """The one known extent of a cat's operands on the concatenated dim, if they all have it."""
+    ins, _ = _shapes(op, fusion)
+    extents = {shape[op.attr("dim")] for shape in ins}
+    return extents.pop() if len(extents) == 1 and min(extents) > 0 else None
+
+
 def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
     """A reshape keeps a Shard where the elements each rank holds are one piece of an output dim too.
     Within a group of merged or split dims, viewed as one flat dim, ``Shard(d, outer=k)`` holds the
@@ -474,5 +500,5 @@ select = from_spec(_select_spec)
 embedding = from_spec(_embedding_spec)
 take_along = from_spec(_take_along_spec)
 scatter = from_spec(_scatter_spec)
-cat = from_spec(_cat_spec)
+cat = cat_candidates
 reshape = reshape_candidates

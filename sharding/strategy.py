@@ -145,6 +145,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
                  and all(h is None or _reachable(h[axis], p) for h, p in zip(have, c.inputs))
                  and (hint is None or _reachable(c.outputs[0], hint.placements[axis]))]
         cands = [c for c in cands if _sums_once(c, sums, have, axis)] or cands
+        cands = [c for c in cands if not c.asked or hint is not None and c.outputs[0] == hint.placements[axis]]
         pick = None
         if hint is not None:
             pick = next((c for c in cands if c.outputs[0] == hint.placements[axis]
@@ -259,7 +260,7 @@ def _taken(p: Placement, op: Op, fusion: Fusion, n: int, j: int = 0) -> bool:
         rule = opdef(consumer.kind).rule
         if rule is None:
             continue
-        cands = rule(consumer, fusion, n)
+        cands = [c for c in rule(consumer, fusion, n) if not c.asked]
         cands = cands + _strided(cands, [p], consumer, fusion, n)
         at = [k for k, a in enumerate(consumer.inputs) if a == out]
         if not any(all(c.inputs[k] == p for k in at) for c in cands):

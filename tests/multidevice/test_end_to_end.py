@@ -537,6 +537,36 @@ def sp_weight_gradient_accumulated_case(mesh) -> Case:
     return Case(fd, [x, gy, acc], full, lambda x, gy, acc: [acc + 0.5 * gy.T @ x], ["allgather"])
 
 
+def fused_qkv_weight_gradient_case(mesh) -> Case:
+    """TP backward through a fused QKV weight: ``g = cat([gq, gk, gv], 1)`` of feature-sharded gradients,
+    ``gx = g @ wqkv`` and ``gw = permute(g) @ x``, wqkv and gw in the forward's strided layout ([3, n, H/n]
+    rows). Each rank holds its blocks of g in that layout already: the cat is local, gw needs nothing and gx
+    one allreduce. Before, every piece was gathered and the [3H, H] gradient computed whole on each rank."""
+    t, h, n = 8, 8, mesh.size
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([t, h], dtype=F64), fd.define_tensor([3 * h, h], dtype=F64)
+        gs = [fd.define_tensor([t, h], dtype=F64) for _ in range(3)]
+        g = fd.ops.cat(gs, 1)
+        gx, gw = fd.ops.matmul(g, w), fd.ops.matmul(fd.ops.permute(g, [1, 0]), x)
+        fd.add_output(gx)
+        fd.add_output(gw)
+        for tv in (x, gx):
+            shard(tv, mesh, {})
+        for tv in (w, gw):
+            tv.set_device_mesh(mesh)
+            tv.outer_split(0, 3)
+            tv.outer_split(1, n)
+            tv.axis(1).parallelize(X)
+        for tv in gs:
+            shard(tv, mesh, {1: X})
+    full = [_rand(150, (t, h)), _rand(151, (3 * h, h))] + [_rand(152 + i, (t, h)) for i in range(3)]
+
+    def reference(x, w, *gs):
+        g = torch.cat(gs, 1)
+        return [g @ w, g.T @ x]
+    return Case(fd, [x, w, *gs], full, reference, ["allreduce"])
+
+
 def sp_attention_with_one_kv_head_case(mesh) -> Case:
     """Sequence-parallel grouped-query attention written from matmuls, with one kv head shared by 4 query
     heads (fewer kv heads than ranks: wk and wv replicated): k and v are computed for every token from the
@@ -806,6 +836,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
     "residual_then_pending_sums_allreduced_once": residual_then_pending_sums_case,
     "sp_weight_gradient_accumulated_gathers_x": sp_weight_gradient_accumulated_case,
+    "fused_qkv_weight_gradient_cat_is_local": fused_qkv_weight_gradient_case,
     "rms_norm_backward_sums_gy_once": rms_norm_backward_case,
     "rms_norm_backward_with_residual_sums_gy_once": lambda m: rms_norm_backward_case(m, residual=True),
     "pending_sum_squared": lambda m: pending_sum_used_twice_case(m, "square"),
