@@ -134,16 +134,17 @@ def _could_run_on_copies(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choi
                 or op.strategy.outputs[0].is_replicated or op.strategy.outputs[0].has_partial:
             continue
         operands = [(a, need) for a, need in _operand_needs(op, op.strategy, draft) if need is not None]
-        reads = [_copy_whole(draft, a) not in (None, need) for a, need in operands]
+        reads = [_copy_gathered(draft, a) not in (None, need) for a, need in operands]
         if any(reads) and all(read or draft.tensor(a).sharding.is_replicated for (a, _), read in zip(operands, reads)):
             found.append(_Choices(on_copies=frozenset({op.outputs[0]})))
     return found
 
 
-def _copy_whole(draft: _Draft, a: int) -> Sharding | None:
-    """The copy that another op gathers of ``a`` whole on its mesh, if any."""
-    copy = draft.copies.get(a)
-    return copy if copy is not None and copy.is_replicated and gathered(draft.tensor(a).sharding, copy) else None
+def _copy_gathered(draft: _Draft, a: int) -> Sharding | None:
+    """The copy that another op makes of ``a`` with some of its mesh axes gathered (whole on a 1-D mesh; on
+    a DP x SP mesh, gathered over SP and still split over DP), if any."""
+    copy, have = draft.copies.get(a), draft.tensor(a).sharding
+    return copy if copy is not None and copy != have and gathered(have, copy) else None
 
 
 def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:

@@ -1103,10 +1103,30 @@ def gathered_once_on_a_2d_mesh_case(mesh) -> Case:
     return Case(fd, [g, w, r], full, lambda g, w, r: [g @ w, g.T @ r], ["allgather", "allreduce"])
 
 
+def lora_on_a_dp_sp_mesh_case(mesh) -> Case:
+    """A LoRA adapter beside a column-parallel linear on a DP x SP mesh, ``linear(x, w) + linear(linear(x, a),
+    b)`` with x's rows split on mesh_y (DP) and then mesh_x (SP), a replicated: the small GEMM ``linear(x, a)``
+    runs on the copy of x gathered over mesh_x for ``linear(x, w)`` (still split over mesh_y), so x is
+    gathered once (before: ``linear(x, a)`` ran on x's shards and its result was gathered too)."""
+    t, h, f, r = 8, 8, 16, 4
+    with FusionDefinition() as fd:
+        x, w, a, b = (fd.define_tensor(s, dtype=F64) for s in ([t, h], [f, h], [r, h], [f, r]))
+        y = fd.ops.add(fd.ops.linear(x, w), fd.ops.linear(fd.ops.linear(x, a), b))
+        fd.add_output(y)
+        shard(x, mesh)
+        x.outer_split(0, 2).axis(0).parallelize(Y)
+        x.outer_split(1, 2).axis(1).parallelize(X)
+        for tv, dims in ((w, {0: X}), (a, {}), (b, {0: X}), (y, {0: Y, 1: X})):
+            shard(tv, mesh, dims)
+    full = [_rand(160 + i, shape) for i, shape in enumerate(([t, h], [f, h], [r, h], [f, r]))]
+    return Case(fd, [x, w, a, b], full, lambda x, w, a, b: [x @ w.T + (x @ a.T) @ b.T], ["allgather"])
+
+
 CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
     "written_layer_norm_backward_of_a_pending_sum": lambda m: layer_norm_backward_of_a_pending_sum_case(
         m, False, written=True),
     "gathered_once_for_a_transpose": gathered_once_on_a_2d_mesh_case,
+    "lora_on_a_dp_sp_mesh_gathers_x_once": lora_on_a_dp_sp_mesh_case,
     "dp_tp_mlp": lambda m: mlp_case(m, "dp_tp", shape=(4, 2, 8)),
     "dp_tp_mlp_f32": lambda m: mlp_case(m, "dp_tp", F32, shape=(4, 8)),
     "set_mesh_x_to_mesh_y_other_dim": lambda m: _unary_case(
