@@ -303,14 +303,23 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
     return summed_to
 
 
-def _hint(draft: _Draft, name: int, through: bool = False) -> Sharding | None:
+def _hint(draft: _Draft, name: int, through: bool = False, memo: dict | None = None) -> Sharding | None:
     """The sharding ``name`` should be made in: its annotation, else the one annotation of the dtype
     conversions (``_converts``) that are all that read it, where that is on the mesh of its producer's
     operands: an f32 master weight's gradient ``cast(permute(g) @ x, f32)`` annotated on its features
     is made so by the GEMM (gathering x once) as an annotated ``permute(g) @ x`` is, rather than kept on
     x's token shards and its product moved. ``through``: through any pointwise ops of its shape too
     (``_could_take_hint``; else a hint on a GEMM or a chain of pointwise ops takes the choice of what to
-    move from the bytes)."""
+    move from the bytes). ``memo`` keeps each tensor's hint for calls with the same ``through`` on the same
+    draft (pointwise ops that read a tensor twice, in a chain, would otherwise be visited exponentially often)."""
+    memo = {} if memo is None else memo
+    if name not in memo:
+        memo[name] = _hint_uncached(draft, name, through, memo)
+    return memo[name]
+
+
+def _hint_uncached(draft: _Draft, name: int, through: bool, memo: dict) -> Sharding | None:
+    """``_hint``, computed from the hints of what reads ``name``."""
     t = draft.tensor(name)
     if t.annotated:
         return t.sharding
@@ -318,7 +327,7 @@ def _hint(draft: _Draft, name: int, through: bool = False) -> Sharding | None:
     passes_on = _keeps_shape if through else _converts
     if not readers or name in draft.outputs or not all(passes_on(draft, op, name) for op in readers):
         return None
-    hints = {_hint(draft, op.outputs[0], through) for op in readers}
+    hints = {_hint(draft, op.outputs[0], through, memo) for op in readers}
     hint = hints.pop() if len(hints) == 1 else None
     producer = draft.producer(name)
     operands = producer.tensor_inputs if producer is not None else ()  # those the walk has given a sharding
@@ -335,12 +344,13 @@ def _could_take_hint(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]
     on its features, gathers x rather than an all_to_all of g and a reduce_scatter of the product). Not a
     rule: a residual add after a row-parallel GEMM keeps its pending sum, reduce-scattered with the GEMM,
     where moving the activation and the weight instead would move more (at real sizes, ffn >= hidden)."""
-    found = []
+    found, narrow, through = [], {}, {}  # the memos of the two kinds of hint
     for op in ops:
         o = op.outputs[0]
-        if is_cheap(op) or len(op.outputs) != 1 or draft.tensor(o).annotated or _hint(draft, o) is not None:
+        if is_cheap(op) or len(op.outputs) != 1 or draft.tensor(o).annotated \
+                or _hint(draft, o, memo=narrow) is not None:
             continue
-        hint = _hint(draft, o, through=True)
+        hint = _hint(draft, o, True, through)
         if hint is not None and hint != op.strategy.outputs[0]:
             found.append(_Choices(hinted=frozenset({o})))
     return found
@@ -391,10 +401,7 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh, seeds:
     Fusion outputs take part (an output may come back sharded, as in nvFuser). A tensor materialized
     from a pending sum (a row-parallel linear's output) takes a Shard that all its consumers need
     too: the sum is then a reduce_scatter, not an allreduce and a slice."""
-    index = {id(op): i for i, op in enumerate(fusion.ops)}
-
-    def single_need(o: int) -> Sharding | None:
-        return _single_need(fusion, ops, index, o)
+    single_need = functools.partial(_single_need, fusion, ops, {id(op): i for i, op in enumerate(fusion.ops)})
 
     for i in reversed(range(len(ops))):
         op = ops[i]
