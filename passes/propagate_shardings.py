@@ -72,8 +72,9 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     chosen = _Choices()
     draft, ops = _plan(fusion, mesh, chosen)
     moved = _moved_bytes(draft, ops)
-    for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked):
-        found = find(fusion, draft, ops)
+    for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked,
+                 _could_sum_pending_first):
+        found = find(draft.fusion, draft, ops)
         # All at once (a stack of alike layers), else one by one where they are few: each try plans the
         # whole fusion again, so that compile time stays linear in its size.
         tries = [functools.reduce(operator.or_, found, _Choices())] + (found if 1 < len(found) <= _MAX_TRIES else [])
@@ -102,6 +103,8 @@ class _Choices:
     #                                       them lead to (``_could_take_hint``)
     made_as: frozenset[tuple[int, Sharding]] = frozenset()  # (tensor, sharding): made so, by a way to run its op
     #                                                         that is taken where asked for (``_could_run_as_asked``)
+    regrouped: frozenset[tuple[int, tuple[int, ...]]] = frozenset()  # (a chain of adds' result, its terms in the
+    #                                                                  order summed: ``_could_sum_pending_first``)
 
     def __or__(self, other: _Choices) -> _Choices:
         return _Choices(*(getattr(self, f.name) | getattr(other, f.name) for f in dataclasses.fields(self)))
@@ -111,7 +114,8 @@ class _Choices:
 
 
 def _plan(fusion: Fusion, mesh: DeviceMesh, choices: _Choices) -> tuple[_Draft, list]:
-    """The shardings and strategies, with ``choices`` made."""
+    """The shardings and strategies, with ``choices`` made (the draft's fusion has the adds regrouped)."""
+    fusion = _regrouped(fusion, dict(choices.regrouped))
     draft, ops = _walks(fusion, mesh, {}, choices)
     summed = _summed_at_source(fusion, draft, ops)
     if summed:  # again, with those pending sums summed where they are made
@@ -377,6 +381,76 @@ def _could_run_as_asked(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choic
         if tuple(made) != st.outputs[0].placements:
             found.append(_Choices(made_as=frozenset({(o, Sharding(st.mesh, tuple(made)))})))
     return found
+
+
+def _could_sum_pending_first(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
+    """Chains of adds (``_sums``) with two or more pending sums among their terms, summed after a term that is
+    not pending: regrouped to sum the pending terms first, one collective sums them all, where otherwise each is
+    summed to meet the other term (under SP, a transformer backward's ``gy + gq @ wq + gk @ wk + gv @ wv`` with
+    ``gy`` on token shards reduce-scatters each product; a parallel block's ``x + attn + mlp`` each branch).
+    Regrouped, the sum is rounded in another order, as every pending sum is; the plan decides."""
+    found = []
+    for root, (terms, _) in _sums(fusion).items():
+        pending = [a for a in terms if draft.tensor(a).sharding.has_partial]
+        order = pending + [a for a in terms if a not in pending]
+        if len(pending) > 1 and order != terms:
+            found.append(_Choices(regrouped=frozenset({(root, tuple(order))})))
+    return found
+
+
+def _sums(fusion: Fusion) -> dict[int, tuple[list[int], list[int]]]:
+    """Each chain of two or more adds of tensors of one shape and dtype whose results but the last only the
+    next add reads (unannotated, not outputs): the last result -> (the terms in the order the adds read them,
+    the adds' results in op order)."""
+    place = {o: i for i, op in enumerate(fusion.ops) for o in op.outputs}
+    outputs = set(fusion.outputs)
+
+    def plain(op) -> bool:
+        out = fusion.tensor(op.outputs[0])
+        return op.kind == "add" and len(op.tensor_inputs) == len(op.inputs) == 2 and all(
+            fusion.tensor(a).shape == out.shape and fusion.tensor(a).dtype == out.dtype for a in op.inputs)
+
+    def inner(name: int) -> bool:
+        producer, readers = fusion.producer(name), fusion.consumers(name)
+        return producer is not None and plain(producer) and not fusion.tensor(name).annotated \
+            and name not in outputs and len(readers) == 1 and plain(readers[0]) and readers[0].inputs.count(name) == 1
+
+    chains = {}
+    for op in fusion.ops:
+        root = op.outputs[0]
+        if not plain(op) or inner(root):
+            continue
+        terms, results, stack = [], [], [root]
+        while stack:
+            a = stack.pop()
+            if a == root or inner(a):
+                results.append(a)
+                stack.extend(reversed(fusion.producer(a).inputs))
+            else:
+                terms.append(a)
+        if len(terms) > 2:
+            chains[root] = (terms, sorted(results, key=place.__getitem__))
+    return chains
+
+
+def _regrouped(fusion: Fusion, orders: dict[int, tuple[int, ...]]) -> Fusion:
+    """``fusion`` with each chain of adds ``orders`` names (by its last result) summing its terms in the order
+    given, left to right; its adds keep their results' names and run where the last one ran."""
+    if not orders:
+        return fusion
+    chains, ops, gone = _sums(fusion), [], set()
+    for root, order in orders.items():
+        gone |= set(chains[root][1])
+    for op in fusion.ops:
+        root = op.outputs[0]
+        if root in orders:
+            acc, results = orders[root][0], chains[root][1]
+            for term, out in zip(orders[root][1:], results):
+                ops.append(fusion.producer(out).replace(inputs=(acc, term)))
+                acc = out
+        elif root not in gone:
+            ops.append(op)
+    return fusion.replace(ops=tuple(ops))
 
 
 def _keeps_shape(draft: _Draft, op, name: int) -> bool:
