@@ -64,30 +64,38 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     gather runs so where the plan then moves fewer bytes in all (``_could_run_on_copies``); so do cheap ops
     that could share one gather of an operand instead of each moving its result (``_could_gather_once``),
     and such an op's result is made in the annotation that pointwise ops of its shape lead to
-    (``_could_take_hint``).
+    (``_could_take_hint``); a chain of adds sums its pending terms first (``_could_sum_pending_first``).
+    Choices are found again on the plan a round kept some in, as one can open another (cheap ops that
+    share a gather of ``g`` then read that copy beside a pending sum: ``sum(g * y)`` keeps ``y`` pending).
     """
     mesh = default_mesh(fusion)
     if mesh is None:
         return fusion
     chosen = _Choices()
     draft, ops = _plan(fusion, mesh, chosen)
-    moved = _moved_bytes(draft, ops)
-    for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked,
-                 _could_sum_pending_first):
-        found = find(draft.fusion, draft, ops)
-        # All at once (a stack of alike layers), else one by one where they are few: each try plans the
-        # whole fusion again, so that compile time stays linear in its size.
-        tries = [functools.reduce(operator.or_, found, _Choices())] + (found if 1 < len(found) <= _MAX_TRIES else [])
-        for more in tries:
-            if more <= chosen:
-                continue
-            trial = _plan(fusion, mesh, chosen | more)
-            if _moved_bytes(*trial) < moved:
-                chosen, (draft, ops), moved = chosen | more, trial, _moved_bytes(*trial)
+    moved, tried = _moved_bytes(draft, ops), {chosen}
+    for _ in range(_MAX_ROUNDS):  # again while a round keeps a choice: one may open another (a gather seeded)
+        kept = chosen
+        for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked,
+                     _could_sum_pending_first):
+            found = find(draft.fusion, draft, ops)
+            # All at once (a stack of alike layers), else one by one where they are few: each try plans the
+            # whole fusion again, so that compile time stays linear in its size.
+            alone = found if 1 < len(found) <= _MAX_TRIES else []
+            for trying in [chosen | functools.reduce(operator.or_, found, _Choices())] + [chosen | c for c in alone]:
+                if trying in tried:
+                    continue
+                tried.add(trying)
+                trial = _plan(fusion, mesh, trying)
+                if _moved_bytes(*trial) < moved:
+                    chosen, (draft, ops), moved = trying, trial, _moved_bytes(*trial)
+        if chosen == kept:
+            break
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
 
 
 _MAX_TRIES = 4  # the most choices of one kind ``propagate_shardings`` tries one by one
+_MAX_ROUNDS = 3  # the most rounds of finding choices
 
 
 @dataclass(frozen=True)
@@ -130,16 +138,21 @@ def _could_run_on_copies(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choi
     ops read such copies where their consumers want it, ``_copy_read``). Run whole instead, their results
     may need no move later: under SP, with k's weight replicated (fewer kv heads than ranks), ``linear(x,
     wk)`` on the x gathered for q gives k for every token, and the attention runs on heads, where k on
-    token shards gathered q and the [heads, T, T] scores. ``propagate_shardings`` keeps what moves fewer
-    bytes, as the work whole costs more."""
+    token shards gathered q and the [heads, T, T] scores. So may ops, cheap ones too, whose other operands
+    are pending sums that they keep pending: a MoE gate's gradient ``sum(go * y_e)`` under SP, with ``go``
+    gathered for the experts' GEMMs and ``y_e`` a row-parallel product, reduce-scatters the [T] result, not
+    ``y_e``. ``propagate_shardings`` keeps what moves fewer bytes, as the work whole costs more."""
     found = []
     for op in ops:
-        if is_cheap(op) or len(op.outputs) != 1 \
-                or op.strategy.outputs[0].is_replicated or op.strategy.outputs[0].has_partial:
+        if len(op.outputs) != 1 or op.strategy.outputs[0].is_replicated or op.strategy.outputs[0].has_partial:
             continue
         operands = [(a, need) for a, need in _operand_needs(op, op.strategy, draft) if need is not None]
         reads = [_copy_gathered(draft, a) not in (None, need) for a, need in operands]
-        if any(reads) and all(read or draft.tensor(a).sharding.is_replicated for (a, _), read in zip(operands, reads)):
+        pending = [draft.tensor(a).sharding.has_partial for a, _ in operands]
+        if is_cheap(op) and not any(pending):
+            continue
+        if any(reads) and all(read or draft.tensor(a).sharding.is_replicated or summed
+                              for (a, _), read, summed in zip(operands, reads, pending)):
             found.append(_Choices(on_copies=frozenset({op.outputs[0]})))
     return found
 
@@ -439,7 +452,7 @@ def _regrouped(fusion: Fusion, orders: dict[int, tuple[int, ...]]) -> Fusion:
     if not orders:
         return fusion
     chains, ops, gone = _sums(fusion), [], set()
-    for root, order in orders.items():
+    for root in orders:
         gone |= set(chains[root][1])
     for op in fusion.ops:
         root = op.outputs[0]

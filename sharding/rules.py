@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tp_fusion.sharding.sharding import PARTIAL_SUM, REPLICATE, Partial, Placement, Shard
 
 from tp_fusion.ir import Fusion, Op
+from tp_fusion.types import DataType
 
 Rule = Callable[[Op, Fusion, int], list["Candidate"]]
 
@@ -272,15 +273,16 @@ def _alike(a: tuple[int, ...], b: tuple[int, ...], d: int) -> bool:
 def _take_along_spec(op: Op, fusion: Fusion) -> LabelSpec:
     """take_along_axis / gather: out[..., j, ...] = x[..., index[..., j, ...], ...] along ``dim``. The index
     and the output share every label: a shard of the index along ``dim`` shards the output; x's ``dim``
-    stays whole (an index may name any row). Another dim passes a Shard through x, the index and the output
+    sharded makes a partial sum (``_looked_up``). Another dim passes a Shard through x, the index and the output
     where the index spans it alike with x; where it covers a prefix of it, the dim stays whole in all three
     (a block of the index would need rows of x at other places). x may be Partial: the op is linear in it."""
     (x, idx), _ = _shapes(op, fusion)
-    dim = op.attr("dim")
+    dim, rows = op.attr("dim"), -1 - len(x)
     labels = tuple(d if d == dim or _alike(x, idx, d) else -1 - d for d in range(len(idx)))
-    lx = tuple(-1 - len(x) if d == dim else labels[d] for d in range(len(x)))
-    return LabelSpec((lx, labels), (labels,), whole=frozenset(lab for lab in (*lx, *labels) if lab < 0),
-                     partial_sets=(frozenset({0}),))
+    lx = tuple(rows if d == dim else labels[d] for d in range(len(x)))
+    summed = _looked_up(op, fusion, rows)
+    return LabelSpec((lx, labels), (labels,), summed=summed,
+                     whole=frozenset(lab for lab in (*lx, *labels) if lab < 0) - summed, partial_sets=(frozenset({0}),))
 
 
 def _scatter_spec(op: Op, fusion: Fusion) -> LabelSpec:
@@ -299,13 +301,24 @@ def _scatter_spec(op: Op, fusion: Fusion) -> LabelSpec:
 
 
 def _index_select_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    """x[..., n, ...] indexed along ``dim`` by index[m] -> out[..., m, ...]: x's indexed dim stays whole (any
-    row may be picked), a shard of the index shards the output's dim; x may be Partial (a gather is linear)."""
+    """x[..., n, ...] indexed along ``dim`` by index[m] -> out[..., m, ...]: x's indexed dim sharded makes a
+    partial sum (``_looked_up``), a shard of the index shards the output's dim; x may be Partial (a gather is
+    linear)."""
     (x, _), _ = _shapes(op, fusion)
     dim, picked, rows = op.attr("dim"), -1, -2
     lx = tuple(rows if d == dim else d for d in range(len(x)))
     lo = tuple(picked if d == dim else d for d in range(len(x)))
-    return LabelSpec((lx, (picked,)), (lo,), whole=frozenset({rows}), partial_sets=(frozenset({0}),))
+    summed = _looked_up(op, fusion, rows)
+    return LabelSpec((lx, (picked,)), (lo,), summed=summed, whole=frozenset({rows}) - summed,
+                     partial_sets=(frozenset({0}),))
+
+
+def _looked_up(op: Op, fusion: Fusion, rows: int) -> frozenset[int]:
+    """The label ``rows`` of the dim an indexing op looks x up along, as summed: on its shards each rank looks
+    up the rows it holds, zeros for the others (``ops._look_up_held``), a part of a sum over the ranks, as
+    Megatron's vocab-parallel embedding (an embedding, or a cross entropy's target logit, of a vocabulary-
+    sharded table or logits: an allreduce of the result, not a gather of the table). Not for bool x (no sum)."""
+    return frozenset() if fusion.tensor(op.inputs[0]).dtype is DataType.Bool else frozenset({rows})
 
 
 def _select_spec(op: Op, fusion: Fusion) -> LabelSpec:

@@ -116,7 +116,8 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     gather ``g`` once, on a 2-D mesh too, where ``g`` stays split on the other axis). A pending sum that
     is two operands of the op gets one placement for both (``y * y``: both summed, not one kept pending, which
     would sum the product again), also where one operand is a pointwise op of it (``y * neg(y)``).
-    ``reads_copies``: any op, not only a view, reads the copies that gather some mesh axes of its operands.
+    ``reads_copies``: any op, not only a view, reads the copies that gather some mesh axes of its operands,
+    and keeps a pending operand pending (not held as its copy: ``sum(g * y)`` of a gathered g and a pending y).
     """
     rule = opdef(op.kind).rule
     if rule is None:
@@ -127,7 +128,7 @@ def choose(op: Op, fusion: Fusion, hint: Sharding | None, default_mesh: DeviceMe
     for a in op.inputs:
         s = fusion.tensor(a).sharding if isinstance(a, int) else None
         copy = copies.get(a) if copies and s is not None else None
-        copy = copy if copy is not None and copy.mesh == mesh else None
+        copy = copy if copy is not None and copy.mesh == mesh and not (reads_copies and s.has_partial) else None
         copied.append(None if copy is None else copy.placements)
         if copy is not None and (s.has_partial or (reads_copies or traits(op.kind) & Trait.VIEW) and gathered(s, copy)):
             s = copy

@@ -1391,8 +1391,9 @@ def _index_select_infer(args, attrs):
 
 def _index_select_front(rec, x, index, dim: int):
     """nvFuser's ``index_select(x, index, dim)``, torch's ``torch.index_select(x, dim, index)``: the rows
-    ``index`` (1-D, Int or Int32) of ``x`` along ``dim``. x's ``dim`` is gathered where it is sharded; a
-    sharded index shards the output's ``dim``, with no communication."""
+    ``index`` (1-D, Int or Int32) of ``x`` along ``dim``. Where x's ``dim`` is sharded, each rank looks up the
+    rows it holds (zeros for the others): a partial sum, finished by an allreduce or a reduce_scatter, as
+    Megatron's vocab-parallel embedding. A sharded index shards the output's ``dim``, with no communication."""
     x, index = rec.tv(x, "x"), rec.tv(index, "index")
     _integer_indices("index_select", index, "index")
     if index.ndim != 1:
@@ -1400,8 +1401,17 @@ def _index_select_front(rec, x, index, dim: int):
     return rec(x, index, dim=rec.dim(x, dim))
 
 
-register("index_select", impl=lambda x, index, dim: torch.index_select(x, dim, index), infer=_index_select_infer,
-         traits=Trait.NONE, rule=rules.index_select, front=_index_select_front)
+def _index_select(x, index, dim, rows_local=None):
+    """``torch.index_select(x, dim, index)``; with ``rows_local`` (x holds some rows of ``dim``) the rows held
+    here and zeros for the others (``_look_up_held``)."""
+    def zero_elsewhere(out, mask):
+        return out.masked_fill(mask.view([-1 if d == dim else 1 for d in range(out.ndim)]), 0)
+    return _look_up_held(lambda i: torch.index_select(x, dim, i), index, rows_local, zero_elsewhere)
+
+
+register("index_select", impl=_index_select, infer=_index_select_infer, traits=Trait.NONE, rule=rules.index_select,
+         localize=lambda attrs, s: {**attrs, **_held_rows(s, 0, attrs["dim"])}, front=_index_select_front,
+         follow=(0, 1))  # the table's sharding, as an embedding's: its index is far smaller than it
 
 
 def _select_front(rec, x, index, dim: int):
@@ -1451,8 +1461,9 @@ def _take_along(rec, arg, index, dim: int, alike: bool):
 def _take_along_axis_front(rec, arg, index, dim: int):
     """nvFuser's ``take_along_axis(arg, index, dim)``: ``out[..., j, ...] = arg[..., index[..., j, ...], ...]``
     along ``dim`` (torch's ``torch.gather(arg, dim, index)``); index (Int or Int32) has arg's dims and, but
-    for ``dim``, its extents. A sharded index shards the output with no communication; arg's ``dim`` is
-    gathered where it is sharded."""
+    for ``dim``, its extents. A sharded index shards the output with no communication; where arg's ``dim`` is
+    sharded, each rank takes the values it holds (zeros for the others): a partial sum (a cross entropy's
+    target logit of vocabulary-sharded logits costs an allreduce of [tokens], not a gather of the logits)."""
     return _take_along(rec, arg, index, dim, alike=True)
 
 
@@ -1464,8 +1475,16 @@ def _gather_front(rec, arg, index, dim: int):
 
 
 # nvFuser's gather is this op too: fd.ops.gather records it (the op name ``gather`` is the collective's).
-register("take_along_axis", impl=lambda x, index, dim: torch.gather(x, dim, index), infer=_take_along_infer,
-         traits=Trait.NONE, rule=rules.take_along, front=_take_along_axis_front)
+def _take_along_axis(x, index, dim, rows_local=None):
+    """``torch.gather(x, dim, index)``; with ``rows_local`` (x holds some rows of ``dim``) the values held here
+    and zeros for the others (``_look_up_held``)."""
+    return _look_up_held(lambda i: torch.gather(x, dim, i), index, rows_local,
+                         lambda out, mask: out.masked_fill(mask, 0))
+
+
+register("take_along_axis", impl=_take_along_axis, infer=_take_along_infer, traits=Trait.NONE, rule=rules.take_along,
+         localize=lambda attrs, s: {**attrs, **_held_rows(s, 0, attrs["dim"])}, front=_take_along_axis_front,
+         follow=(0, 1))  # x's sharding: logits or a table, larger than what is taken from them
 SPELLINGS["gather"] = _gather_front
 
 
@@ -1536,31 +1555,45 @@ register("argsort", impl=lambda x, dim, descending, stable: torch.argsort(x, dim
          rule=rules.along(lambda op, shape: (op.attr("dim"),)), front=_argsort_front)
 
 
-def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0, vocab_local=None):
-    """``F.embedding``; with ``vocab_local`` (``weight`` holds some rows of the vocabulary: the local row of
-    each global one, -1 where another rank holds it), the rows held here and zeros for the others, this
-    rank's part of a sum over the ranks (Megatron's vocab-parallel embedding)."""
+def _held_rows(s: Localize, operand: int, dim: int) -> dict:
+    """An indexing op's ``rows_local`` attribute where its ``operand``'s ``dim`` is sharded (else none): the
+    local index of each global one along it, -1 where another rank holds it (``_look_up_held``)."""
+    rows = s.in_global[operand][dim]
+    if s.in_local[operand][dim] == rows:
+        return {}
+    held = s.in_indices(operand, dim)
+    table = torch.full((rows,), -1, dtype=torch.int64)
+    table[held] = torch.arange(len(held))
+    return {"rows_local": table.to(s.device)}
+
+
+def _look_up_held(look_up, index: torch.Tensor, rows_local: torch.Tensor | None, zero_elsewhere):
+    """``look_up(index)``, or with ``rows_local`` (``_held_rows``: the rows looked up are sharded) the rows held
+    here and zeros for the others, this rank's part of a sum over the ranks (Megatron's vocab-parallel
+    embedding). ``zero_elsewhere(out, mask)`` zeroes the output where ``mask`` (of the index's shape) is set.
+    An index out of range reaches ``look_up`` as it is, which refuses it as it would unsharded."""
+    if rows_local is None:
+        return look_up(index)
+    bad = (index < 0) | (index >= rows_local.shape[0])
+    local = torch.where(bad, index, rows_local[index.clamp(0, rows_local.shape[0] - 1)])
+    elsewhere = (local < 0) & ~bad
+    return zero_elsewhere(look_up(local.masked_fill(elsewhere, 0)), elsewhere)
+
+
+def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0, rows_local=None):
+    """``F.embedding``; with ``rows_local`` (``weight`` holds some rows of the vocabulary) the rows held here
+    and zeros for the others (``_look_up_held``)."""
     if max_norm is not None:  # F.embedding renormalizes the looked-up rows of its weight in place
         weight = weight.clone()
-    if vocab_local is None:
-        return F.embedding(indices, weight, padding_idx, max_norm, norm_type)
-    # an index out of the vocabulary reaches F.embedding as it is, which refuses it as it would unsharded
-    bad = (indices < 0) | (indices >= vocab_local.shape[0])
-    local = torch.where(bad, indices, vocab_local[indices.clamp(0, vocab_local.shape[0] - 1)])
-    elsewhere = (local < 0) & ~bad
-    out = F.embedding(local.masked_fill(elsewhere, 0), weight, None, max_norm, norm_type)  # padding_idx: backward's
-    return out.masked_fill(elsewhere.unsqueeze(-1), 0)
+    return _look_up_held(lambda i: F.embedding(i, weight, padding_idx, max_norm, norm_type), indices, rows_local,
+                         lambda out, mask: out.masked_fill(mask.unsqueeze(-1), 0))
 
 
 def _embedding_localize(attrs: dict, s: Localize) -> dict:
-    """Where the vocabulary is sharded, the local row of each global one (``_embedding``'s ``vocab_local``)."""
-    vocab = s.in_global[1][0]
-    if s.in_local[1][0] == vocab:
-        return attrs
-    rows = s.in_indices(1, 0)
-    table = torch.full((vocab,), -1, dtype=torch.int64)
-    table[rows] = torch.arange(len(rows))
-    return {**attrs, "padding_idx": None, "vocab_local": table.to(s.device)}
+    """Where the vocabulary is sharded, the local row of each global one (``_held_rows``); no ``padding_idx``
+    (it only concerns the backward, and names a global row)."""
+    held = _held_rows(s, 1, 0)
+    return {**attrs, "padding_idx": None, **held} if held else attrs
 
 
 def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_type=None, scale_grad_by_freq=None,

@@ -1022,9 +1022,13 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "index_select_x_sharded_other_dim": lambda m: _indexed_case(
         m, [6, 8], {1: X}, _INDEX, {}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
         lambda a, i: a.index_select(0, i), []),
+    # x sharded along the dim it is indexed on: each rank takes the rows it holds (zeros for the others), summed
     "index_select_x_sharded_indexed_dim": lambda m: _indexed_case(
         m, [8, 4], {0: X}, _INDEX, {}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
-        lambda a, i: a.index_select(0, i), ["allgather"]),
+        lambda a, i: a.index_select(0, i), ["allreduce"]),
+    "index_select_vocab_sharded_tokens_scattered": lambda m: _indexed_case(
+        m, [48, 4], {0: X}, _INDEX * 9, {}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
+        lambda a, i: a.index_select(0, i), ["reduce_scatter"], out={0: X}),
     "embedding_hidden_sharded": lambda m: _indexed_case(
         m, [10, 8], {1: X}, _TOKENS, {}, lambda fd, w, i: fd.ops.embedding_fwd(i, w),
         lambda w, i: F.embedding(i, w), []),
@@ -1045,9 +1049,12 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
     "take_along_axis_rows_sharded": lambda m: _indexed_case(
         m, [8, 6], {0: X}, _ALONG, {0: X}, lambda fd, x, i: fd.ops.take_along_axis(x, i, 1),
         lambda x, i: torch.gather(x, 1, i), []),
-    "take_along_axis_dim_sharded": lambda m: _indexed_case(
+    "take_along_axis_dim_sharded": lambda m: _indexed_case(  # a cross entropy's target logits: not the logits moved
         m, [8, 8], {1: X}, _ALONG, {}, lambda fd, x, i: fd.ops.take_along_axis(x, i, 1),
-        lambda x, i: torch.gather(x, 1, i), ["allgather"]),
+        lambda x, i: torch.gather(x, 1, i), ["allreduce"]),
+    "gather_dim_sharded_prefix_of_rows": lambda m: _indexed_case(
+        m, [8, 8], {1: X}, _ALONG[:4], {}, lambda fd, x, i: fd.ops.gather(x, i, 1),
+        lambda x, i: torch.gather(x, 1, i), ["allreduce"]),
     "gather_prefix_of_rows": lambda m: _indexed_case(  # the index spans 4 of 8 rows: the rows of both gathered
         m, [8, 6], {0: X}, _ALONG[:4], {0: X}, lambda fd, x, i: fd.ops.gather(x, i, 1),
         lambda x, i: torch.gather(x, 1, i), ["allgather", "allgather"]),

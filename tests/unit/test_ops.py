@@ -858,15 +858,15 @@ def test_index_select_and_embedding(index_dtype):
 
 
 def test_a_lookup_in_a_piece_of_the_vocabulary():
-    """A rank holding global rows 1 and 3 of 4 (``vocab_local``: each global row's local one, -1 elsewhere)
+    """A rank holding global rows 1 and 3 of 4 (``rows_local``: each global row's local one, -1 elsewhere)
     returns those rows and zeros for the others; an index out of range fails as F.embedding's does, a
     negative one too (it must neither wrap round the table nor name another index)."""
     table, weight = torch.tensor([-1, 0, -1, 1]), _rand(51, 2, 3)
-    got = _ops.OPS["embedding_fwd"].impl(torch.tensor([[1, 0], [3, 2]]), weight, vocab_local=table)
+    got = _ops.OPS["embedding_fwd"].impl(torch.tensor([[1, 0], [3, 2]]), weight, rows_local=table)
     _check(got, torch.stack([torch.stack([weight[0], torch.zeros(3)]), torch.stack([weight[1], torch.zeros(3)])]))
     for bad in ([4], [-1]):
         with pytest.raises(IndexError, match="index out of range in self"):  # F.embedding's own error
-            _ops.OPS["embedding_fwd"].impl(torch.tensor(bad), weight, vocab_local=table)
+            _ops.OPS["embedding_fwd"].impl(torch.tensor(bad), weight, rows_local=table)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
