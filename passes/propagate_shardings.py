@@ -7,6 +7,7 @@ import functools
 import operator
 from dataclasses import dataclass
 
+from tp_fusion.passes.decompose import decomposed
 from tp_fusion.sharding.reshard import free_between, gathered, local_between
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
@@ -77,7 +78,7 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     for _ in range(_MAX_ROUNDS):  # again while a round keeps a choice: one may open another (a gather seeded)
         kept = chosen
         for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked,
-                     _could_sum_pending_first):
+                     _could_sum_pending_first, _could_decompose):
             found = find(draft.fusion, draft, ops)
             # All at once (a stack of alike layers), else one by one where they are few: each try plans the
             # whole fusion again, so that compile time stays linear in its size.
@@ -113,6 +114,7 @@ class _Choices:
     #                                                         that is taken where asked for (``_could_run_as_asked``)
     regrouped: frozenset[tuple[int, tuple[int, ...]]] = frozenset()  # (a chain of adds' result, its terms in the
     #                                                                  order summed: ``_could_sum_pending_first``)
+    decomposed: frozenset[int] = frozenset()  # results of ops run as their ``decompose`` recipe (``_could_decompose``)
 
     def __or__(self, other: _Choices) -> _Choices:
         return _Choices(*(getattr(self, f.name) | getattr(other, f.name) for f in dataclasses.fields(self)))
@@ -122,8 +124,9 @@ class _Choices:
 
 
 def _plan(fusion: Fusion, mesh: DeviceMesh, choices: _Choices) -> tuple[_Draft, list]:
-    """The shardings and strategies, with ``choices`` made (the draft's fusion has the adds regrouped)."""
-    fusion = _regrouped(fusion, dict(choices.regrouped))
+    """The shardings and strategies, with ``choices`` made (the draft's fusion has the adds regrouped and the
+    ops decomposed)."""
+    fusion = decomposed(_regrouped(fusion, dict(choices.regrouped)), choices.decomposed)
     draft, ops = _walks(fusion, mesh, {}, choices)
     summed = _summed_at_source(fusion, draft, ops)
     if summed:  # again, with those pending sums summed where they are made
@@ -409,6 +412,16 @@ def _could_sum_pending_first(fusion: Fusion, draft: _Draft, ops: list) -> list[_
         if len(pending) > 1 and order != terms:
             found.append(_Choices(regrouped=frozenset({(root, tuple(order))})))
     return found
+
+
+def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
+    """Results of ops with a ``decompose`` recipe (softmax) on a mesh of several devices: run as the recipe's
+    ops, a dim the op normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value
+    per row (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the
+    logits of a vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary
+    shards, where the op whole would gather the head's weight."""
+    return [_Choices(decomposed=frozenset({op.outputs[0]})) for op in ops
+            if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1]
 
 
 def _sums(fusion: Fusion) -> dict[int, tuple[list[int], list[int]]]:

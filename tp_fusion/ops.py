@@ -97,6 +97,9 @@ class OpDef:
     # whether a call takes a fresh seed from the unseeded draws' counter (``take_seed``): every rank takes
     # one per call, whether the op runs on it or not, so that every rank's later draws stay alike
     fresh_seed: Callable[[dict], bool] | None = None
+    # the op as simpler ops, ``decompose(op, builder)`` (``passes.decompose.Builder``) writing ``op``'s result:
+    # what propagation may run instead where the op would gather a dim it normalizes over (None: no such)
+    decompose: Callable | None = None
 
     def has(self, trait: Trait) -> bool:
         return bool(self.traits & trait)
@@ -1793,10 +1796,23 @@ def _softmax_front(rec, x, dim: int):
     return rec(x, dim=rec.dim(x, dim))
 
 
+def _softmax_decomposed(op, b) -> None:
+    """``exp(x - max(x)) / sum(exp(x - max(x)))`` along ``dim``, in float32 for a half-precision x (as torch's
+    kernel computes): over a sharded dim, the max and the sum leave pending reductions of one value per row."""
+    (x,), dim = op.inputs, op.attr("dim")
+    dtype = b.dtype(x)
+    half = dtype in (DataType.BFloat16, DataType.Half)
+    wide = b("cast", x, dtype=DataType.Float) if half else x
+    e = b("exp", b("sub", wide, b("amax", wide, dims=(dim,), keepdim=True)))
+    ratio = b("div", e, b("sum", e, dims=(dim,), keepdim=True, dtype=None), out=None if half else op.outputs[0])
+    if half:
+        b("cast", ratio, dtype=dtype, out=op.outputs[0])
+
+
 register("softmax", impl=_softmax,
          infer=lambda args, attrs: [TensorType(args[0].shape, _torch_dtype(_softmax, args, attrs)[0])],
          traits=Trait.NORMALIZATION, rule=rules.normalization(lambda op, n: (op.attr("dim"),)),
-         flops=_flops_input, front=_softmax_front)
+         flops=_flops_input, front=_softmax_front, decompose=_softmax_decomposed)
 
 # --- factories ------------------------------------------------------------------------------------
 

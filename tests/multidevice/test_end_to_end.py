@@ -272,6 +272,22 @@ def vocab_parallel_cross_entropy_case(mesh) -> Case:
                 lambda x, weight, tgt: [F.cross_entropy(x @ weight.T, tgt)], ["allreduce"] * 3)
 
 
+def vocab_parallel_cross_entropy_from_softmax_case(mesh) -> Case:
+    """The same loss written with the softmax op and take_along_axis, ``-log(softmax(logits)[target])``: the
+    softmax runs as its parts on the logits' vocabulary shards (each row's max and sum allreduced) and each rank
+    takes the target probabilities it holds (summed): the logits are never gathered."""
+    t, h, v = 6, 8, 16
+    with FusionDefinition() as fd:
+        hidden, w = fd.define_tensor([t, h], dtype=F64), fd.define_tensor([v, h], dtype=F64)
+        target = fd.define_tensor([t, 1], dtype=DataType.Int)
+        p = fd.ops.take_along_axis(fd.ops.softmax(fd.ops.linear(hidden, w), 1), target, 1)
+        fd.add_output(fd.ops.neg(fd.ops.mean(fd.ops.log(p))))
+        shard(w, mesh, {0: X})
+    tgt = torch.tensor([[3], [15], [0], [8], [8], [12]])
+    return Case(fd, [hidden, w, target], [_rand(32, (t, h)), _rand(33, (v, h)), tgt],
+                lambda x, weight, tgt: [F.cross_entropy(x @ weight.T, tgt[:, 0])], ["allreduce"] * 3)
+
+
 def sp_cross_entropy_backward_case(mesh) -> Case:
     """The gradient of a sequence-parallel vocab-parallel cross entropy with respect to the hidden states,
     (softmax(logits) - one_hot(target)) @ w, with the hidden states, targets and logsumexp on token shards:
@@ -746,8 +762,12 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "reshape_needs_allgather": lambda m: _unary_case(  # a block of 12 // n rows straddles the rows of 4
         m, [12, 2], {0: X}, None, lambda fd, x: fd.ops.reshape(x, [3, 4, 2]), lambda t: t.reshape(3, 4, 2),
         ["allgather"]),
-    "softmax_sharded_dim": lambda m: _unary_case(
-        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), ["allgather"]),
+    "softmax_sharded_dim": lambda m: _unary_case(  # run decomposed: each row's max and sum allreduced
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
+        ["allreduce", "allreduce"]),
+    "softmax_sharded_dim_bf16": lambda m: _unary_case(
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
+        ["allreduce", "allreduce"], dtype=DataType.BFloat16),
     "softmax_other_dim": lambda m: _unary_case(
         m, [4, 8], {0: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), []),
     "layer_norm_sharded_dim": lambda m: binary_case(
@@ -834,6 +854,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "sp_attention_with_one_kv_head_gathers_x_once": sp_attention_with_one_kv_head_case,
     "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
+    "vocab_parallel_cross_entropy_from_softmax": vocab_parallel_cross_entropy_from_softmax_case,
     "residual_then_pending_sums_allreduced_once": residual_then_pending_sums_case,
     "sp_weight_gradient_accumulated_gathers_x": sp_weight_gradient_accumulated_case,
     "fused_qkv_weight_gradient_cat_is_local": fused_qkv_weight_gradient_case,
@@ -1150,9 +1171,9 @@ CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
     "linear_2d_weight_sharded_n_and_k": lambda m: binary_case(
         m, [[4, 8], [6, 8]], [None, {0: Y, 1: X}], lambda fd, a, w: fd.ops.linear(a, w), F.linear,
         ["allreduce"]),
-    "softmax_2d_gathers_one_axis": lambda m: _unary_case(
+    "softmax_2d_reduces_over_one_axis": lambda m: _unary_case(  # each row's max and sum over mesh_x only
         m, [4, 8], {0: Y, 1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
-        ["allgather"]),
+        ["allreduce", "allreduce"]),
     "replicated_plus_sharded_on_mesh_y": lambda m: binary_case(
         m, [[4, 8], [4, 8]], [{1: Y}, {}], lambda fd, a, b: fd.ops.mul(a, b), torch.mul, []),
     "permute_2d": lambda m: _unary_case(

@@ -1098,16 +1098,40 @@ def test_reshape_of_untouched_dim_keeps_its_sharding():
     assert kinds(f) == ["reshape"] and out_placements(f) == (Shard(1),)
 
 
-@pytest.mark.parametrize("op", ["softmax", "layer_norm"])
-def test_normalization_over_sharded_dim_needs_allgather(op):
+def test_layer_norm_over_sharded_dim_needs_allgather():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 8])
-        z = fd.ops.softmax(x, 1) if op == "softmax" else fd.ops.layer_norm(x, [8])
-        fd.add_output(z)
+        fd.add_output(fd.ops.layer_norm(x, [8]))
         shard(x, MESH2, {1: X})
     f = lower(fd)
-    assert kinds(f) == ["allgather", op]
+    assert kinds(f) == ["allgather", "layer_norm"]
     assert only(f, "allgather").attr("dim") == 1
+
+
+@pytest.mark.parametrize("dtype", [DataType.Float, DataType.BFloat16])
+def test_softmax_over_sharded_dim_runs_decomposed(dtype):
+    """The max and the sum of each row are allreduced (8 values each), not x gathered: the result stays on
+    x's shards; a half-precision x is computed in float32, as torch's kernel does."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8], dtype=dtype)
+        fd.add_output(fd.ops.softmax(x, 1))
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    half = ["cast"] if dtype is DataType.BFloat16 else []
+    assert kinds(f) == [*half, "amax", "allreduce", "sub", "exp", "sum", "allreduce", "div", *half]
+    assert [op.attr("reduce_op") for op in f.ops if op.kind == "allreduce"] == ["max", None]
+    assert out_placements(f) == (Shard(1),) and f.tensor(f.outputs[0]).dtype is dtype
+
+
+def test_softmax_over_a_dim_gathered_anyway_stays_one_op():
+    """The result is wanted whole: gathering x for the one op moves less than gathering the result."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        z = fd.ops.softmax(x, 1)
+        fd.add_output(z)
+        shard(x, MESH2, {1: X})
+        shard(z, MESH2, {})
+    assert kinds(lower(fd)) == ["allgather", "softmax"]
 
 
 @pytest.mark.parametrize("op", ["softmax", "layer_norm"])
