@@ -215,18 +215,33 @@ class _FusionFunction(torch.autograd.Function):
                 raise ShardingError(
                     f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
                     f"{i}, which has local shape {list(inp.shape)}, but it came out {list(grad.shape)}; give "
-                    f"that backward output the sharding of forward input {i}")
+                    f"that backward output the sharding of forward input {i}{_reduction_axes(spec.backward.fusion, k)}")
             want, got = ctx.input_shardings[i], bwd.tensor(bwd.outputs[k]).sharding
             if inp.mesh is None and not _holds(got, want, bwd.tensor(bwd.outputs[k]).shape):
                 raise ShardingError(
                     f"{spec.name}.backward: the backward fusion's output {k} is the gradient of forward input "
                     f"{i}, which is sharded {want}, but it came out sharded {got}: each rank would get "
                     f"other elements than its shard of the input; give that backward output the sharding of "
-                    f"forward input {i}")
+                    f"forward input {i}{_reduction_axes(spec.backward.fusion, k)}")
             input_grads[i] = grad.to(inp.dtype) if grad.dtype != inp.dtype else grad
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*saved, *grads) if t is not None):
             return _raising_if_differentiated(spec.name, input_grads)  # create_graph=True
         return tuple(input_grads)
+
+
+def _reduction_axes(fusion, k: int) -> str:
+    """A note for an error about the sharding of the gradient that is output ``k`` of the backward ``fusion`` (as
+    defined), where its schedule parallelizes a reduction axis (``r``: a dim its op reduced, which a ``sum``'s
+    loop domain keeps first, as nvFuser's): the dim meant is elsewhere."""
+    name = fusion.outputs[k]
+    t = fusion.tensor(name)
+    axes = [a for a, ax in enumerate(t.loop or ()) if ax.reduction and ax.ptype.is_device]
+    if not axes:
+        return ""
+    loop = "[" + ", ".join(map(str, t.loop)) + "]"
+    return (f" (T{name}'s loop domain {loop} parallelizes axis {axes[0]}, a reduction axis: the dim its op reduced, "
+            "which leaves a sum over the devices; split and parallelize the axis of the dim the input is sharded on, "
+            "counted among its loop axes)")
 
 
 def _raising_if_differentiated(name: str, grads: list) -> tuple:

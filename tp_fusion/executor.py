@@ -19,6 +19,7 @@ the global shapes of symbolic inputs that some rank cannot see, exchanged on eve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import threading
@@ -98,11 +99,13 @@ class Executor:
                                  "its fusions one at a time, in the same order as its peers (collectives would "
                                  "interleave otherwise)")
         try:
-            return self._run(inputs)
+            with _as_declared():
+                return self._run(inputs)
         finally:
             _executing.release()
 
     def _run(self, inputs: list) -> tuple[list[torch.Tensor], Program]:
+        """``run``, under ``_as_declared``."""
         world = dist.world_token()
         multi = self._sharded and world is not None and dist.world_size() > 1
         every_call = multi and agrees_every_call(dist.backend())
@@ -332,3 +335,15 @@ def _agree(error: Exception | None, fingerprint: int, detail: tuple[int, str] | 
         f"rank {ref}. Pass every rank its shard (shard_tensor) of the same global tensors: a split dim's "
         "shards all have one extent (uneven pieces, as torch.tensor_split makes of an extent that does not "
         "divide, are not supported)")
+
+
+def _as_declared() -> contextlib.ExitStack:
+    """What a plan runs under: the dtypes its fusion declares, as nvFuser's kernels do (autocast off: its aten
+    calls would otherwise compute in the autocast dtype and meet buffers in the declared one), and outside
+    inference mode, so that the buffers a call caches (mailboxes, CUDA-graph pools) serve later calls in either
+    mode (made under it, they are inference tensors, which a later call outside it may not write)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack

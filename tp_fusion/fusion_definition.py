@@ -646,7 +646,8 @@ class FusionDefinition:
 
         Every rank of the default process group calls it, for the same fusions in the same order.
         Forward only: it runs under ``torch.no_grad``, accepts inputs that require grad and returns
-        outputs that do not (``tp_fusion.autograd.function`` trains). Inputs are never modified. The first
+        outputs that do not (``tp_fusion.autograd.function`` trains); it computes in the declared dtypes, autocast
+        or not, in or out of inference mode. Inputs are never modified. The first
         call for a new input signature compiles (and, on GPUs, times the fused segments); ``fd.plan``
         is then the program it runs. A single tensor stands for the list of it.
         """
@@ -682,8 +683,9 @@ class FusionDefinition:
         for name, given in zip(self._inputs, input_shapes):
             t, shape = self._tensors[name], _integers(given)
             if shape is None or len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
-                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape {given!r}; "
-                                 "input_shapes holds one list of extents per input")
+                hint = " (a tensor: give its shape, list(t.shape))" if isinstance(given, torch.Tensor) else ""
+                raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
+                                 f"{_shown(given)}{hint}; input_shapes holds one list of extents per input")
             if any(e < 0 for e in shape):
                 raise InputError(f"compile: input T{name} is given the global shape {list(shape)}; a plan is built "
                                  f"for concrete global shapes: give each symbolic extent of {list(t.shape)} its size")
@@ -710,6 +712,13 @@ class FusionDefinition:
         return self.plan.output_shardings()
 
 
+def _shown(value) -> str:
+    """``value`` as an error message shows it: a tensor by its type and shape, not its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    return repr(value)
+
+
 def _integers(values: Iterable) -> tuple[int, ...] | None:
     """``values`` as Python ints where each is an integer (an int or a numpy integer, not a bool);
     None otherwise."""
@@ -719,7 +728,10 @@ def _integers(values: Iterable) -> tuple[int, ...] | None:
         return None
     if any(isinstance(v, bool) or not hasattr(v, "__index__") for v in values):
         return None
-    return tuple(v.__index__() for v in values)
+    try:
+        return tuple(v.__index__() for v in values)
+    except (TypeError, RuntimeError):  # a tensor of several elements has __index__ but refuses it
+        return None
 
 
 class _OpsNamespace:

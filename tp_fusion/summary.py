@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tp_fusion.errors import DefinitionError
 from tp_fusion.ir import Fusion, Op
 from tp_fusion.ops import Trait, opdef, traits
 from tp_fusion.sharding.reshard import Collective
@@ -191,6 +192,10 @@ def summarize(plan, rank: int = 0) -> PlanSummary:
     ``Fusion`` (``passes.run_pipeline``'s result; no process group needed, fused choices undecided)."""
     if isinstance(plan, Fusion):
         fusion = plan
+        symbolic = next((t for t in fusion.tensors if any(e < 0 for e in t.shape)), None)
+        if symbolic is not None:
+            raise DefinitionError(f"summarize: T{symbolic.name} {symbolic.type_str()} has a symbolic extent, so its "
+                                  "bytes and FLOPs are unknown; summarize fd.compile(global_input_shapes) instead")
         segments = [(seg, [fusion.ops[i] for i in seg.ops], None) for seg in fusion.segments or ()]
     else:
         fusion, rank = plan.fusion, plan.rank

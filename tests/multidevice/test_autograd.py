@@ -439,6 +439,39 @@ def test_a_backward_tensor_of_another_sharding_with_the_right_shape_is_a_clear_e
 
 
 @pytest.mark.ranks(2)
+def test_bias_gradient_scheduled_on_its_reduction_axis_says_so(multidevice_test):
+    """``grad_b = sum(gy, [0])`` split and parallelized on axis 0 "like its bias" parallelizes the reduced dim
+    (a sum's loop domain keeps it first, as nvFuser's): the gradient comes out summed and whole, and the error
+    says which axis was meant."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+
+    def sched(tv, axis):
+        tv.set_device_mesh(mesh)
+        if axis is not None:
+            tv.outer_split(axis, d)
+            tv.axis(axis).parallelize(ParallelType.mesh_x)
+    with FusionDefinition() as fwd:
+        x, w, b = fwd.define_tensor([4, 4]), fwd.define_tensor([8, 4]), fwd.define_tensor([8])
+        y = fwd.ops.linear(x, w, b)
+        fwd.add_output(y)
+        for tv, axis in ((x, None), (w, 0), (b, 0), (y, 1)):
+            sched(tv, axis)
+    with FusionDefinition() as bwd:
+        xs, gy = bwd.define_tensor([4, 4]), bwd.define_tensor([4, 8])
+        gw, gb = bwd.ops.matmul(bwd.ops.permute(gy, [1, 0]), xs), bwd.ops.sum(gy, [0])
+        bwd.add_output(gw)
+        bwd.add_output(gb)
+        for tv, axis in ((xs, None), (gy, 1), (gw, 0), (gb, 0)):
+            sched(tv, axis)
+    linear = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[0], grad_inputs=[1, 2])
+    w_local, b_local = (torch.nn.Parameter(torch.randn(*s)) for s in ([8 // d, 4], [8 // d]))
+    out = linear.apply(torch.randn(4, 4), w_local, b_local)
+    with pytest.raises(ShardingError, match=re.escape("[rmesh_x{2}, r{2}, 8] parallelizes axis 0, a reduction axis")):
+        out.sum().backward()
+
+
+@pytest.mark.ranks(2)
 def test_dtensor_gradient_scheduled_on_another_mesh_is_a_clear_error(multidevice_test):
     """A DTensor input whose gradient the backward fusion puts on one device: a ShardingError naming the
     input and both meshes (was torch's NotImplementedError from DTensor.redistribute)."""

@@ -86,6 +86,32 @@ def test_mlp_with_parameters_and_requires_grad(multidevice_test, sequence_parall
         assert torch.equal(got.detach(), s) and got.grad is None
 
 
+@pytest.mark.ranks(2)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp_mlp", "sp_mlp"])
+def test_mlp_in_and_out_of_inference_mode_and_autocast(multidevice_test, sequence_parallel):
+    """An evaluation pass under inference_mode first, then normal calls, then calls under autocast: each runs the
+    dtypes the fusion declares, and the buffers the first call cached (the fused kernels' mailboxes) serve the
+    later ones. Before, the second call failed (inference tensors written outside inference mode) and autocast
+    made the fused GEMM meet a bf16 activation with an f32 weight."""
+    d = multidevice_test.size
+    fd, tvs = _mlp(d, sequence_parallel)
+    full = [rand(1, 4 * d, 8, dtype=torch.float32), rand(2, 4 * d, 8, dtype=torch.float32),
+            rand(3, 4 * d, dtype=torch.float32), rand(4, 8, 4 * d, dtype=torch.float32)]
+    want = multidevice_test.shard_tensor(
+        F.linear(F.gelu(F.linear(full[0], full[1], full[2]), approximate="tanh"), full[3]), tvs[4])
+    shards = [multidevice_test.shard_tensor(t, tv) for t, tv in zip(full, tvs)]
+    with torch.inference_mode():
+        (out,) = fd.execute(shards)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    (out,) = fd.execute(shards)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (out,) = fd.execute(shards)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert any(seg.fused is not None for seg in fd.plan.segments), str(fd.plan)  # fused segments ran
+
+
 def _grad_case(seed: int, mesh: DeviceMesh, grads: list[bool]):
     """x [r, k] @ w^T [k, n] + b, relu, times y: each of x, w, b, y possibly requiring grad; random
     shardings on mesh_x (and mesh_y on a 2-D mesh); returns (fd, tvs, full inputs, reference)."""

@@ -488,6 +488,9 @@ def test_compile_arguments():
     for rank in ("a", -1, 1.0, True):
         _raises(InputError, rf"compile: rank must be the rank \(an int >= 0\) whose plan to build, got {rank!r}",
                 lambda rank=rank: fd.compile([[8, 4]], rank=rank))
+    _raises(InputError, r"compile: input T0 is defined as \[-1, 4\], got global shape a torch.float32 tensor of "
+                        r"shape \[8, 4\] \(a tensor: give its shape, list\(t.shape\)\)",
+            lambda: fd.compile([torch.zeros(8, 4)]))  # was a bare TypeError from torch
     assert fd.compile([[8, 4]], rank=np.int64(1)).rank == 1
     for device in ("tpu", 3.5):  # torch's own RuntimeError and TypeError before
         _raises(InputError, rf"compile: device must be a torch.device or its name \('cpu', 'cuda'\), got {device!r}",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tp_fusion.passes import run_pipeline
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
+from tp_fusion import DataType, DefinitionError, DeviceMesh, FusionDefinition, ParallelType
 from tp_fusion.summary import format_bytes, format_flops, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -72,3 +72,20 @@ def test_send_recv_and_formatting():
     assert format_bytes(3 * 2**29) == "1.5 GiB"
     assert format_flops(999) == "999" and format_flops(266240) == "266.2 k"
     assert format_flops(2 * 8192 * 14336 * 8192) == "1.924 T"
+
+
+def test_symbolic_extent_is_a_clear_error():
+    """A lowered fusion with a symbolic extent has no byte or FLOP counts (they came out negative): an error
+    that says to summarize a compiled plan, which binds the extents."""
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([-1, 4]), fd.define_tensor([6, 4])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+        for tv in (x, w, y):
+            tv.set_device_mesh(mesh)
+        x.outer_split(0, 2).axis(0).parallelize(ParallelType.mesh_x)
+    with pytest.raises(DefinitionError, match=r"T0 f32\[\?, 4\] has a symbolic extent, so its bytes and FLOPs are "
+                                              r"unknown; summarize fd.compile\(global_input_shapes\) instead"):
+        summarize(run_pipeline(fd.fusion))
+    assert summarize(fd.compile([[8, 4], [6, 4]])).sent == 8 * 6 * 4 // 2  # y gathered
