@@ -1,10 +1,10 @@
 """Composite ops replaced by the simpler ops they are made of, where propagation asks for it.
 
-An op whose registry entry has a ``decompose`` recipe (``tp_fusion.ops``: softmax) can run as that recipe's
-ops. Propagation tries this where the op would gather a dim it normalizes over: its pieces then reduce
-locally and leave pending sums or maxima of a few bytes (Megatron's vocab-parallel softmax: an allreduce of
-each row's max and of its sum of exponentials, not a gather of the logits), and keeps it where the plan
-moves fewer bytes (``propagate_shardings._could_decompose``).
+An op whose registry entry has a ``decompose`` recipe (``tp_fusion.ops``: softmax, var, var_mean) can run as
+that recipe's ops. Whole, the op gathers a dim it normalizes or reduces over; as its parts, each part reduces
+its pieces locally and leaves pending sums or maxima of a few bytes (Megatron's vocab-parallel softmax: an
+allreduce of each row's max and of its sum of exponentials, not a gather of the logits). Propagation tries
+it and keeps it where the plan moves fewer bytes (``propagate_shardings._could_decompose``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tp_fusion.ops import opdef, operand_types
 class Builder:
     """Appends ops to a copy of a fusion's tensors, inferring each result's shape and dtype as recording does.
     ``builder(kind, *operands, out=name, **attrs)``: an operand is a tensor name or a ``Const``; the result is
-    a new tensor, or ``out`` (the decomposed op's result, which keeps its name)."""
+    a new tensor, or ``out`` (a result of the decomposed op, which keeps its name)."""
 
     def __init__(self, tensors: tuple[Tensor, ...]):
         self.tensors = list(tensors)
@@ -34,6 +34,17 @@ class Builder:
             raise AssertionError(f"{kind}: the decomposition gives {result}, not {self.tensors[out].type_str()}")
         self.ops.append(Op(kind, operands, (out,), tuple(attrs.items())))
         return out
+
+    def finish(self, name: int, out: int) -> None:
+        """Make ``name``, the last op's result, the decomposed op's result ``out``: that op writes ``out`` where
+        it has ``out``'s dtype, else a cast to it does (a recipe may compute half precision in float32)."""
+        assert self.tensors[name].shape == self.tensors[out].shape, "a decomposition keeps its op's shapes"
+        if self.tensors[name].dtype != self.tensors[out].dtype:
+            self("cast", name, dtype=self.tensors[out].dtype, out=out)
+            return
+        assert self.ops[-1].outputs == (name,) and name == len(self.tensors) - 1, "finish the last op's result"
+        self.tensors.pop()
+        self.ops[-1] = self.ops[-1].replace(outputs=(out,))
 
 
 def decomposed(fusion: Fusion, names: frozenset[int]) -> Fusion:

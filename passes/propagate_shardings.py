@@ -415,13 +415,15 @@ def _could_sum_pending_first(fusion: Fusion, draft: _Draft, ops: list) -> list[_
 
 
 def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
-    """Results of ops with a ``decompose`` recipe (softmax) on a mesh of several devices: run as the recipe's
+    """Results of ops with a ``decompose`` recipe (softmax, var, var_mean) on a mesh of several devices, of
+    operands of concrete shapes: run as the recipe's
     ops, a dim the op normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value
     per row (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the
     logits of a vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary
     shards, where the op whole would gather the head's weight."""
     return [_Choices(decomposed=frozenset({op.outputs[0]})) for op in ops
-            if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1]
+            if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1
+            and all(e >= 0 for a in op.tensor_inputs for e in draft.tensor(a).shape)]
 
 
 def _sums(fusion: Fusion) -> dict[int, tuple[list[int], list[int]]]:

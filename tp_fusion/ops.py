@@ -793,6 +793,21 @@ def _mean_localize(attrs: dict, s: Localize) -> dict:
     return {**attrs, "count": math.prod(s.in_global[0][d] for d in attrs["dims"])}
 
 
+def _var_decomposed(op, b) -> None:
+    """var (and var_mean's mean) as ``mean``, ``sub``, ``mul``, ``sum`` and ``div`` by the global count less the
+    correction, in float32 for a half-precision x: over a sharded dim, the mean and the sum of squares leave
+    pending sums of a value per row (two passes over x, as torch's two-pass variance)."""
+    (x,), dims, keepdim = op.inputs, op.attr("dims"), op.attr("keepdim")
+    count = math.prod(b.tensors[x].shape[d] for d in dims)
+    wide = _widened(b, x)
+    mean = b("mean", wide, dims=dims, keepdim=True, dtype=None)
+    centered = b("sub", wide, mean)
+    squares = b("sum", b("mul", centered, centered), dims=dims, keepdim=keepdim, dtype=None)
+    b.finish(b("div", squares, Const(float(count - op.attr("correction")))), op.outputs[0])
+    if len(op.outputs) == 2:
+        b.finish(b("squeeze", mean, dims=() if keepdim else dims), op.outputs[1])
+
+
 # Each reduction with the reduction across devices that finishes it over a sharded dim (its pieces reduced
 # locally: sum and mean leave a sum, max/min/prod their own op); var and var_mean need the dim gathered first.
 # max and min are nvFuser's names of torch's amax and amin.
@@ -806,7 +821,8 @@ for _name, _impl, _front, _pending in (("sum", _sum, _sum_front, "sum"), ("mean"
     _infer = _extremum_infer(f"a{_pending}", _impl) if _pending in ("max", "min") else _reduction_infer(_impl)
     register(_name, impl=_impl, infer=_infer, traits=Trait.REDUCTION,
              rule=rules.reduction(_pending), flops=_flops_input, front=_front, pending=_pending or "sum",
-             localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1)
+             localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1,
+             decompose=None if _pending else _var_decomposed)
 
 # --- scans ----------------------------------------------------------------------------------------
 
@@ -1660,9 +1676,28 @@ def _layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: flo
     return rec(x, *given.values(), normalized_shape=ns, eps=float(eps), affine=tuple(given))
 
 
+def _layer_norm_decomposed(op, b) -> None:
+    """``(x - mean) * rsqrt(var + eps)``, times the weight, plus the bias, over the trailing normalized dims, in
+    float32 for a half-precision x: over a sharded normalized dim (a layer norm of a column-parallel q across
+    its heads), the mean and the sum of squares leave pending sums of a value per row."""
+    (x, *params), ns = op.inputs, op.attr("normalized_shape")
+    dims = tuple(range(len(b.tensors[x].shape) - len(ns), len(b.tensors[x].shape)))
+    wide = _widened(b, x)
+    centered = b("sub", wide, b("mean", wide, dims=dims, keepdim=True, dtype=None))
+    squares = b("sum", b("mul", centered, centered), dims=dims, keepdim=True, dtype=None)
+    var = b("div", squares, Const(float(math.prod(ns))))
+    y = b("mul", centered, b("rsqrt", b("add", var, Const(op.attr("eps")))))
+    given = dict(zip(op.attr("affine"), params))
+    if "weight" in given:
+        y = b("mul", y, given["weight"])
+    if "bias" in given:
+        y = b("add", y, given["bias"])
+    b.finish(y, op.outputs[0])
+
+
 register("layer_norm", impl=_layer_norm, infer=_layer_norm_infer, traits=Trait.NORMALIZATION,
          rule=rules.normalization(lambda op, n: tuple(range(n - len(op.attr("normalized_shape")), n))),
-         flops=_flops_input, front=_layer_norm_front)
+         flops=_flops_input, front=_layer_norm_front, decompose=_layer_norm_decomposed)
 
 
 def _normalized_dims(op, n: int) -> tuple[int, ...]:
@@ -1800,13 +1835,14 @@ def _softmax_decomposed(op, b) -> None:
     """``exp(x - max(x)) / sum(exp(x - max(x)))`` along ``dim``, in float32 for a half-precision x (as torch's
     kernel computes): over a sharded dim, the max and the sum leave pending reductions of one value per row."""
     (x,), dim = op.inputs, op.attr("dim")
-    dtype = b.dtype(x)
-    half = dtype in (DataType.BFloat16, DataType.Half)
-    wide = b("cast", x, dtype=DataType.Float) if half else x
+    wide = _widened(b, x)
     e = b("exp", b("sub", wide, b("amax", wide, dims=(dim,), keepdim=True)))
-    ratio = b("div", e, b("sum", e, dims=(dim,), keepdim=True, dtype=None), out=None if half else op.outputs[0])
-    if half:
-        b("cast", ratio, dtype=dtype, out=op.outputs[0])
+    b.finish(b("div", e, b("sum", e, dims=(dim,), keepdim=True, dtype=None)), op.outputs[0])
+
+
+def _widened(b, x: int) -> int:
+    """A decomposition's operand ``x`` in float32 where it is half precision (as torch's kernels compute)."""
+    return b("cast", x, dtype=DataType.Float) if b.dtype(x) in (DataType.BFloat16, DataType.Half) else x
 
 
 register("softmax", impl=_softmax,

@@ -770,9 +770,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         ["allreduce", "allreduce"], dtype=DataType.BFloat16),
     "softmax_other_dim": lambda m: _unary_case(
         m, [4, 8], {0: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), []),
-    "layer_norm_sharded_dim": lambda m: binary_case(
+    "layer_norm_sharded_dim": lambda m: binary_case(  # run as its parts: each row's mean and sum of squares
         m, [[4, 8], [8]], [{1: X}, None], lambda fd, x, w: fd.ops.layer_norm(x, [8], w),
-        lambda x, w: F.layer_norm(x, [8], w), ["allgather"]),
+        lambda x, w: F.layer_norm(x, [8], w), ["allreduce", "allreduce"]),
     "mean_amax_multi_output": multi_output_case,
     "gathered_once_for_a_matmul_and_its_transpose": lambda m: binary_case(  # SP MLP backward: g @ w, g^T @ r
         m, [[8, 4], [4, 8], [8, 8]], [{0: X}, {1: X}, {1: X}],
@@ -866,8 +866,13 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "pending_sum_rms_norm": lambda m: pending_sum_used_twice_case(m, "rms"),
     "pending_sum_rms_norm_scattered": lambda m: pending_sum_used_twice_case(m, "rms", rows=True),
     "row_linear_bias_scatter_features": lambda m: row_bias_scatter_case(m),
-    "var_mean_sharded_dim": lambda m: _unary_case(
-        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.var_mean(x, [1])[0], lambda t: t.var(1), ["allgather"]),
+    "var_mean_sharded_dim": lambda m: _unary_case(  # run as its parts: each row's mean and sum of squares
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.var_mean(x, [1])[0], lambda t: t.var(1),
+        ["allreduce", "allreduce"]),
+    "var_mean_both_outputs_keepdim_bf16": lambda m: _unary_case(
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.add(*fd.ops.var_mean(x, [1], 0, True)),
+        lambda t: torch.add(*torch.var_mean(t, 1, correction=0, keepdim=True)), ["allreduce", "allreduce"],
+        dtype=DataType.BFloat16),
     "mean_keepdim_reduce_scatter": lambda m: _unary_case(
         m, [8, 4], {0: X}, {1: X}, lambda fd, x: fd.ops.mean(x, [0], keepdim=True),
         lambda t: t.mean(0, keepdim=True), ["reduce_scatter"]),

@@ -1098,14 +1098,17 @@ def test_reshape_of_untouched_dim_keeps_its_sharding():
     assert kinds(f) == ["reshape"] and out_placements(f) == (Shard(1),)
 
 
-def test_layer_norm_over_sharded_dim_needs_allgather():
+@pytest.mark.parametrize("affine", [False, True])
+def test_layer_norm_over_sharded_dim_runs_decomposed(affine):
+    """Each row's mean and sum of squares are allreduced (8 values each), not x gathered; the weight and bias
+    are sliced to the result's shards."""
     with FusionDefinition() as fd:
-        x = fd.define_tensor([4, 8])
-        fd.add_output(fd.ops.layer_norm(x, [8]))
+        x, w, b = fd.define_tensor([4, 8]), fd.define_tensor([8]), fd.define_tensor([8])
+        fd.add_output(fd.ops.layer_norm(x, [8], w, b) if affine else fd.ops.layer_norm(x, [8]))
         shard(x, MESH2, {1: X})
     f = lower(fd)
-    assert kinds(f) == ["allgather", "layer_norm"]
-    assert only(f, "allgather").attr("dim") == 1
+    assert [k for k in kinds(f) if k in ("allreduce", "allgather", "reduce_scatter")] == ["allreduce"] * 2
+    assert out_placements(f) == (Shard(1),)
 
 
 @pytest.mark.parametrize("dtype", [DataType.Float, DataType.BFloat16])
