@@ -214,16 +214,24 @@ def _operand_needs(op, st: Strategy, draft: _Draft):
 
 def _moved_bytes(draft: _Draft, ops: list) -> float:
     """The bytes of every move the plan makes: of operands to what their ops need, each tensor to each
-    sharding once, and of results made otherwise than assigned (a move that slices is free)."""
+    sharding once, and of results made otherwise than assigned (a move that slices is free). A sum made whole
+    (an allreduce) counts twice: it sends what a reduce_scatter and then an allgather of the tensor would, so
+    that a softmax run as its parts (an allreduce of each row's max and sum) is weighed fairly against a gather."""
     moves = {}
     for op in ops:
         for a, need in _operand_needs(op, op.strategy, draft):
             if need is not None and not local_between(draft.tensor(a).sharding, need):
-                moves[a, need] = nbytes(draft, a)
+                moves[a, need] = nbytes(draft, a) * _summed_whole(draft.tensor(a).sharding, need)
         for o, made in zip(op.outputs, op.strategy.outputs):
             if not local_between(made, draft.tensor(o).sharding):
-                moves[o, made] = nbytes(draft, o)
+                moves[o, made] = nbytes(draft, o) * _summed_whole(made, draft.tensor(o).sharding)
     return sum(moves.values())
+
+
+def _summed_whole(have: Sharding, need: Sharding) -> int:
+    """2 where a move from ``have`` to ``need`` allreduces (a pending sum made replicated on some mesh axis), else 1."""
+    return 2 if have.mesh == need.mesh and any(isinstance(a, Partial) and isinstance(b, Replicate)
+                                               for a, b in zip(have.placements, need.placements)) else 1
 
 
 def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding], choices: _Choices) -> tuple[_Draft, list]:

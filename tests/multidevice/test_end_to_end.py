@@ -765,8 +765,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "softmax_sharded_dim": lambda m: _unary_case(  # run decomposed: each row's max and sum allreduced
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
         ["allreduce", "allreduce"]),
-    "softmax_sharded_dim_bf16": lambda m: _unary_case(
-        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
+    "softmax_sharded_dim_bf16": lambda m: _unary_case(  # wider: bf16 rows gathered would move less than the sums
+        m, [4, 32], {1: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1),
         ["allreduce", "allreduce"], dtype=DataType.BFloat16),
     "softmax_other_dim": lambda m: _unary_case(
         m, [4, 8], {0: X}, None, lambda fd, x: fd.ops.softmax(x, 1), lambda t: torch.softmax(t, 1), []),
@@ -870,7 +870,7 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.var_mean(x, [1])[0], lambda t: t.var(1),
         ["allreduce", "allreduce"]),
     "var_mean_both_outputs_keepdim_bf16": lambda m: _unary_case(
-        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.add(*fd.ops.var_mean(x, [1], 0, True)),
+        m, [4, 32], {1: X}, None, lambda fd, x: fd.ops.add(*fd.ops.var_mean(x, [1], 0, True)),
         lambda t: torch.add(*torch.var_mean(t, 1, correction=0, keepdim=True)), ["allreduce", "allreduce"],
         dtype=DataType.BFloat16),
     "mean_keepdim_reduce_scatter": lambda m: _unary_case(

@@ -1113,10 +1113,10 @@ def test_layer_norm_over_sharded_dim_runs_decomposed(affine):
 
 @pytest.mark.parametrize("dtype", [DataType.Float, DataType.BFloat16])
 def test_softmax_over_sharded_dim_runs_decomposed(dtype):
-    """The max and the sum of each row are allreduced (8 values each), not x gathered: the result stays on
+    """The max and the sum of each row are allreduced (4 values each), not x gathered: the result stays on
     x's shards; a half-precision x is computed in float32, as torch's kernel does."""
     with FusionDefinition() as fd:
-        x = fd.define_tensor([4, 8], dtype=dtype)
+        x = fd.define_tensor([4, 32], dtype=dtype)
         fd.add_output(fd.ops.softmax(x, 1))
         shard(x, MESH2, {1: X})
     f = lower(fd)
