@@ -537,6 +537,45 @@ def residual_then_pending_sums_case(mesh) -> Case:
     return Case(fd, [gy, g1, g2, w1, w2], full, lambda gy, g1, g2, w1, w2: [gy + g1 @ w1 + g2 @ w2], ["allreduce"])
 
 
+def sp_residual_then_pending_sums_case(mesh) -> Case:
+    """The same residual gradient under SP, gy and gx on token shards, ``gy + g1 @ w1 + g2 @ w2 + g3 @ w3``: the
+    chain of adds is regrouped to sum the pending products first, so one reduce_scatter sums them all (before,
+    one per product, each meeting gy's shards)."""
+    t, h, k = 8, 16, 8
+    with FusionDefinition() as fd:
+        gy = fd.define_tensor([t, h], dtype=F64)
+        gs = [fd.define_tensor([t, k], dtype=F64) for _ in range(3)]
+        ws = [fd.define_tensor([k, h], dtype=F64) for _ in range(3)]
+        gx = gy
+        for g, w in zip(gs, ws):
+            gx = fd.ops.add(gx, fd.ops.matmul(g, w))
+        fd.add_output(gx)
+        for tv, dims in ((gy, {0: X}), (gx, {0: X}), *((g, {1: X}) for g in gs), *((w, {0: X}) for w in ws)):
+            shard(tv, mesh, dims)
+    full = [_rand(150, [t, h]), *(_rand(151 + i, [t, k]) for i in range(3)),
+            *(_rand(154 + i, [k, h]) for i in range(3))]
+    return Case(fd, [gy, *gs, *ws], full, lambda gy, *a: [gy + a[0] @ a[3] + a[1] @ a[4] + a[2] @ a[5]],
+                ["reduce_scatter"])
+
+
+def sp_gate_gradient_keeps_the_product_pending_case(mesh) -> Case:
+    """A MoE gate's gradient under SP, ``sum(go * y, 1)`` with y a row-parallel product (pending) and go on
+    token shards, gathered anyway for the expert's own backward ``go @ w2``: the product runs on that gathered
+    copy and stays pending, so only the [T] result is reduce-scattered, not y [T, H]."""
+    t, h, f = 8, 16, 16
+    with FusionDefinition() as fd:
+        go, a, w2 = (fd.define_tensor(shape, dtype=F64) for shape in ([t, h], [t, f], [h, f]))
+        gate_grad = fd.ops.sum(fd.ops.mul(go, fd.ops.linear(a, w2)), [1])
+        grad_a = fd.ops.matmul(go, w2)
+        fd.add_output(gate_grad)
+        fd.add_output(grad_a)
+        for tv, dims in ((go, {0: X}), (a, {1: X}), (w2, {1: X}), (gate_grad, {0: X}), (grad_a, {1: X})):
+            shard(tv, mesh, dims)
+    full = [_rand(160, [t, h]), _rand(161, [t, f]), _rand(162, [h, f])]
+    return Case(fd, [go, a, w2], full, lambda go, a, w2: [(go * (a @ w2.T)).sum(1), go @ w2],
+                ["allgather", "reduce_scatter"])
+
+
 def sp_weight_gradient_accumulated_case(mesh) -> Case:
     """SP weight gradient accumulated into a main_grad and scaled, ``acc + 0.5 * permute(gy) @ x`` with x on
     token shards, gy and acc on features: the annotation passes back through the pointwise ops to the GEMM,
@@ -855,6 +894,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
     "vocab_parallel_cross_entropy_from_softmax": vocab_parallel_cross_entropy_from_softmax_case,
+    "sp_residual_then_pending_sums_reduce_scattered_once": sp_residual_then_pending_sums_case,
+    "sp_gate_gradient_keeps_the_product_pending": sp_gate_gradient_keeps_the_product_pending_case,
     "residual_then_pending_sums_allreduced_once": residual_then_pending_sums_case,
     "sp_weight_gradient_accumulated_gathers_x": sp_weight_gradient_accumulated_case,
     "fused_qkv_weight_gradient_cat_is_local": fused_qkv_weight_gradient_case,
