@@ -111,6 +111,16 @@ def linear_in_first(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
     return (frozenset({0}),) if 0 in _tensor_positions(op) else ()
 
 
+def linear_in_choices(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
+    """where(cond, a, b): a and b Partial together (each rank picks from its own parts; a replicated one joins
+    by ``TO_PARTIAL``), or one of them Partial where the other is the constant 0 (a sum of zeros). Never cond."""
+    tensors = _tensor_positions(op) - {0}
+    zero = {i for i in (1, 2) if i not in tensors and op.inputs[i].value == 0}
+    if len(tensors) == 2:
+        return (frozenset(tensors),)
+    return (frozenset(tensors),) if tensors and zero else ()
+
+
 def pointwise(partial: Callable[[Op, Fusion], tuple[frozenset[int], ...]] | None = None) -> Rule:
     """Pointwise ops: dims aligned from the right; an operand dim of extent 1 under a larger output
     dim is broadcast and carries no label. ``partial(op, fusion)`` says which operands the op is linear in."""

@@ -593,7 +593,7 @@ def _where_front(rec, cond, a, b):
 
 
 register("where", impl=_where, infer=_pointwise_infer(_where), traits=Trait.POINTWISE,
-         rule=rules.pointwise(), flops=_flops_output, front=_where_front)
+         rule=rules.pointwise(rules.linear_in_choices), flops=_flops_output, front=_where_front)
 
 
 def _as_tensor_like(value, like: torch.Tensor) -> torch.Tensor:

@@ -576,6 +576,26 @@ def sp_gate_gradient_keeps_the_product_pending_case(mesh) -> Case:
                 ["allgather", "reduce_scatter"])
 
 
+def where_of_pending_sums_case(mesh, other: str) -> Case:
+    """``sum(where(hit, y, other), 1)`` of a row-parallel product ``y`` (a pending sum): where ``other`` is 0, or
+    a pending sum too, or replicated (each rank adds it once between them), the where keeps the sum pending,
+    and the [T] row sums are allreduced, not y [T, H] (a cross entropy with ignored tokens)."""
+    t, h, k = 8, 16, 8
+    with FusionDefinition() as fd:
+        x, w, r, hit = (fd.define_tensor(shape, dtype=dt) for shape, dt in
+                        (([t, k], F64), ([h, k], F64), ([t, h], F64), ([t, h], DataType.Bool)))
+        y = fd.ops.linear(x, w)
+        b = {"zero": 0.0, "pending": fd.ops.neg(y), "replicated": r}[other]
+        fd.add_output(fd.ops.sum(fd.ops.where(hit, y, b), [1]))
+        shard(x, mesh, {1: X}), shard(w, mesh, {1: X})
+    full = [_rand(170, [t, k]), _rand(171, [h, k]), _rand(172, [t, h]), _rand(173, [t, h]) > 0]
+
+    def reference(x, w, r, hit):
+        y = x @ w.T
+        return [torch.where(hit, y, {"zero": torch.zeros_like(y), "pending": -y, "replicated": r}[other]).sum(1)]
+    return Case(fd, [x, w, r, hit], full, reference, ["allreduce"])
+
+
 def sp_weight_gradient_accumulated_case(mesh) -> Case:
     """SP weight gradient accumulated into a main_grad and scaled, ``acc + 0.5 * permute(gy) @ x`` with x on
     token shards, gy and acc on features: the annotation passes back through the pointwise ops to the GEMM,
@@ -895,6 +915,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
     "vocab_parallel_cross_entropy_from_softmax": vocab_parallel_cross_entropy_from_softmax_case,
     "sp_residual_then_pending_sums_reduce_scattered_once": sp_residual_then_pending_sums_case,
+    "where_of_a_pending_sum_and_zero": lambda m: where_of_pending_sums_case(m, "zero"),
+    "where_of_two_pending_sums": lambda m: where_of_pending_sums_case(m, "pending"),
+    "where_of_a_pending_sum_and_a_replicated_tensor": lambda m: where_of_pending_sums_case(m, "replicated"),
     "sp_gate_gradient_keeps_the_product_pending": sp_gate_gradient_keeps_the_product_pending_case,
     "residual_then_pending_sums_allreduced_once": residual_then_pending_sums_case,
     "sp_weight_gradient_accumulated_gathers_x": sp_weight_gradient_accumulated_case,

@@ -1126,6 +1126,24 @@ def test_softmax_over_sharded_dim_runs_decomposed(dtype):
     assert out_placements(f) == (Shard(1),) and f.tensor(f.outputs[0]).dtype is dtype
 
 
+@pytest.mark.parametrize("other", ["zero", "pending", "replicated", "one"])
+def test_where_keeps_a_pending_sum_where_it_is_linear(other):
+    """``sum(where(hit, y, other), 1)`` of a row-parallel (pending) y: where is linear in y and ``other`` together
+    (a replicated other joins the sum locally) or in y alone beside the constant 0, so the [8] row sums are
+    allreduced; beside the constant 1 it is not (each rank would add 1), so y [8, 16] is."""
+    with FusionDefinition() as fd:
+        x, w, r = fd.define_tensor([8, 4]), fd.define_tensor([16, 4]), fd.define_tensor([8, 16])
+        hit = fd.define_tensor([8, 16], dtype=DataType.Bool)
+        y = fd.ops.linear(x, w)
+        b = {"zero": 0.0, "pending": fd.ops.neg(y), "replicated": r, "one": 1.0}[other]
+        fd.add_output(fd.ops.sum(fd.ops.where(hit, y, b), [1]))
+        shard(x, MESH2, {1: X})
+        shard(w, MESH2, {1: X})
+    f = lower(fd)
+    (allreduce,) = [op for op in f.ops if op.kind == "allreduce"]
+    assert f.tensor(allreduce.inputs[0]).shape == ((8, 16) if other == "one" else (8,))
+
+
 def test_softmax_over_a_dim_gathered_anyway_stays_one_op():
     """The result is wanted whole: gathering x for the one op moves less than gathering the result."""
     with FusionDefinition() as fd:
