@@ -423,15 +423,22 @@ def _could_sum_pending_first(fusion: Fusion, draft: _Draft, ops: list) -> list[_
 
 
 def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
-    """Results of ops with a ``decompose`` recipe (softmax, var, var_mean) on a mesh of several devices, of
-    operands of concrete shapes: run as the recipe's
-    ops, a dim the op normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value
-    per row (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the
-    logits of a vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary
-    shards, where the op whole would gather the head's weight."""
+    """Results of ops with a ``decompose`` recipe (softmax, var, var_mean, layer_norm), of operands of concrete
+    shapes, that move an operand, or whose operand's producer does: run as the recipe's ops, a dim the op
+    normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value per row
+    (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the logits of a
+    vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary shards, where
+    the op whole would gather the head's weight (a move of its operand's producer). An attention's softmax over
+    keys that nothing moves for is left whole (each try plans the fusion again)."""
+    made_by = {o: op for op in ops for o in op.outputs}
+
+    def moves(op) -> bool:
+        return op is not None and any(need is not None and not local_between(draft.tensor(a).sharding, need)
+                                      for a, need in _operand_needs(op, op.strategy, draft))
     return [_Choices(decomposed=frozenset({op.outputs[0]})) for op in ops
             if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1
-            and all(e >= 0 for a in op.tensor_inputs for e in draft.tensor(a).shape)]
+            and all(e >= 0 for a in op.tensor_inputs for e in draft.tensor(a).shape)
+            and (moves(op) or moves(made_by.get(op.inputs[0])))]
 
 
 def _sums(fusion: Fusion) -> dict[int, tuple[list[int], list[int]]]:
