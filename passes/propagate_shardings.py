@@ -65,7 +65,8 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     gather runs so where the plan then moves fewer bytes in all (``_could_run_on_copies``); so do cheap ops
     that could share one gather of an operand instead of each moving its result (``_could_gather_once``),
     and such an op's result is made in the annotation that pointwise ops of its shape lead to
-    (``_could_take_hint``); a chain of adds sums its pending terms first (``_could_sum_pending_first``).
+    (``_could_take_hint``); a chain of adds sums its pending terms first (``_could_sum_pending_first``); a
+    softmax, variance or layer norm over a sharded dim runs as its parts (``_could_decompose``).
     Choices are found again on the plan a round kept some in, as one can open another (cheap ops that
     share a gather of ``g`` then read that copy beside a pending sum: ``sum(g * y)`` keeps ``y`` pending).
     """

@@ -809,7 +809,8 @@ def _var_decomposed(op, b) -> None:
 
 
 # Each reduction with the reduction across devices that finishes it over a sharded dim (its pieces reduced
-# locally: sum and mean leave a sum, max/min/prod their own op); var and var_mean need the dim gathered first.
+# locally: sum and mean leave a sum, max/min/prod their own op); var and var_mean run on the gathered dim, or as
+# their parts (``_var_decomposed``) where propagation finds that moves less.
 # max and min are nvFuser's names of torch's amax and amin.
 for _name, _impl, _front, _pending in (("sum", _sum, _sum_front, "sum"), ("mean", _mean, _mean_front, "sum"),
                                        ("amax", _amax, _extremum_front("amax"), "max"),
