@@ -1,10 +1,11 @@
 """Composite ops replaced by the simpler ops they are made of, where propagation asks for it.
 
-An op whose registry entry has a ``decompose`` recipe (``tp_fusion.ops``: softmax, var, var_mean) can run as
-that recipe's ops. Whole, the op gathers a dim it normalizes or reduces over; as its parts, each part reduces
-its pieces locally and leaves pending sums or maxima of a few bytes (Megatron's vocab-parallel softmax: an
-allreduce of each row's max and of its sum of exponentials, not a gather of the logits). Propagation tries
-it and keeps it where the plan moves fewer bytes (``propagate_shardings._could_decompose``).
+An op whose registry entry has a ``decompose`` recipe (``tp_fusion.ops``: softmax, var, var_mean, layer_norm,
+native_layer_norm and its backward) can run as that recipe's ops. Whole, the op gathers a dim it normalizes or
+reduces over; as its parts, each part reduces its pieces locally and leaves pending sums or maxima of a few
+bytes (Megatron's vocab-parallel softmax: an allreduce of each row's max and of its sum of exponentials, not a
+gather of the logits). Propagation tries it and keeps it where the plan moves fewer bytes
+(``propagate_shardings._could_decompose``).
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ class Builder:
         return out
 
     def finish(self, name: int, out: int) -> None:
-        """Make ``name``, the last op's result, the decomposed op's result ``out``: that op writes ``out`` where
-        it has ``out``'s dtype, else a cast to it does (a recipe may compute half precision in float32)."""
+        """Make ``name`` the decomposed op's result ``out``: the op that made it writes ``out`` where it is the
+        last op and ``name`` has ``out``'s dtype, else a cast writes ``out`` (a recipe may compute half
+        precision in float32, or hand back one of its operands)."""
         assert self.tensors[name].shape == self.tensors[out].shape, "a decomposition keeps its op's shapes"
-        if self.tensors[name].dtype != self.tensors[out].dtype:
+        last = self.ops[-1] if self.ops else None
+        if last is None or last.outputs != (name,) or name != len(self.tensors) - 1 \
+                or self.tensors[name].dtype != self.tensors[out].dtype:
             self("cast", name, dtype=self.tensors[out].dtype, out=out)
             return
-        assert self.ops[-1].outputs == (name,) and name == len(self.tensors) - 1, "finish the last op's result"
         self.tensors.pop()
-        self.ops[-1] = self.ops[-1].replace(outputs=(out,))
+        self.ops[-1] = last.replace(outputs=(out,))
 
 
 def decomposed(fusion: Fusion, names: frozenset[int]) -> Fusion:

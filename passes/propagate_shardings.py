@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from dataclasses import dataclass
 
@@ -215,24 +216,30 @@ def _operand_needs(op, st: Strategy, draft: _Draft):
 
 def _moved_bytes(draft: _Draft, ops: list) -> float:
     """The bytes of every move the plan makes: of operands to what their ops need, each tensor to each
-    sharding once, and of results made otherwise than assigned (a move that slices is free). A sum made whole
-    (an allreduce) counts twice: it sends what a reduce_scatter and then an allgather of the tensor would, so
-    that a softmax run as its parts (an allreduce of each row's max and sum) is weighed fairly against a gather."""
+    sharding once, and of results made otherwise than assigned (a move that slices is free); each priced by
+    ``_move_price``."""
     moves = {}
     for op in ops:
         for a, need in _operand_needs(op, op.strategy, draft):
             if need is not None and not local_between(draft.tensor(a).sharding, need):
-                moves[a, need] = nbytes(draft, a) * _summed_whole(draft.tensor(a).sharding, need)
+                moves[a, need] = _move_price(nbytes(draft, a), draft.tensor(a).sharding, need)
         for o, made in zip(op.outputs, op.strategy.outputs):
             if not local_between(made, draft.tensor(o).sharding):
-                moves[o, made] = nbytes(draft, o) * _summed_whole(made, draft.tensor(o).sharding)
+                moves[o, made] = _move_price(nbytes(draft, o), made, draft.tensor(o).sharding)
     return sum(moves.values())
 
 
-def _summed_whole(have: Sharding, need: Sharding) -> int:
-    """2 where a move from ``have`` to ``need`` allreduces (a pending sum made replicated on some mesh axis), else 1."""
-    return 2 if have.mesh == need.mesh and any(isinstance(a, Partial) and isinstance(b, Replicate)
-                                               for a, b in zip(have.placements, need.placements)) else 1
+def _move_price(nbytes: float, have: Sharding, need: Sharding) -> float:
+    """What moving a tensor of ``nbytes`` from ``have`` to ``need`` costs a group of devices: the bytes of the
+    piece the group moves (on a 2-D mesh, a tensor that stays split on one axis moves its pieces on the other),
+    twice where a pending sum is made whole (an allreduce sends what a reduce_scatter and an allgather would:
+    a softmax run as its parts, an allreduce of each row's max and sum, is weighed fairly against a gather)."""
+    if have.mesh != need.mesh:
+        return nbytes
+    pieces = math.prod(n for n, a, b in zip(have.mesh.shape, have.placements, need.placements)
+                       if isinstance(b, Shard) and (a == b or isinstance(a, Replicate)))
+    summed = any(isinstance(a, Partial) and isinstance(b, Replicate) for a, b in zip(have.placements, need.placements))
+    return nbytes / pieces * (2 if summed else 1)
 
 
 def _walks(fusion: Fusion, mesh: DeviceMesh, summed: dict[int, Sharding], choices: _Choices) -> tuple[_Draft, list]:
@@ -424,8 +431,8 @@ def _could_sum_pending_first(fusion: Fusion, draft: _Draft, ops: list) -> list[_
 
 
 def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
-    """Results of ops with a ``decompose`` recipe (softmax, var, var_mean, layer_norm), of operands of concrete
-    shapes, that move an operand, or whose operand's producer does: run as the recipe's ops, a dim the op
+    """Results of ops with a ``decompose`` recipe (softmax, var, layer norms), of operands of concrete shapes,
+    that move an operand, or whose operand's producer does: run as the recipe's ops, a dim the op
     normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value per row
     (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the logits of a
     vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary shards, where

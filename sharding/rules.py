@@ -121,9 +121,12 @@ def linear_in_choices(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
     return (frozenset(tensors),) if tensors and zero else ()
 
 
-def pointwise(partial: Callable[[Op, Fusion], tuple[frozenset[int], ...]] | None = None) -> Rule:
+def pointwise(partial: Callable[[Op, Fusion], tuple[frozenset[int], ...]] | None = None,
+              pending: Partial = PARTIAL_SUM) -> Rule:
     """Pointwise ops: dims aligned from the right; an operand dim of extent 1 under a larger output
-    dim is broadcast and carries no label. ``partial(op, fusion)`` says which operands the op is linear in."""
+    dim is broadcast and carries no label. ``partial(op, fusion)`` says which operands may be ``pending``
+    together: those the op is linear in for a sum, or that it combines as the reduction does (``maximum`` of
+    pending maxima is the pending maximum: a loss scaler's overflow check over many gradients, one allreduce)."""
     def build(op: Op, fusion: Fusion) -> LabelSpec:
         ins, (out,) = _shapes(op, fusion)
         labels_in = []
@@ -135,7 +138,7 @@ def pointwise(partial: Callable[[Op, Fusion], tuple[frozenset[int], ...]] | None
             labels_in.append(tuple(None if e == 1 and out[offset + d] != 1 else offset + d
                                    for d, e in enumerate(shape)))
         return LabelSpec(tuple(labels_in), (tuple(range(len(out))),),
-                         partial_sets=partial(op, fusion) if partial else ())
+                         partial_sets=partial(op, fusion) if partial else (), partial=pending)
     return from_spec(build)
 
 

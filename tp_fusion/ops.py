@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tp_fusion.errors import DefinitionError, LoweringError
 from tp_fusion.ir import Const, SymbolicSize
 from tp_fusion.sharding import rules
+from tp_fusion.sharding.sharding import PARTIAL_SUM, Partial
 from tp_fusion.types import DataType
 
 
@@ -501,10 +502,13 @@ _BINARY = {name: getattr(torch, name) for name in (
     "add", "sub", "mul", "div", "pow", "maximum", "minimum", "atan2", "fmod", "remainder", "nextafter", "gcd",
     "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
     "bitwise_left_shift", "bitwise_right_shift")} | {"truediv": torch.true_divide, "mod": torch.fmod}
+_BINARY_PENDING = {"maximum": Partial("max"), "minimum": Partial("min")}  # their own reduction pending, not a sum
 for _name, _fn in _BINARY.items():
     _impl = _binary(_fn)
+    _partial = rules.linear_in_all if _name in _BINARY_PENDING else _BINARY_PARTIAL.get(_name)
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE,
-             rule=rules.pointwise(_BINARY_PARTIAL.get(_name)), flops=_flops_output, front=_binary_front(_name))
+             rule=rules.pointwise(_partial, _BINARY_PENDING.get(_name, PARTIAL_SUM)), flops=_flops_output,
+             front=_binary_front(_name))
 
 
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
@@ -1677,17 +1681,19 @@ def _layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, eps: flo
     return rec(x, *given.values(), normalized_shape=ns, eps=float(eps), affine=tuple(given))
 
 
-def _layer_norm_decomposed(op, b) -> None:
+def _layer_norm_decomposed(op, b, stats: tuple[int, ...] = ()) -> None:
     """``(x - mean) * rsqrt(var + eps)``, times the weight, plus the bias, over the trailing normalized dims, in
     float32 for a half-precision x: over a sharded normalized dim (a layer norm of a column-parallel q across
-    its heads), the mean and the sum of squares leave pending sums of a value per row."""
+    its heads), the mean and the sum of squares leave pending sums of a value per row. ``stats``: the results
+    that take the mean and rstd (``native_layer_norm``'s)."""
     (x, *params), ns = op.inputs, op.attr("normalized_shape")
+    mean_out, rstd_out = stats or (None, None)
     dims = tuple(range(len(b.tensors[x].shape) - len(ns), len(b.tensors[x].shape)))
     wide = _widened(b, x)
-    centered = b("sub", wide, b("mean", wide, dims=dims, keepdim=True, dtype=None))
+    centered = b("sub", wide, b("mean", wide, dims=dims, keepdim=True, dtype=None, out=mean_out))
     squares = b("sum", b("mul", centered, centered), dims=dims, keepdim=True, dtype=None)
     var = b("div", squares, Const(float(math.prod(ns))))
-    y = b("mul", centered, b("rsqrt", b("add", var, Const(op.attr("eps")))))
+    y = b("mul", centered, b("rsqrt", b("add", var, Const(op.attr("eps"))), out=rstd_out))
     given = dict(zip(op.attr("affine"), params))
     if "weight" in given:
         y = b("mul", y, given["weight"])
@@ -1761,9 +1767,14 @@ def _native_layer_norm_front(rec, x, normalized_shape, weight=None, bias=None, e
     return rec(x, *given.values(), normalized_shape=ns, eps=float(eps), affine=tuple(given))
 
 
+def _native_layer_norm_decomposed(op, b) -> None:
+    """``layer_norm``'s parts (``_layer_norm_decomposed``), writing the mean and rstd it returns too."""
+    _layer_norm_decomposed(op, b, stats=op.outputs[1:])
+
+
 register("native_layer_norm", impl=_native_layer_norm, infer=_native_layer_norm_infer, traits=Trait.NORMALIZATION,
          rule=rules.normalization(_normalized_dims), flops=_flops_input, num_outputs=3,
-         front=_native_layer_norm_front)
+         front=_native_layer_norm_front, decompose=_native_layer_norm_decomposed)
 
 
 def _native_layer_norm_backward(grad_y, x, mean, rstd, *params, normalized_shape=(), affine=()):
@@ -1799,6 +1810,27 @@ def _native_layer_norm_backward_infer(args, attrs):
     return [gx, *params]
 
 
+def _native_layer_norm_backward_decomposed(op, b) -> None:
+    """grad_x = rstd * (g - mean(g) - xhat * mean(g * xhat)) with ``xhat = (x - mean) * rstd`` and ``g = grad_y
+    * weight``, means over the normalized dims; grad_weight and grad_bias the sums of ``grad_y * xhat`` and
+    ``grad_y`` over the rows; in float32 for half precision. Over a sharded normalized dim the two means are
+    pending sums of a value per row, where the op whole gathers grad_y and x."""
+    grad_y, x, mean, rstd, *params = op.inputs
+    ns, ndim = op.attr("normalized_shape"), len(b.tensors[x].shape)
+    normalized, rows = tuple(range(ndim - len(ns), ndim)), tuple(range(ndim - len(ns)))
+    gy, xhat = _widened(b, grad_y), b("mul", b("sub", _widened(b, x), mean), rstd)
+    given, grads = dict(zip(op.attr("affine"), params)), iter(op.outputs[1:])
+    for name, part in (("weight", lambda: b("mul", gy, xhat)), ("bias", lambda: gy)):
+        if name in given:
+            b.finish(b("sum", part(), dims=rows, keepdim=False, dtype=None) if rows else part(), next(grads))
+    g = b("mul", gy, given["weight"]) if "weight" in given else gy
+
+    def row_mean(t: int) -> int:
+        return b("mean", t, dims=normalized, keepdim=True, dtype=None)
+    inner = b("sub", b("sub", g, row_mean(g)), b("mul", xhat, row_mean(b("mul", g, xhat))))
+    b.finish(b("mul", inner, rstd), op.outputs[0])
+
+
 def _native_layer_norm_backward_front(rec, grad_y, x, normalized_shape, mean, rstd, weight=None, bias=None):
     """``torch.ops.aten.native_layer_norm_backward``: (grad_x, grad_weight, grad_bias) of
     ``native_layer_norm(x, normalized_shape, weight, bias)`` from the gradient ``grad_y`` of its y and
@@ -1819,7 +1851,8 @@ def _native_layer_norm_backward_front(rec, grad_y, x, normalized_shape, mean, rs
 
 register("native_layer_norm_backward", impl=_native_layer_norm_backward, infer=_native_layer_norm_backward_infer,
          traits=Trait.NORMALIZATION, rule=rules.normalization_backward(_normalized_dims, stats=2),
-         flops=lambda ins, outs: 2 * math.prod(ins[0]), num_outputs=3, front=_native_layer_norm_backward_front)
+         flops=lambda ins, outs: 2 * math.prod(ins[0]), num_outputs=3, front=_native_layer_norm_backward_front,
+         decompose=_native_layer_norm_backward_decomposed)
 
 
 def _softmax(x, dim):

@@ -915,6 +915,12 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
     "vocab_parallel_cross_entropy_from_softmax": vocab_parallel_cross_entropy_from_softmax_case,
     "sp_residual_then_pending_sums_reduce_scattered_once": sp_residual_then_pending_sums_case,
+    "maximum_of_pending_maxima_allreduced_once": lambda m: binary_case(  # a loss scaler's overflow check
+        m, [[8, 4], [8, 4]], [{1: X}, {1: X}], lambda fd, a, b: fd.ops.maximum(fd.ops.max(a, [1]), fd.ops.max(b, [1])),
+        lambda a, b: torch.maximum(a.amax(1), b.amax(1)), ["allreduce"]),
+    "minimum_of_pending_minima_allreduced_once": lambda m: binary_case(
+        m, [[8, 4], [8, 4]], [{1: X}, {1: X}], lambda fd, a, b: fd.ops.minimum(fd.ops.min(a, [1]), fd.ops.min(b, [1])),
+        lambda a, b: torch.minimum(a.amin(1), b.amin(1)), ["allreduce"]),
     "where_of_a_pending_sum_and_zero": lambda m: where_of_pending_sums_case(m, "zero"),
     "where_of_two_pending_sums": lambda m: where_of_pending_sums_case(m, "pending"),
     "where_of_a_pending_sum_and_a_replicated_tensor": lambda m: where_of_pending_sums_case(m, "replicated"),

@@ -69,3 +69,32 @@ def test_sharded_rows_layer_norm_backward(multidevice_test, row_dim):
     for got, w, s in zip(outs, want, fd.output_shardings()):
         torch.testing.assert_close(got, multidevice_test.shard_tensor(w, s), rtol=1e-10, atol=1e-10)
     assert [s.placements[0] for s in fd.output_shardings()] == [Shard(row_dim)] * 4 + [REPLICATE] * 2
+
+
+@pytest.mark.ranks(2, 4)
+@pytest.mark.parametrize("dtype", [DataType.Double, DataType.BFloat16])
+def test_sharded_normalized_dim_runs_as_its_parts(multidevice_test, dtype):
+    """x and grad_y sharded on the normalized dim (a full-width QK-norm after a column-parallel linear): both ops
+    run as their parts, so each row's mean and sum of squares (forward) and the two row means of the backward
+    are allreduced, [T, S] values each, where the ops whole gathered x and grad_y [T, S, H]. bf16 is computed in
+    float32, as aten does."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        x, g = fd.define_tensor([T, S, H], dtype=dtype), fd.define_tensor([T, S, H], dtype=dtype)
+        w, b = fd.define_tensor([H], dtype=dtype), fd.define_tensor([H], dtype=dtype)
+        y, mean, rstd = fd.ops.native_layer_norm(x, [H], w, b, eps=EPS)
+        for tv in (y, *fd.ops.native_layer_norm_backward(g, x, [H], mean, rstd, w, b)):
+            fd.add_output(tv)
+        for tv in (x, g, w, b):
+            shard(tv, mesh, {tv.ndim - 1: X})
+    full = [torch.randn(tv.shape, dtype=torch.float64).to(dtype.torch) for tv in (x, g, w, b)]
+    outs = fd.execute([multidevice_test.shard_tensor(t, tv) for t, tv in zip(full, (x, g, w, b))])
+    xr, wr, br = (full[i].double().requires_grad_() for i in (0, 2, 3))
+    yr = F.layer_norm(xr, [H], wr, br, EPS)
+    yr.backward(full[1].double())
+    tol = 1e-10 if dtype is DataType.Double else 2e-2
+    for got, want, s in zip(outs, (yr, xr.grad, wr.grad, br.grad), fd.output_shardings()):
+        want = multidevice_test.shard_tensor(want.detach().to(dtype.torch), s)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert "allgather" not in fd.plan.collectives() and fd.plan.collectives().count("allreduce") >= 4, str(fd.plan)
