@@ -149,12 +149,12 @@ def _could_run_on_copies(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choi
     ``y_e``. ``propagate_shardings`` keeps what moves fewer bytes, as the work whole costs more."""
     found = []
     for op in ops:
-        if len(op.outputs) != 1 or op.strategy.outputs[0].is_replicated or op.strategy.outputs[0].has_partial:
+        if len(op.outputs) != 1 or op.strategy.outputs[0].is_replicated:
             continue
         operands = [(a, need) for a, need in _operand_needs(op, op.strategy, draft) if need is not None]
         reads = [_copy_gathered(draft, a) not in (None, need) for a, need in operands]
         pending = [draft.tensor(a).sharding.has_partial for a, _ in operands]
-        if is_cheap(op) and not any(pending):
+        if (is_cheap(op) or op.strategy.outputs[0].has_partial) and not any(pending):
             continue
         if any(reads) and all(read or draft.tensor(a).sharding.is_replicated or summed
                               for (a, _), read, summed in zip(operands, reads, pending)):

@@ -854,10 +854,10 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "gathered_once_for_a_cat_of_it_and_its_negation": lambda m: _unary_case(  # not x and neg(x) each
         m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cat([x, fd.ops.neg(x)], 0), lambda t: torch.cat([t, -t], 0),
         ["allgather"]),
-    "pending_max_summed_once_for_two_readers": lambda m: _unary_case(
+    "pending_max_summed_once_for_two_readers": lambda m: _unary_case(  # the cat reads the max summed for the sub
         m, [8, 8], {0: X}, {1: X}, _max_and_sum_of_exp,
         lambda t: torch.cat([t.amax(0, keepdim=True), (t - t.amax(0, keepdim=True)).exp().sum(0, keepdim=True)], 1),
-        ["allreduce", "reduce_scatter"]),
+        ["allreduce", "allreduce"]),
     "pending_sum_cast_scattered_in_its_dtype": lambda m: rms_norm_backward_case(m, cast=True),
     "unread_outputs_stay_where_made": lambda m: binary_case(  # layer_norm's mean and rstd are not gathered
         m, [[8, 4], [8, 4]], [{}, {0: X}],
