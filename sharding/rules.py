@@ -174,10 +174,12 @@ def _linear_spec(op: Op, fusion: Fusion) -> LabelSpec:
 
 
 def _grouped_mm_spec(op: Op, fusion: Fusion) -> LabelSpec:
-    """mat1[m, k] by mat2[g, k, n] with offsets[g] -> out[m, n]: n passes through, k is summed; m and g
-    stay whole (the offsets are global row positions, so they and the rows stay replicated)."""
+    """mat1[m, k] by mat2[g, k, n] with offsets[g] -> out[m, n]: n passes through, k is summed; so is g, the
+    experts: on a shard of them each rank multiplies the rows of the groups it holds, zeros for the others
+    (``ops._grouped_mm``), a part of a sum over the ranks (expert parallelism with the tokens on every rank, as
+    Megatron's all-gather token dispatcher). m stays whole and the offsets replicated (global row positions)."""
     M, N, K, G = -1, -2, -3, -4
-    return LabelSpec(((M, K), (G, K, N), (G,)), ((M, N),), summed=frozenset({K}), whole=frozenset({M, G}),
+    return LabelSpec(((M, K), (G, K, N), (None,)), ((M, N),), summed=frozenset({K, G}), whole=frozenset({M}),
                      partial_sets=(frozenset({0}), frozenset({1})))
 
 

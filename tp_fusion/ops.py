@@ -979,8 +979,19 @@ def _grouped_mm_operand_fits(t: torch.Tensor) -> bool:
     return s1 == 1 and s0 >= max(1, n1) and s0 % align == 0
 
 
-def _grouped_mm(mat1, mat2, offsets):
-    """Row group ``i`` of ``mat1`` (rows ``offsets[i-1]:offsets[i]``) times ``mat2[i]``."""
+def _grouped_mm(mat1, mat2, offsets, groups_local=None):
+    """Row group ``i`` of ``mat1`` (rows ``offsets[i-1]:offsets[i]``) times ``mat2[i]``. With ``groups_local``
+    (``mat2`` holds those groups, by global index, of a stack sharded on its groups) only the rows of those
+    groups, zeros for the others: this rank's part of a sum over the ranks. Each run of consecutive groups is
+    one call on ``mat1`` with the other rows zeroed (no host read of the offsets: a CUDA graph captures it)."""
+    if groups_local is not None:
+        out, rows, at = None, torch.arange(mat1.shape[0], device=mat1.device), 0
+        for first, stop in _runs(groups_local):
+            start = offsets[first - 1] if first else 0
+            held = ((rows >= start) & (rows < offsets[stop - 1])).unsqueeze(1)
+            part = _grouped_mm(mat1 * held, mat2[at:at + stop - first], offsets[first:stop]).masked_fill(~held, 0)
+            out, at = part if out is None else out + part, at + stop - first
+        return out
     if (hasattr(torch, "_grouped_mm") and mat1.dtype == mat2.dtype and mat1.dtype in _GROUPED_MM_DTYPES
             and _grouped_mm_operand_fits(mat1) and _grouped_mm_operand_fits(mat2)):
         return torch._grouped_mm(mat1, mat2, offs=offsets.to(torch.int32))
@@ -1031,8 +1042,26 @@ def _grouped_mm_front(rec, mat1, mat2, offsets):
 
 # torch's one CUDA kernel of _grouped_mm (bf16) reads the offsets on the GPU; every other path (its fallback,
 # the matmul per group above) reads them on the host, which a CUDA graph capture refuses.
+def _runs(groups: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``groups`` (increasing indices) as runs of consecutive ones, each [first, stop)."""
+    runs = []
+    for g in groups:
+        if runs and runs[-1][1] == g:
+            runs[-1] = (runs[-1][0], g + 1)
+        else:
+            runs.append((g, g + 1))
+    return runs
+
+
+def _grouped_mm_localize(attrs: dict, s: Localize) -> dict:
+    """Where ``mat2``'s groups are sharded, the global indices of those this rank holds (``groups_local``)."""
+    if s.in_local[1][0] == s.in_global[1][0]:
+        return attrs
+    return {**attrs, "groups_local": tuple(s.in_indices(1, 0).tolist())}
+
+
 register("grouped_mm", impl=_grouped_mm, infer=_grouped_mm_infer, traits=Trait.GEMM, rule=rules.grouped_mm,
-         flops=_flops_gemm, follow=(1, 0), front=_grouped_mm_front,
+         flops=_flops_gemm, follow=(1, 0), front=_grouped_mm_front, localize=_grouped_mm_localize,
          uncapturable=lambda ins, attrs: ins[0].dtype != DataType.BFloat16)
 
 # --- shape ops ------------------------------------------------------------------------------------

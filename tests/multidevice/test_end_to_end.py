@@ -169,7 +169,9 @@ def logical_split_linear_case(mesh, kind: str, bias: bool, dtype=F64) -> Case:
 
 def grouped_mm_case(mesh, kind: str, dtype=F32) -> Case:
     """grouped_mm of x[24, 8] (4 groups of rows, one empty) by w[4, 8, 12]. column: w sharded on n; row:
-    x and w on k (an allreduce sums the partial products)."""
+    x and w on k (an allreduce sums the partial products); experts: w sharded on its groups, each rank
+    multiplying the rows of the groups it holds (an allreduce sums them: expert parallelism with the tokens
+    on every rank), not every expert's weight gathered."""
     with FusionDefinition() as fd:
         x, w = fd.define_tensor([-1, 8], dtype=dtype), fd.define_tensor([4, 8, 12], dtype=dtype)
         offsets = fd.define_tensor([4], dtype=DataType.Int32)
@@ -179,6 +181,8 @@ def grouped_mm_case(mesh, kind: str, dtype=F32) -> Case:
             shard(tv, mesh)
         if kind == "column":
             shard(w, mesh, {2: X})
+        elif kind == "experts":
+            shard(w, mesh, {0: X})
         else:
             shard(x, mesh, {1: X})
             shard(w, mesh, {1: X})
@@ -188,7 +192,7 @@ def grouped_mm_case(mesh, kind: str, dtype=F32) -> Case:
     def reference(x, w, offsets):
         sizes = [end - start for start, end in zip([0, *ends[:-1]], ends)]
         return [torch.cat([a @ b for a, b in zip(x.split(sizes), w.unbind())])]
-    return Case(fd, [x, w, offsets], full, reference, ["allreduce"] if kind == "row" else [])
+    return Case(fd, [x, w, offsets], full, reference, [] if kind == "column" else ["allreduce"])
 
 
 def mlp_case(mesh, mode: str, dtype=F64, shape=(8, 8)) -> Case:
@@ -753,6 +757,8 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "grouped_mm_column": lambda m: grouped_mm_case(m, "column"),
     "grouped_mm_row": lambda m: grouped_mm_case(m, "row"),
     "grouped_mm_row_f64": lambda m: grouped_mm_case(m, "row", F64),  # a matmul per group (no torch._grouped_mm)
+    "grouped_mm_experts": lambda m: grouped_mm_case(m, "experts"),
+    "grouped_mm_experts_f64": lambda m: grouped_mm_case(m, "experts", F64),
     "tp_mlp": lambda m: mlp_case(m, "tp"),
     "tp_mlp_f32": lambda m: mlp_case(m, "tp", F32),
     "sp_mlp": lambda m: mlp_case(m, "sp"),

@@ -391,6 +391,21 @@ def test_grouped_mm(dtype, offsets_dtype):
     _check(out, _grouped_mm_reference(mat1, mat2, offsets))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("groups", [(0, 1), (2, 3), (1, 3), (0, 2, 3)], ids=["first", "last", "apart", "runs"])
+def test_grouped_mm_of_some_groups_is_their_rows(dtype, groups):
+    """A rank holding some groups' weights (``groups_local``, consecutive or not, the empty group among them)
+    gives the rows of those groups and zeros for the others: summed over ranks holding each group once, the
+    whole result."""
+    mat1, mat2 = _rand(45, 24, 16, dtype=dtype), _rand(46, 4, 16, 8, dtype=dtype)
+    offsets = torch.tensor([5, 5, 13, 24], dtype=torch.int32)
+    got = _ops.OPS["grouped_mm"].impl(mat1, mat2[list(groups)], offsets, groups_local=groups)
+    held = torch.zeros(24, 1, dtype=torch.bool)
+    for g in groups:
+        held[([0, 5, 5, 13][g]):[5, 5, 13, 24][g]] = True
+    _check(got, _grouped_mm_reference(mat1, mat2, offsets).masked_fill(~held, 0))
+
+
 @pytest.mark.parametrize("dtype,k,aten", [(torch.bfloat16, 16, True), (torch.float32, 16, True),
                                           (torch.float64, 16, False), (torch.float32, 6, False)],
                          ids=["bf16", "f32", "f64", "f32_k6"])

@@ -411,12 +411,19 @@ def test_row_parallel_grouped_mm_scatters_out_features():
     assert seg_summary(f)[0] == ("compute", "", ["grouped_mm"])
 
 
+def test_expert_parallel_grouped_mm_sums_each_ranks_experts():
+    """mat2 sharded on its groups (experts): each rank multiplies the rows of the experts it holds, a partial
+    output that one allreduce sums; no expert's weight is gathered."""
+    fd, f = _grouped_mm(MESH2, {}, {0: X})
+    assert kinds(f) == ["grouped_mm", "allreduce"]
+    assert placements(f, only(f, "grouped_mm").outputs[0]) == (Partial(),)
+
+
 @pytest.mark.parametrize("mat1_dims,mat2_dims,offsets_dims,gathered", [
     ({0: X}, {}, {}, "mat1"),  # rows: the offsets are global row positions
-    ({}, {0: X}, {}, "mat2"),  # groups
     ({}, {}, {0: X}, "offsets"),
-], ids=["rows", "groups", "offsets"])
-def test_grouped_mm_gathers_sharded_rows_and_groups(mat1_dims, mat2_dims, offsets_dims, gathered):
+], ids=["rows", "offsets"])
+def test_grouped_mm_gathers_sharded_rows_and_offsets(mat1_dims, mat2_dims, offsets_dims, gathered):
     fd, f = _grouped_mm(MESH2, mat1_dims, mat2_dims, offsets_dims)
     assert kinds(f) == ["allgather", "grouped_mm"]
     ag, gmm = f.ops
@@ -424,7 +431,7 @@ def test_grouped_mm_gathers_sharded_rows_and_groups(mat1_dims, mat2_dims, offset
     assert gmm.inputs[{"mat1": 0, "mat2": 1, "offsets": 2}[gathered]] == ag.outputs[0]
 
 
-def test_grouped_mm_rule_keeps_rows_groups_and_offsets_whole():
+def test_grouped_mm_rule_keeps_rows_and_offsets_whole():
     with FusionDefinition() as fd:
         fd.add_output(fd.ops.grouped_mm(fd.define_tensor([32, 8]), fd.define_tensor([4, 8, 6]),
                                         fd.define_tensor([4], dtype=DataType.Int32)))
@@ -434,6 +441,7 @@ def test_grouped_mm_rule_keeps_rows_groups_and_offsets_whole():
         ((R, R, R), (R,)),
         ((R, Shard(2), R), (Shard(1),)),  # n: column parallel
         ((Shard(1), Shard(1), R), (Partial(),)),  # k: row parallel
+        ((R, Shard(0), R), (Partial(),)),  # g: expert parallel, each rank its experts' rows
         ((Partial(), R, R), (Partial(),)), ((R, Partial(), R), (Partial(),)),  # linear in each operand
     }
 
