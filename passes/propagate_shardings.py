@@ -80,7 +80,7 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
     for _ in range(_MAX_ROUNDS):  # again while a round keeps a choice: one may open another (a gather seeded)
         kept = chosen
         for find in (_could_run_on_copies, _could_gather_once, _could_take_hint, _could_run_as_asked,
-                     _could_sum_pending_first, _could_decompose):
+                     _could_sum_pending_first, _could_decompose, _could_run_on_another_mesh):
             found = find(draft.fusion, draft, ops)
             # All at once (a stack of alike layers), else one by one where they are few: each try plans the
             # whole fusion again, so that compile time stays linear in its size.
@@ -447,6 +447,23 @@ def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]
             if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1
             and all(e >= 0 for a in op.tensor_inputs for e in draft.tensor(a).shape)
             and (moves(op) or moves(made_by.get(op.inputs[0])))]
+
+
+def _could_run_on_another_mesh(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
+    """Results of ops whose operands lie on several disjoint meshes (pipeline stages), made replicated on another
+    of those meshes than the one the op runs on (its first operand's): the op then moves its other operands there
+    rather than its result afterwards. A pipeline stage's ``add(set(x), h)``, x from the stage before and h of
+    this stage, runs on this stage, where its result is read, instead of sending h back and the sum forward
+    again."""
+    found = []
+    for op in ops:
+        o = op.outputs[0]
+        if len(op.outputs) != 1 or draft.tensor(o).annotated:
+            continue
+        meshes = {draft.tensor(a).sharding.mesh for a in op.tensor_inputs
+                  if not set(draft.tensor(a).sharding.mesh.devices) & set(op.strategy.mesh.devices)}
+        found += [_Choices(made_as=frozenset({(o, Sharding.replicated(m))})) for m in sorted(meshes, key=str)]
+    return found
 
 
 def _sums(fusion: Fusion) -> dict[int, tuple[list[int], list[int]]]:

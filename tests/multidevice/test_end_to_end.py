@@ -1375,6 +1375,22 @@ def move_case(world: int, dst_dims) -> Case:
     return Case(fd, [x], [_rand(70, (8, 4))], lambda t: [t], expected)
 
 
+def stage_residual_case(world: int, swap: bool) -> Case:
+    """A pipeline stage's residual add, ``add(set(x), h)``: x from the first half of the ranks, h made on the
+    second half and read there by a linear. The add runs on the second half whichever operand comes first:
+    x is sent once, not h sent back and the sum sent forward again."""
+    a, b = DeviceMesh(range(world // 2)), DeviceMesh(range(world // 2, world))
+    with FusionDefinition() as fd:
+        x, hin, w = fd.define_tensor([8, 4], dtype=F64), fd.define_tensor([8, 4], dtype=F64), \
+            fd.define_tensor([4, 4], dtype=F64)
+        h, xs = fd.ops.set(hin), fd.ops.set(x)
+        y = fd.ops.linear(fd.ops.add(h, xs) if swap else fd.ops.add(xs, h), w)
+        fd.add_output(y)
+        shard(x, a), shard(hin, a), shard(h, b), shard(w, b), shard(y, b)
+    full = [_rand(72, (8, 4)), _rand(73, (8, 4)), _rand(74, (4, 4))]
+    return Case(fd, [x, hin, w], full, lambda x, h, w: [(x + h) @ w.T], ["send_recv", "send_recv"])
+
+
 def broadcast_case(world: int) -> Case:
     """Replicated on rank 0 alone, then sharded over every other rank: a broadcast from rank 0
     (meshes of other shapes) or a send_recv (one rank to one rank), then a local slice."""
@@ -1583,6 +1599,8 @@ CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its de
     "send_recv_between_meshes": lambda w: move_case(w, {0: X}),
     "send_recv_then_all_to_all": lambda w: move_case(w, {1: X}),
     "broadcast_to_other_mesh": broadcast_case,
+    "stage_residual_add_runs_where_it_is_read": lambda w: stage_residual_case(w, False),
+    "stage_residual_add_runs_where_it_is_read_swapped": lambda w: stage_residual_case(w, True),
     "gather_rows_into_one_device": lambda w: gather_case(w, 0),
     "gather_columns_into_one_device": lambda w: gather_case(w, 1),
     "reduce_into_one_device": reduce_case,
