@@ -90,8 +90,9 @@ def propagate_shardings(fusion: Fusion) -> Fusion:
                     continue
                 tried.add(trying)
                 trial = _plan(fusion, mesh, trying)
-                if _moved_bytes(*trial) < moved:
-                    chosen, (draft, ops), moved = trying, trial, _moved_bytes(*trial)
+                trial_moved = _moved_bytes(*trial)
+                if trial_moved < moved:
+                    chosen, (draft, ops), moved = trying, trial, trial_moved
         if chosen == kept:
             break
     return fusion.replace(tensors=tuple(draft.tensors), ops=tuple(ops))
@@ -120,9 +121,6 @@ class _Choices:
 
     def __or__(self, other: _Choices) -> _Choices:
         return _Choices(*(getattr(self, f.name) | getattr(other, f.name) for f in dataclasses.fields(self)))
-
-    def __le__(self, other: _Choices) -> bool:
-        return all(getattr(self, f.name) <= getattr(other, f.name) for f in dataclasses.fields(self))
 
 
 def _plan(fusion: Fusion, mesh: DeviceMesh, choices: _Choices) -> tuple[_Draft, list]:
@@ -220,13 +218,18 @@ def _moved_bytes(draft: _Draft, ops: list) -> float:
     ``_move_price``."""
     moves = {}
     for op in ops:
-        for a, need in _operand_needs(op, op.strategy, draft):
-            if need is not None and not local_between(draft.tensor(a).sharding, need):
-                moves[a, need] = _move_price(nbytes(draft, a), draft.tensor(a).sharding, need)
+        for a, need in _operand_moves(op, draft):
+            moves[a, need] = _move_price(nbytes(draft, a), draft.tensor(a).sharding, need)
         for o, made in zip(op.outputs, op.strategy.outputs):
             if not local_between(made, draft.tensor(o).sharding):
                 moves[o, made] = _move_price(nbytes(draft, o), made, draft.tensor(o).sharding)
     return sum(moves.values())
+
+
+def _operand_moves(op, draft: _Draft):
+    """(operand, the sharding ``op`` needs it in) for each operand that must communicate to get there."""
+    return ((a, need) for a, need in _operand_needs(op, op.strategy, draft)
+            if need is not None and not local_between(draft.tensor(a).sharding, need))
 
 
 def _move_price(nbytes: float, have: Sharding, need: Sharding) -> float:
@@ -441,8 +444,7 @@ def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]
     made_by = {o: op for op in ops for o in op.outputs}
 
     def moves(op) -> bool:
-        return op is not None and any(need is not None and not local_between(draft.tensor(a).sharding, need)
-                                      for a, need in _operand_needs(op, op.strategy, draft))
+        return op is not None and any(_operand_moves(op, draft))
     return [_Choices(decomposed=frozenset({op.outputs[0]})) for op in ops
             if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1
             and all(e >= 0 for a in op.tensor_inputs for e in draft.tensor(a).shape)

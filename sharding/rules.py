@@ -115,10 +115,8 @@ def linear_in_choices(op: Op, fusion: Fusion) -> tuple[frozenset[int], ...]:
     """where(cond, a, b): a and b Partial together (each rank picks from its own parts; a replicated one joins
     by ``TO_PARTIAL``), or one of them Partial where the other is the constant 0 (a sum of zeros). Never cond."""
     tensors = _tensor_positions(op) - {0}
-    zero = {i for i in (1, 2) if i not in tensors and op.inputs[i].value == 0}
-    if len(tensors) == 2:
-        return (frozenset(tensors),)
-    return (frozenset(tensors),) if tensors and zero else ()
+    beside_zero = any(i not in tensors and op.inputs[i].value == 0 for i in (1, 2))
+    return (frozenset(tensors),) if len(tensors) == 2 or tensors and beside_zero else ()
 
 
 def pointwise(partial: Callable[[Op, Fusion], tuple[frozenset[int], ...]] | None = None,

@@ -238,10 +238,9 @@ def _reduction_axes(fusion, k: int) -> str:
     axes = [a for a, ax in enumerate(t.loop or ()) if ax.reduction and ax.ptype.is_device]
     if not axes:
         return ""
-    loop = "[" + ", ".join(map(str, t.loop)) + "]"
-    return (f" (T{name}'s loop domain {loop} parallelizes axis {axes[0]}, a reduction axis: the dim its op reduced, "
-            "which leaves a sum over the devices; split and parallelize the axis of the dim the input is sharded on, "
-            "counted among its loop axes)")
+    return (f" (T{name}'s loop domain {t.loop_str()} parallelizes axis {axes[0]}, a reduction axis: the dim its op "
+            "reduced, which leaves a sum over the devices; split and parallelize the axis of the dim the input is "
+            "sharded on, counted among its loop axes)")
 
 
 def _raising_if_differentiated(name: str, grads: list) -> tuple:

@@ -683,9 +683,8 @@ class FusionDefinition:
         for name, given in zip(self._inputs, input_shapes):
             t, shape = self._tensors[name], _integers(given)
             if shape is None or len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
-                hint = " (a tensor: give its shape, list(t.shape))" if isinstance(given, torch.Tensor) else ""
                 raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
-                                 f"{_shown(given)}{hint}; input_shapes holds one list of extents per input")
+                                 f"{_shown(given)}; input_shapes holds one list of extents per input")
             if any(e < 0 for e in shape):
                 raise InputError(f"compile: input T{name} is given the global shape {list(shape)}; a plan is built "
                                  f"for concrete global shapes: give each symbolic extent of {list(t.shape)} its size")
@@ -713,9 +712,10 @@ class FusionDefinition:
 
 
 def _shown(value) -> str:
-    """``value`` as an error message shows it: a tensor by its type and shape, not its values."""
+    """A global shape as an error message shows it: a tensor given instead by its type and shape (not its
+    values), and what to give."""
     if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+        return f"a {value.dtype} tensor of shape {list(value.shape)} (a tensor: give its shape, list(t.shape))"
     return repr(value)
 
 

@@ -66,11 +66,15 @@ class Tensor:
     def type_str(self) -> str:
         return f"{self.dtype.short}[{', '.join('?' if e < 0 else str(e) for e in self.shape)}]"
 
+    def loop_str(self) -> str:
+        """The user's loop domain as it prints (``[mesh_x{2}, 4, r{8}]``); it must have one."""
+        return "[" + ", ".join(map(str, self.loop)) + "]"
+
     def sharding_str(self) -> str:
         if self.sharding is None:
             return ""
         if self.loop is not None:
-            loop = "[" + ", ".join(map(str, self.loop)) + "]"
+            loop = self.loop_str()
         else:
             loop = self.sharding.loop_axes_str(self.shape)
         return f" @{self.sharding.mesh.short()}{loop}{self.sharding.partial_str()}"

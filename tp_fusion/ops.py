@@ -803,13 +803,20 @@ def _var_decomposed(op, b) -> None:
     pending sums of a value per row (two passes over x, as torch's two-pass variance)."""
     (x,), dims, keepdim = op.inputs, op.attr("dims"), op.attr("keepdim")
     count = math.prod(b.tensors[x].shape[d] for d in dims)
-    wide = _widened(b, x)
-    mean = b("mean", wide, dims=dims, keepdim=True, dtype=None)
-    centered = b("sub", wide, mean)
-    squares = b("sum", b("mul", centered, centered), dims=dims, keepdim=keepdim, dtype=None)
-    b.finish(b("div", squares, Const(float(count - op.attr("correction")))), op.outputs[0])
+    mean, _, var = _two_pass_variance(b, _widened(b, x), dims, count - op.attr("correction"), keepdim)
+    b.finish(var, op.outputs[0])
     if len(op.outputs) == 2:
         b.finish(b("squeeze", mean, dims=() if keepdim else dims), op.outputs[1])
+
+
+def _two_pass_variance(b, x: int, dims: tuple[int, ...], divisor: int, keepdim: bool = True, mean_out=None):
+    """(the mean over ``dims``, kept; ``x`` less it; the sum of its squares over ``dims`` over ``divisor``): the
+    variance's parts (``mean_out``: the result that takes the mean). Over a sharded dim the two sums are pending
+    sums of a value per row."""
+    mean = b("mean", x, dims=dims, keepdim=True, dtype=None, out=mean_out)
+    centered = b("sub", x, mean)
+    squares = b("sum", b("mul", centered, centered), dims=dims, keepdim=keepdim, dtype=None)
+    return mean, centered, b("div", squares, Const(float(divisor)))
 
 
 # Each reduction with the reduction across devices that finishes it over a sharded dim (its pieces reduced
@@ -1454,6 +1461,36 @@ def _index_select_front(rec, x, index, dim: int):
     return rec(x, index, dim=rec.dim(x, dim))
 
 
+def _held_rows(s: Localize, operand: int, dim: int) -> dict:
+    """An indexing op's ``rows_local`` attribute where its ``operand``'s ``dim`` is sharded (else none): the
+    local index of each global one along it, -1 where another rank holds it (``_look_up_held``)."""
+    rows = s.in_global[operand][dim]
+    if s.in_local[operand][dim] == rows:
+        return {}
+    held = s.in_indices(operand, dim)
+    table = torch.full((rows,), -1, dtype=torch.int64)
+    table[held] = torch.arange(len(held))
+    return {"rows_local": table.to(s.device)}
+
+
+def _indexed_localize(attrs: dict, s: Localize) -> dict:
+    """An op that indexes its first operand along ``dim`` (index_select, take_along_axis): ``_held_rows`` of it."""
+    return {**attrs, **_held_rows(s, 0, attrs["dim"])}
+
+
+def _look_up_held(look_up, index: torch.Tensor, rows_local: torch.Tensor | None, zero_elsewhere):
+    """``look_up(index)``, or with ``rows_local`` (``_held_rows``: the rows looked up are sharded) the rows held
+    here and zeros for the others, this rank's part of a sum over the ranks (Megatron's vocab-parallel
+    embedding). ``zero_elsewhere(out, mask)`` zeroes the output where ``mask`` (of the index's shape) is set.
+    An index out of range reaches ``look_up`` as it is, which refuses it as it would unsharded."""
+    if rows_local is None:
+        return look_up(index)
+    bad = (index < 0) | (index >= rows_local.shape[0])
+    local = torch.where(bad, index, rows_local[index.clamp(0, rows_local.shape[0] - 1)])
+    elsewhere = (local < 0) & ~bad
+    return zero_elsewhere(look_up(local.masked_fill(elsewhere, 0)), elsewhere)
+
+
 def _index_select(x, index, dim, rows_local=None):
     """``torch.index_select(x, dim, index)``; with ``rows_local`` (x holds some rows of ``dim``) the rows held
     here and zeros for the others (``_look_up_held``)."""
@@ -1463,7 +1500,7 @@ def _index_select(x, index, dim, rows_local=None):
 
 
 register("index_select", impl=_index_select, infer=_index_select_infer, traits=Trait.NONE, rule=rules.index_select,
-         localize=lambda attrs, s: {**attrs, **_held_rows(s, 0, attrs["dim"])}, front=_index_select_front,
+         localize=_indexed_localize, front=_index_select_front,
          follow=(0, 1))  # the table's sharding, as an embedding's: its index is far smaller than it
 
 
@@ -1536,7 +1573,7 @@ def _take_along_axis(x, index, dim, rows_local=None):
 
 
 register("take_along_axis", impl=_take_along_axis, infer=_take_along_infer, traits=Trait.NONE, rule=rules.take_along,
-         localize=lambda attrs, s: {**attrs, **_held_rows(s, 0, attrs["dim"])}, front=_take_along_axis_front,
+         localize=_indexed_localize, front=_take_along_axis_front,
          follow=(0, 1))  # x's sharding: logits or a table, larger than what is taken from them
 SPELLINGS["gather"] = _gather_front
 
@@ -1606,31 +1643,6 @@ register("argsort", impl=lambda x, dim, descending, stable: torch.argsort(x, dim
                                                                           stable=stable),
          infer=lambda args, attrs: [TensorType(args[0].shape, DataType.Int)], traits=Trait.NONE,
          rule=rules.along(lambda op, shape: (op.attr("dim"),)), front=_argsort_front)
-
-
-def _held_rows(s: Localize, operand: int, dim: int) -> dict:
-    """An indexing op's ``rows_local`` attribute where its ``operand``'s ``dim`` is sharded (else none): the
-    local index of each global one along it, -1 where another rank holds it (``_look_up_held``)."""
-    rows = s.in_global[operand][dim]
-    if s.in_local[operand][dim] == rows:
-        return {}
-    held = s.in_indices(operand, dim)
-    table = torch.full((rows,), -1, dtype=torch.int64)
-    table[held] = torch.arange(len(held))
-    return {"rows_local": table.to(s.device)}
-
-
-def _look_up_held(look_up, index: torch.Tensor, rows_local: torch.Tensor | None, zero_elsewhere):
-    """``look_up(index)``, or with ``rows_local`` (``_held_rows``: the rows looked up are sharded) the rows held
-    here and zeros for the others, this rank's part of a sum over the ranks (Megatron's vocab-parallel
-    embedding). ``zero_elsewhere(out, mask)`` zeroes the output where ``mask`` (of the index's shape) is set.
-    An index out of range reaches ``look_up`` as it is, which refuses it as it would unsharded."""
-    if rows_local is None:
-        return look_up(index)
-    bad = (index < 0) | (index >= rows_local.shape[0])
-    local = torch.where(bad, index, rows_local[index.clamp(0, rows_local.shape[0] - 1)])
-    elsewhere = (local < 0) & ~bad
-    return zero_elsewhere(look_up(local.masked_fill(elsewhere, 0)), elsewhere)
 
 
 def _embedding(indices, weight, padding_idx=None, max_norm=None, norm_type=2.0, rows_local=None):
@@ -1718,10 +1730,7 @@ def _layer_norm_decomposed(op, b, stats: tuple[int, ...] = ()) -> None:
     (x, *params), ns = op.inputs, op.attr("normalized_shape")
     mean_out, rstd_out = stats or (None, None)
     dims = tuple(range(len(b.tensors[x].shape) - len(ns), len(b.tensors[x].shape)))
-    wide = _widened(b, x)
-    centered = b("sub", wide, b("mean", wide, dims=dims, keepdim=True, dtype=None, out=mean_out))
-    squares = b("sum", b("mul", centered, centered), dims=dims, keepdim=True, dtype=None)
-    var = b("div", squares, Const(float(math.prod(ns))))
+    _, centered, var = _two_pass_variance(b, _widened(b, x), dims, math.prod(ns), mean_out=mean_out)
     y = b("mul", centered, b("rsqrt", b("add", var, Const(op.attr("eps"))), out=rstd_out))
     given = dict(zip(op.attr("affine"), params))
     if "weight" in given:
