@@ -15,7 +15,8 @@ Partial(a) -> Partial(b)      ``ALLREDUCE`` then ``TO_PARTIAL`` (two reductions,
 ============================  =======================================================
 
 A change on several mesh axes becomes a sequence: free local steps first (less data to move
-afterwards), then the rest; a step that would shard a piece of a dim that another mesh axis shards
+afterwards), then the rest (a pending reduction made whole on several axes: one ``ALLREDUCE`` over
+them together); a step that would shard a piece of a dim that another mesh axis shards
 waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no
 step at all: every placement on it holds the whole value. Nothing moves where each device of the
 destination holds its piece already (``held_already``: e.g. a replicated value kept on some of its
@@ -31,6 +32,7 @@ source mesh's first device), with same-mesh steps before and after.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -64,12 +66,13 @@ class Collective(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class ReshardStep:
-    """One step of a resharding. Same-mesh steps act on ``mesh_axis``; ``src``/``dst`` are that
-    axis's placements before and after. Moves between meshes (``SEND_RECV``, ``BROADCAST``) have
-    ``mesh_axis`` None and carry both meshes. ``after`` is the whole sharding once the step ran."""
+    """One step of a resharding. Same-mesh steps act on ``mesh_axis`` (an allreduce on several axes at
+    once: a tuple of them); ``src``/``dst`` are that axis's placements before and after. Moves between
+    meshes (``SEND_RECV``, ``BROADCAST``) have ``mesh_axis`` None and carry both meshes. ``after`` is the
+    whole sharding once the step ran."""
 
     collective: Collective
-    mesh_axis: int | None
+    mesh_axis: int | tuple[int, ...] | None
     src: Placement | None
     dst: Placement | None
     after: Sharding
@@ -194,7 +197,22 @@ def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep
                 raise LoweringError(f"{what}: cannot reshard {src} -> {dst}: {dst} shards a dim on mesh axes "
                                     "whose pieces overlap")
             steps.append(_step(step_collective(cur[axis], REPLICATE), axis, cur, REPLICATE, src.mesh))
-    return steps
+    return _joined_allreduces(steps)
+
+
+def _joined_allreduces(steps: list[ReshardStep]) -> list[ReshardStep]:
+    """``steps`` with each run of allreduces of one reduction on several mesh axes made one allreduce over
+    those axes together: a ring over n devices sends 2(n-1)/n of the payload, one ring per axis the sum of
+    theirs (2x2: 1.5x against 2x; 2x4: 1.75x against 2.5x), in fewer collectives."""
+    out: list[ReshardStep] = []
+    for step in steps:
+        last = out[-1] if out else None
+        if last is not None and step.collective is last.collective is Collective.ALLREDUCE and step.src == last.src:
+            axes = last.mesh_axis if isinstance(last.mesh_axis, tuple) else (last.mesh_axis,)
+            out[-1] = dataclasses.replace(last, mesh_axis=tuple(sorted((*axes, step.mesh_axis))), after=step.after)
+        else:
+            out.append(step)
+    return out
 
 
 def _step(collective: Collective, axis: int, cur: list, b: Placement, mesh: DeviceMesh) -> ReshardStep:

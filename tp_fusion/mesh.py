@@ -82,29 +82,39 @@ class DeviceMesh:
             flat = flat * extent + c
         return self.devices[flat]
 
-    def axis_group(self, axis: int, rank: int) -> tuple[int, ...]:
-        """The ranks that share every coordinate of ``rank`` but the one along ``axis``."""
+    def axis_group(self, axis: int | tuple[int, ...], rank: int) -> tuple[int, ...]:
+        """The ranks that share every coordinate of ``rank`` but the ones along ``axis`` (a mesh axis, or
+        a tuple of them: a collective over several axes at once), in row-major order of those axes."""
+        axes = _axes(axis)
         c = list(self.coords(rank))
         out = []
-        for i in range(self.shape[axis]):
-            c[axis] = i
+        for index in itertools.product(*(range(self.shape[a]) for a in axes)):
+            for a, i in zip(axes, index):
+                c[a] = i
             out.append(self.rank_at(tuple(c)))
         return tuple(out)
 
-    def all_axis_groups(self, axis: int) -> list[tuple[int, ...]]:
-        """Every group along ``axis``, in a fixed order (so every rank creates them alike)."""
-        others = [range(n) if a != axis else range(1) for a, n in enumerate(self.shape)]
-        return [self.axis_group(axis, self.rank_at(c)) for c in itertools.product(*others)]
+    def all_axis_groups(self, axis: int | tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Every group along ``axis`` (a mesh axis or a tuple of them), in a fixed order (so every rank
+        creates them alike)."""
+        axes = _axes(axis)
+        others = [range(n) if a not in axes else range(1) for a, n in enumerate(self.shape)]
+        return [self.axis_group(axes, self.rank_at(c)) for c in itertools.product(*others)]
 
-    def unordered_group(self, axis: int) -> tuple[int, ...] | None:
+    def unordered_group(self, axis: int | tuple[int, ...]) -> tuple[int, ...] | None:
         """A group along ``axis`` whose ranks are not in increasing order, or None. torch numbers a
         process group's ranks increasingly (and places a DTensor's shards so): collectives that place
         pieces by position need every group in that order."""
         return next((g for g in self.all_axis_groups(axis) if list(g) != sorted(g)), None)
 
-    def numel_along(self, axes: Iterable[int]) -> int:
-        """How many devices the mesh axes ``axes`` span together."""
-        return math.prod(self.shape[a] for a in axes)
+    def numel_along(self, axes: int | Iterable[int]) -> int:
+        """How many devices the mesh axes ``axes`` (one axis, or several) span together."""
+        return math.prod(self.shape[a] for a in _axes(axes))
+
+
+def _axes(axis: int | Iterable[int]) -> tuple[int, ...]:
+    """One mesh axis or several, as a tuple."""
+    return (axis,) if isinstance(axis, int) else tuple(axis)
 
 
 def _bad_mesh(devices, why: str) -> ShardingError:

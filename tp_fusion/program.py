@@ -343,7 +343,7 @@ def _fused(fusion: Fusion, ops: list[Op], steps: list[Instruction], rank: int) -
         residual=addends.get("residual"),
         epilogue=tuple((op.kind, by_op[id(op)].attrs) for op in after), out=ops[-1].outputs[0],
         dim=comm.attr("dim"), group=mesh.axis_group(comm.attr("mesh_axis"), rank) if runs_here else (),
-        runs_here=runs_here, group_size=mesh.shape[comm.attr("mesh_axis")])
+        runs_here=runs_here, group_size=mesh.numel_along(comm.attr("mesh_axis")))
 
 
 def build_program(fusion: Fusion, rank: int, device: torch.device) -> Program:

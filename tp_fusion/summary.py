@@ -172,8 +172,9 @@ def comm_cost(fusion: Fusion, op: Op, rank: int = 0) -> CommCost:
         return CommCost(op.kind, f"{a.short()}->{b.short()}", n, payload, sent, received)
     mesh = fusion.tensor(src).sharding.mesh
     axis = op.attr("mesh_axis")
-    n = mesh.shape[axis]
-    group = f"{ParallelType.for_mesh_axis(axis, mesh.ndim).value}, n={n}"
+    n = mesh.numel_along(axis)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    group = f"{'+'.join(ParallelType.for_mesh_axis(a, mesh.ndim).value for a in axes)}, n={n}"
     payload = _bytes(fusion, out if collective is Collective.ALLGATHER else src)
     share = payload * (n - 1) // n
     if collective is Collective.ALLREDUCE:

@@ -396,6 +396,17 @@ def test_reshard_steps_between_places_of_one_dim():
     steps = reshard_steps(Sharding(MESH2, (Partial("max"),)), Sharding(MESH2, (PARTIAL_SUM,)), (8,), "test")
     assert [(s.collective, s.attrs().get("reduce_op", "sum")) for s in steps] == [
         (Collective.ALLREDUCE, "max"), (Collective.TO_PARTIAL, "sum")]
+    # a pending sum on both axes: one allreduce over the four devices (a ring sends 1.5x the payload, where one
+    # per axis sent 2x); partials of two reductions, or an allgather between them, stay apart
+    assert kinds((PARTIAL_SUM, PARTIAL_SUM), (REPLICATE, REPLICATE), MESH22) == [(Collective.ALLREDUCE, (0, 1), 1)]
+    assert kinds((Partial("max"), PARTIAL_SUM), (REPLICATE, REPLICATE), MESH22) == [
+        (Collective.ALLREDUCE, 1, 1), (Collective.ALLREDUCE, 0, 1)]
+    mesh222 = DeviceMesh(torch.arange(8).reshape(2, 2, 2))
+    assert kinds((PARTIAL_SUM, Shard(1), PARTIAL_SUM), (REPLICATE, REPLICATE, REPLICATE), mesh222) == [
+        (Collective.ALLREDUCE, 2, 1), (Collective.ALLGATHER, 1, 1), (Collective.ALLREDUCE, 0, 1)]
+    assert MESH22.axis_group((0, 1), 3) == (0, 1, 2, 3)
+    assert DeviceMesh([[3, 1], [2, 0]]).all_axis_groups((0, 1)) == [(3, 1, 2, 0)]
+    assert mesh222.all_axis_groups((0, 2)) == [(0, 1, 4, 5), (2, 3, 6, 7)]
     # overlapping pieces of one dim (S(0) of 2 on mesh_y, S(0, outer=3) on mesh_x) are no sharding to reach:
     # an error, where the search for a step once looped forever
     with pytest.raises(LoweringError, match="overlap"):

@@ -89,3 +89,18 @@ def test_symbolic_extent_is_a_clear_error():
                                               r"unknown; summarize fd.compile\(global_input_shapes\) instead"):
         summarize(run_pipeline(fd.fusion))
     assert summarize(fd.compile([[8, 4], [6, 4]])).sent == 8 * 6 * 4 // 2  # y gathered
+
+
+def test_pending_sum_on_two_mesh_axes_is_one_allreduce():
+    """A sum over a dim that both axes of a 2x2 mesh split is one allreduce over the four devices: a ring
+    sends 2 * 3/4 of the payload (one allreduce per axis sent 2 * 1/2 twice, 2x)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 16])
+        fd.add_output(fd.ops.sum(x, [1]))
+        x.set_device_mesh(DeviceMesh([[0, 1], [2, 3]]))
+        x.outer_split(1, 2).axis(1).parallelize(ParallelType.mesh_y)
+        x.outer_split(2, 2).axis(2).parallelize(ParallelType.mesh_x)  # [8, mesh_y{2}, mesh_x{2}, 4]
+    s = summarize(run_pipeline(fd.fusion))
+    (ar,) = [c for seg in s.segments for c in seg.comms]
+    assert (ar.kind, ar.group, ar.group_size, ar.payload) == ("allreduce", "mesh_y+mesh_x, n=4", 4, 8 * 4)
+    assert ar.sent == ar.received == 2 * 3 * 8 * 4 // 4
