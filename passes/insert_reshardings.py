@@ -50,6 +50,8 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
         (``copy_of``), or ``name`` brought to the sharding it leaves its mesh from, where ``target`` is on
         another mesh (``departure``; moves to several meshes share those steps)."""
         source = copy_of(name, target)
+        if source is None and name in summed_whole and target.mesh != tensors[name].sharding.mesh:
+            source = cache.get((name, tensors[name].sharding.materialized()))  # sent from the whole sum
         leave = departure(tensors[name].sharding, target, tensors[name].shape) if source is None else None
         return reshard(name, leave) if leave is not None and leave != tensors[name].sharding else source
 
@@ -121,9 +123,11 @@ def _read_in_many_shardings(fusion: Fusion) -> set[int]:
     """The pending sums that ops (or users' sets) read in three or more shardings, or in two where one
     needs the whole sum (whole on its mesh, or on some of its devices, which it reaches from the whole
     sum with no communication): these are summed whole once (one allreduce) and sliced or kept for each,
-    where a reduction per sharding would move more."""
+    where a reduction per sharding would move more; and those needed whole on their mesh that another mesh
+    reads too, which then gets the whole sum (rather than its reduce-scattered pieces, ``reshard.departure``)."""
     targets: dict[int, set[Sharding]] = {}
     whole: set[int] = set()
+    elsewhere: set[int] = set()  # read on devices off its mesh too (another pipeline stage)
     for op in fusion.ops:
         reads = zip(op.inputs, (fusion.tensor(op.outputs[0]).sharding,)) if traits(op.kind) & Trait.RESHARD \
             else zip(op.inputs, op.strategy.inputs) if op.strategy is not None else ()
@@ -135,7 +139,10 @@ def _read_in_many_shardings(fusion: Fusion) -> set[int]:
                 targets.setdefault(a, set()).add(need)
                 if need == have.materialized() or need.mesh != have.mesh:
                     whole.add(a)
-    return {a for a, ts in targets.items() if len(ts) >= 3 or len(ts) == 2 and a in whole}
+            else:
+                elsewhere.add(a)
+    return {a for a, ts in targets.items() if len(ts) >= 3 or len(ts) == 2 and a in whole
+            or a in elsewhere and fusion.tensor(a).sharding.materialized() in ts}
 
 
 def _local_copy(name: int, target: Sharding, tensors: list[Tensor], cache: dict) -> int | None:

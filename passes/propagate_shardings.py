@@ -126,7 +126,7 @@ class _Choices:
 def _plan(fusion: Fusion, mesh: DeviceMesh, choices: _Choices) -> tuple[_Draft, list]:
     """The shardings and strategies, with ``choices`` made (the draft's fusion has the adds regrouped and the
     ops decomposed)."""
-    fusion = decomposed(_regrouped(fusion, dict(choices.regrouped)), choices.decomposed)
+    fusion = decomposed(_regrouped(fusion, dict(choices.regrouped)), choices.decomposed, mesh)
     draft, ops = _walks(fusion, mesh, {}, choices)
     summed = _summed_at_source(fusion, draft, ops)
     if summed:  # again, with those pending sums summed where they are made
@@ -185,7 +185,7 @@ def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choice
         need = _single_need(fusion, ops, index, o)
         if need is None or need.mesh != made.mesh or need.has_partial or made.has_partial or free_between(made, need):
             continue
-        for a in set(op.tensor_inputs):
+        for a in _cheap_sources(fusion, op, draft):
             have = draft.tensor(a).sharding
             if have.mesh != need.mesh or have.has_partial:
                 continue
@@ -194,6 +194,21 @@ def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choice
             if whole != have:
                 readers[a, whole] = readers.get((a, whole), 0) + 1
     return [_Choices(seeds=frozenset({key})) for key, n in readers.items() if n > 1]
+
+
+def _cheap_sources(fusion: Fusion, op, draft: _Draft, depth: int = 4) -> set[int]:
+    """The tensors ``op`` computes from through cheap ops that only it reads, in turn (``1 - h * h`` of a token
+    shard ``h``: h, not the product): where its result is gathered, it could run whole on their gathered copies.
+    ``depth`` bounds the walk."""
+    found = set()
+    for a in op.tensor_inputs:
+        producer = fusion.producer(a)
+        if depth and producer is not None and is_cheap(producer) and len(fusion.consumers(a)) == 1 \
+                and not draft.tensor(a).annotated and a not in fusion.outputs:
+            found |= _cheap_sources(fusion, producer, draft, depth - 1)
+        else:
+            found.add(a)
+    return found
 
 
 def _single_need(fusion: Fusion, ops: list, index: dict[int, int], o: int) -> Sharding | None:
@@ -546,7 +561,7 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh, seeds:
     from a pending sum (a row-parallel linear's output) takes a Shard that all its consumers need
     too: the sum is then a reduce_scatter, not an allreduce and a slice."""
     single_need = functools.partial(_single_need, fusion, ops, {id(op): i for i, op in enumerate(fusion.ops)})
-
+    seeds = _computable_from(fusion, draft, ops, seeds)
     for i in reversed(range(len(ops))):
         op = ops[i]
         whole = all(need is None or need.is_replicated for need in op.strategy.inputs)
@@ -569,6 +584,20 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh, seeds:
             ops[i] = op.replace(strategy=choose(op, draft, hint, mesh, draft.copies if read is not None else None))
         elif is_cheap(op) and not draft.tensor(op.outputs[0]).annotated:
             ops[i] = _run_as_needed(op, single_need(op.outputs[0]), draft, mesh, seeds)
+
+
+def _computable_from(fusion: Fusion, draft: _Draft, ops: list, seeds: dict[int, Sharding]) -> dict[int, Sharding]:
+    """``seeds`` with the results of cheap pointwise ops that only one op reads, of operands all in it in one
+    sharding, in that sharding: computed from those copies, as the backward walk re-chooses their ops after
+    their readers (``1 - h * h`` of a gathered h: its reader takes it whole, then the product runs whole)."""
+    out = dict(seeds)
+    for op in ops:
+        (o, *more), found = op.outputs, {out.get(a) for a in op.tensor_inputs}
+        if more or len(found) != 1 or None in found or not is_cheap(op) or not traits(op.kind) & Trait.POINTWISE \
+                or len(fusion.consumers(o)) != 1 or o in fusion.outputs or draft.tensor(o).annotated:
+            continue
+        out[o] = found.pop()
+    return out
 
 
 def _run_as_needed(op, need: Sharding | None, draft: _Draft, mesh: DeviceMesh, copies: dict[int, Sharding]):

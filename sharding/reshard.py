@@ -15,8 +15,8 @@ Partial(a) -> Partial(b)      ``ALLREDUCE`` then ``TO_PARTIAL`` (two reductions,
 ============================  =======================================================
 
 A change on several mesh axes becomes a sequence: free local steps first (less data to move
-afterwards), then the rest (a pending reduction made whole on several axes: one ``ALLREDUCE`` over
-them together); a step that would shard a piece of a dim that another mesh axis shards
+afterwards), then reduce-scatters (the same), then the rest (a pending reduction made whole on several
+axes: one ``ALLREDUCE`` over them together); a step that would shard a piece of a dim that another mesh axis shards
 waits, and if every remaining step waits, one axis is gathered first. A mesh axis of size 1 needs no
 step at all: every placement on it holds the whole value. Nothing moves where each device of the
 destination holds its piece already (``held_already``: e.g. a replicated value kept on some of its
@@ -168,16 +168,24 @@ def _trivial_axes(s: Sharding) -> Sharding:
     return Sharding(s.mesh, tuple(REPLICATE if n == 1 else p for n, p in zip(s.mesh.shape, s.placements)))
 
 
+# The order of a change on several mesh axes: free local slices first, then reductions that scatter (each leaves
+# a piece of the payload for the steps after it: a pending sum on both axes of a 2x2 mesh, wanted sharded on one
+# and whole on the other, is reduce-scattered, then allreduced at half its size), then the rest.
+_PHASES = (lambda a, b: isinstance(a, Replicate),
+           lambda a, b: isinstance(a, Partial) and isinstance(b, Shard),
+           lambda a, b: True)
+
+
 def same_mesh_steps(src: Sharding, dst: Sharding, what: str) -> list[ReshardStep]:
     """The steps from ``src`` to ``dst`` on one mesh (see the module docstring)."""
     src, dst = _trivial_axes(src), _trivial_axes(dst)
     cur, steps = list(src.placements), []
     while cur != list(dst.placements):
         progressed = False
-        for slices_only in (True, False):
+        for phase in _PHASES:
             for axis in reversed(range(len(cur))):
                 a, b = cur[axis], dst.placements[axis]
-                if a == b or (slices_only and not isinstance(a, Replicate)):
+                if a == b or not phase(a, b):
                     continue
                 if isinstance(a, Shard) and (isinstance(b, Partial) or isinstance(b, Shard) and a.dim == b.dim) \
                         or isinstance(a, Partial) and isinstance(b, Partial):
@@ -250,8 +258,39 @@ def _hop(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple[Sharding
     if own_devices and held_already(summed, whole_dst, shape):
         return summed, Collective.KEEP, whole_dst  # pending sums summed where they are, then kept
     if src.mesh.shape == dst.mesh.shape and not (own_devices and dst.is_replicated):  # placements kept
-        return summed, Collective.SEND_RECV, Sharding(dst.mesh, summed.placements)
+        scattered = _scattered(src, dst, shape)
+        return scattered, Collective.SEND_RECV, Sharding(dst.mesh, scattered.placements)
     return Sharding.replicated(src.mesh), Collective.KEEP if own_devices else Collective.BROADCAST, whole_dst
+
+
+def _scattered(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Sharding:
+    """``src`` with its pending sums summed into shards where the pieces divide (else whole): what it sends to a
+    mesh of its shape. A stage's partial activation is reduce-scattered, its pieces sent and, where the next
+    stage wants it whole, gathered there (Megatron's scatter-gather between pipeline stages): a reduce-scatter,
+    a send and an allgather of P/n each, against an allreduce of 2P(n-1)/n and a send of P. On each such mesh
+    axis the piece is the one ``dst`` holds there, else one of the largest dim no other axis shards."""
+    placements = list(src.placements)
+    for axis, p in enumerate(src.placements):
+        if not isinstance(p, Partial):
+            continue
+        sharded = {q.dim for q in placements if isinstance(q, Shard)}
+        free = sorted((d for d in range(len(shape)) if d not in sharded), key=lambda d: -shape[d])
+        wants = [dst.placements[axis]] if isinstance(dst.placements[axis], Shard) else []
+        placements[axis] = REPLICATE
+        for want in wants + [Shard(d) for d in free]:
+            trial = Sharding(src.mesh, (*placements[:axis], want, *placements[axis + 1:]))
+            if shape[want.dim] >= 0 and trial.nests(want.dim) and _divides(trial, shape):
+                placements[axis] = want
+                break
+    return Sharding(src.mesh, tuple(placements))
+
+
+def _divides(s: Sharding, shape: tuple[int, ...]) -> bool:
+    try:
+        s.check_divides(shape, "")
+    except ShardingError:
+        return False
+    return True
 
 
 def departure(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Sharding | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +86,10 @@ class TensorView:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The GLOBAL shape (-1: a symbolic extent); ``tv.shape()`` as nvFuser spells it works too."""
-        return _Shape(self._ir.shape)
+        """The GLOBAL shape (-1: a symbolic extent). Called, as nvFuser spells it, ``tv.shape()`` is
+        ``fd.ops.shape(tv)``: a symbolic extent is a ``SymbolicSize`` there, which shape arguments bind at
+        ``execute`` (a -1 there means something else: keep an extent, count from the end, crop)."""
+        return _Shape(self._ir.shape, lambda: self._fd.ops.shape(self))
 
     def size(self, dim: int):
         """The GLOBAL extent of ``dim``, as ``fd.ops.size(tv, dim)``: an int, or a ``SymbolicSize``."""
@@ -331,10 +333,19 @@ def _outermost_first(stride_order: Sequence[int] | None, n: int) -> list[int]:
 
 
 class _Shape(tuple):
-    """A TensorView's shape: a tuple, and called (nvFuser's ``tv.shape()``), the same tuple."""
+    """A TensorView's shape: a tuple of ints (-1: symbolic), and called (nvFuser's ``tv.shape()``) its extents as
+    ``fd.ops.shape`` gives them (``SymbolicSize`` for the symbolic ones)."""
 
-    def __call__(self) -> tuple[int, ...]:
-        return tuple(self)
+    def __new__(cls, extents: tuple[int, ...], sizes: Callable[[], list]):
+        shape = super().__new__(cls, extents)
+        shape._sizes = sizes
+        return shape
+
+    def __call__(self) -> list:
+        return self._sizes()
+
+    def __reduce__(self):
+        return tuple, (tuple(self),)
 
 
 def _descriptor(sizes: Sequence[int], strides: Sequence[int], static_sizes: bool):

@@ -466,12 +466,24 @@ def _unary_front(name: str):
 
 
 def _pointwise_operands(rec, *operands, **attrs):
-    """Records a pointwise op whose operands are TensorViews or numbers, at least one a TensorView."""
+    """Records a pointwise op whose operands are TensorViews or numbers; of numbers (and define_scalars) alone,
+    nvFuser's scalar arithmetic, folded now into a scalar (typed where an operand is: torch's promotion of 0-d
+    tensors)."""
     from tp_fusion.fusion_definition import TensorView
 
-    if not any(isinstance(a, TensorView) for a in operands):
-        _fail(rec.kind, f"at least one operand must be a TensorView, got {', '.join(map(describe_value, operands))}")
-    return rec(*operands, **attrs)
+    if any(isinstance(a, TensorView) for a in operands):
+        return rec(*operands, **attrs)
+    if not all(isinstance(a, (Const, int, float, bool)) for a in operands):
+        _fail(rec.kind, f"operands must be TensorViews or numbers, got {', '.join(map(describe_value, operands))}")
+    values = [a if isinstance(a, Const) else Const(a) for a in operands]
+    as_tensors = [torch.tensor(v.value, dtype=v.dtype.torch if v.dtype is not None else
+                               torch.float64 if isinstance(v.value, float) else None) for v in values]
+    try:
+        out = OPS[rec.kind].impl(*as_tensors, **attrs)
+    except (RuntimeError, TypeError) as e:
+        _fail(rec.kind, f"torch rejects the scalars {[v.value for v in values]}: {str(e).splitlines()[0]}")
+    typed = any(v.dtype is not None for v in values)
+    return Const(out.item(), DataType.from_torch(out.dtype) if typed else None)
 
 
 def _binary_front(name: str):
@@ -570,7 +582,10 @@ def _cast(x, dtype):
 
 
 def _cast_front(rec, x, dtype):
-    """``x`` converted to ``dtype`` (a DataType)."""
+    """``x`` converted to ``dtype`` (a DataType); a number or define_scalar, a define_scalar of ``dtype``."""
+    if isinstance(x, (Const, int, float, bool)):
+        value = x.value if isinstance(x, Const) else x
+        return Const(torch.tensor(value).to(rec.dtype(dtype).torch).item(), rec.dtype(dtype))
     return rec(rec.tv(x, "x"), dtype=rec.dtype(dtype))
 
 
@@ -851,18 +866,48 @@ def _scan_front(torch_name: str):
         x = rec.tv(x, "x")
         return rec(x, dim=rec.dim(x, dim), init=None if init is None else _number(rec.kind, init, "init"))
     front.__doc__ = (f"``torch.{torch_name}(x, dim)``, nvFuser's scan: element i along ``dim`` combines elements "
-                     "0..i; ``init`` (a number) is combined into every element. A sharded ``dim`` is gathered first.")
+                     "0..i; ``init`` (a number) is combined into every element. A sharded ``dim`` is gathered first "
+                     "(cumsum and cumprod: or scanned in blocks, only the blocks' totals moving, where that moves "
+                     "fewer bytes: ``_chunked_scan``).")
     return front
 
 
-for _name, _fn, _combine in (("cumsum", torch.cumsum, torch.add), ("cumprod", torch.cumprod, torch.mul),
-                             ("cummax", lambda x, d: torch.cummax(x, d).values, torch.clamp_min),
-                             ("cummin", lambda x, d: torch.cummin(x, d).values, torch.clamp_max)):
+def _chunked_scan(total: str, combine: str, identity: int):
+    """The recipe of a scan (``cumsum``: the block totals by ``sum``, combined by ``add``, from 0; ``cumprod``:
+    ``prod``, ``mul``, 1) in two levels: ``dim`` cut into one block per device, each block scanned, and every
+    element combined with the scan of the totals of the blocks before its own. Over a sharded dim (a sequence)
+    each rank scans its block, and only the totals move (a chunked scan, as Mamba's across chunks), not the dim.
+    Values round as the blocks are summed, as any pending sum's."""
+    def recipe(op, b) -> None:
+        (x,), dim, init = op.inputs, op.attr("dim"), op.attr("init")
+        shape, blocks = b.tensors[x].shape, b.mesh.size
+        n = shape[dim]
+        if n % blocks or n == blocks:
+            b.ops.append(op)
+            return
+        cut = b("reshape", x, shape=(*shape[:dim], blocks, n // blocks, *shape[dim + 1:]))
+        within = b(op.kind, cut, dim=dim + 1, init=None)
+        totals = b(total, cut, dims=(dim + 1,), keepdim=True, dtype=None)
+        # the totals one block later (the identity first): each block's prefix is their scan
+        later = (0, 0) * (len(shape) - dim) + (1, -1)
+        before = b(op.kind, b("pad", totals, pad=later, value=identity), dim=dim, init=None)
+        out = b(combine, within, before)
+        if init is not None:
+            out = b(combine, out, Const(init))
+        b.finish(b("reshape", out, shape=shape), op.outputs[0])
+    return recipe
+
+
+for _name, _fn, _combine, _decompose in (
+        ("cumsum", torch.cumsum, torch.add, _chunked_scan("sum", "add", 0)),
+        ("cumprod", torch.cumprod, torch.mul, _chunked_scan("prod", "mul", 1)),
+        ("cummax", lambda x, d: torch.cummax(x, d).values, torch.clamp_min, None),
+        ("cummin", lambda x, d: torch.cummin(x, d).values, torch.clamp_max, None)):
     _impl = _scan(_fn, _combine)
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.NONE,
              rule=rules.along(lambda op, shape: (op.attr("dim"),),
                                 linear=(lambda op: op.attr("init") is None) if _name == "cumsum" else None),
-             flops=_flops_output, front=_scan_front(_name))
+             flops=_flops_output, front=_scan_front(_name), decompose=_decompose)
 
 # --- matrix products ------------------------------------------------------------------------------
 
@@ -1613,7 +1658,9 @@ SPELLINGS["scatter"] = _scatter_front
 def _topk_front(rec, arg, k, dim: int = -1, largest: bool = True, sorted: bool = False):
     """nvFuser's ``topk(arg, k, dim=-1, largest=True, sorted=False)`` -> (values, indices), torch's
     ``torch.topk``: the ``k`` largest (or smallest) elements along ``dim``; unsorted, their order is
-    unspecified (as in torch and nvFuser). ``dim`` is gathered where it is sharded."""
+    unspecified (as in torch and nvFuser). ``dim`` is gathered where it is sharded; a sorted top-k of a sharded
+    dim may instead run in two stages (each rank's top k, then the top k of those), where that moves fewer
+    bytes (``_topk_decomposed``)."""
     x = rec.tv(arg, "arg")
     d, k = rec.dim(x, dim), _number("topk", k, "k", (int,))
     if k < 0 or (x.shape[d] >= 0 and k > x.shape[d]):
@@ -1627,9 +1674,31 @@ def _topk_infer(args, attrs):
     return [TensorType(tuple(shape), x.dtype), TensorType(tuple(shape), DataType.Int)]
 
 
+def _topk_decomposed(op, b) -> None:
+    """Top-k in two stages: ``dim`` cut into one block per device, the top k of each block (its indices made
+    global), then the top k of those candidates and their indices. Over a sharded dim (a vocabulary) each rank
+    finds its block's candidates, and k per block move instead of the dim. Only a sorted top-k is cut so: an
+    unsorted one comes in torch's order of the whole op, which the stages would not keep. Where k exceeds a
+    block, or the blocks do not divide the dim, the op stays whole too."""
+    (x,), dim, k = op.inputs, op.attr("dim"), op.attr("k")
+    shape, blocks = b.tensors[x].shape, b.mesh.size
+    n = shape[dim]
+    if not op.attr("sorted") or n % blocks or k > n // blocks:
+        b.ops.append(op)
+        return
+    cut = b("reshape", x, shape=(*shape[:dim], blocks, n // blocks, *shape[dim + 1:]))
+    values, local = b("topk", cut, k=k, dim=dim + 1, largest=op.attr("largest"), sorted=False)
+    starts = b("iota", length=blocks, start=0, step=n // blocks, dtype=DataType.Int)
+    where = b("add", local, b("broadcast_in_dim", starts, shape=b.tensors[local].shape, broadcast_dims=(dim,)))
+    flat = (*shape[:dim], blocks * k, *shape[dim + 1:])
+    candidates, at = b("reshape", values, shape=flat), b("reshape", where, shape=flat)
+    _, best = b("topk", candidates, k=k, dim=dim, largest=op.attr("largest"), sorted=True, out=(op.outputs[0], None))
+    b("take_along_axis", at, best, dim=dim, out=op.outputs[1])
+
+
 register("topk", impl=lambda x, k, dim, largest, sorted: tuple(torch.topk(x, k, dim, largest, sorted)),
          infer=_topk_infer, traits=Trait.NONE, rule=rules.along(lambda op, shape: (op.attr("dim"),)), num_outputs=2,
-         front=_topk_front)
+         front=_topk_front, decompose=_topk_decomposed)
 
 
 def _argsort_front(rec, arg, dim: int = -1, descending: bool = False, stable: bool = False):
@@ -1930,12 +1999,12 @@ def _full(shape, fill_value, dtype, device="cpu"):
 
 
 def _full_front(rec, shape, fill_value, dtype: DataType):
-    """A tensor of ``shape`` (concrete extents) filled with ``fill_value`` (nvFuser's ``full``)."""
+    """A tensor of ``shape`` (concrete extents) filled with ``fill_value``, a number or a define_scalar
+    (nvFuser's ``full``)."""
     shape = _int_list("full", shape, "shape")
     if any(e < 0 for e in shape):
         _fail("full", f"shape {list(shape)} must be concrete")
-    if not isinstance(fill_value, (int, float, bool)):
-        _fail("full", f"fill_value must be a Python number, got {fill_value!r}")
+    fill_value = _number("full", fill_value, "fill_value", (int, float, bool))
     return rec(shape=shape, fill_value=fill_value, dtype=rec.dtype(dtype))
 
 

@@ -147,13 +147,18 @@ def comm_cost(fusion: Fusion, op: Op, rank: int = 0) -> CommCost:
     """This model's bytes on ``rank`` for one communication op of a lowered fusion."""
     src, out = op.inputs[0], op.outputs[0]
     collective = Collective(op.kind)
-    if collective in (Collective.SEND_RECV, Collective.BROADCAST):
+    if collective is Collective.SEND_RECV:  # the device at each place of one mesh sends to that of the other
         a, b = op.attr("src_mesh"), op.attr("dst_mesh")
         payload = _bytes(fusion, out)
-        moves = collective is Collective.BROADCAST or a.devices != b.devices
-        group = f"{a.short()}->{b.short()}"
-        n = len(set(a.devices) | set(b.devices)) if collective is Collective.BROADCAST else 2
-        return CommCost(op.kind, group, n, payload, payload if moves else 0, payload if moves else 0)
+        sends = rank in a and b.devices[a.devices.index(rank)] != rank
+        receives = rank in b and a.devices[b.devices.index(rank)] != rank
+        return CommCost(op.kind, f"{a.short()}->{b.short()}", 2, payload, payload if sends else 0,
+                        payload if receives else 0)
+    if collective is Collective.BROADCAST:
+        a, b = op.attr("src_mesh"), op.attr("dst_mesh")
+        payload = _bytes(fusion, out)
+        return CommCost(op.kind, f"{a.short()}->{b.short()}", len(set(a.devices) | set(b.devices)), payload, payload,
+                        payload)
     if collective in (Collective.GATHER, Collective.REDUCE, Collective.SCATTER):  # a 1-D mesh and one device
         a, b = op.attr("src_mesh"), op.attr("dst_mesh")
         group, root = (a, b.devices[0]) if collective is not Collective.SCATTER else (b, a.devices[0])
@@ -176,7 +181,7 @@ def comm_cost(fusion: Fusion, op: Op, rank: int = 0) -> CommCost:
     axes = axis if isinstance(axis, tuple) else (axis,)
     group = f"{'+'.join(ParallelType.for_mesh_axis(a, mesh.ndim).value for a in axes)}, n={n}"
     payload = _bytes(fusion, out if collective is Collective.ALLGATHER else src)
-    share = payload * (n - 1) // n
+    share = payload * (n - 1) // n if rank in mesh else 0  # a rank off the mesh (another stage) takes no part
     if collective is Collective.ALLREDUCE:
         share *= 2
     return CommCost(op.kind, group, n, payload, share, share)

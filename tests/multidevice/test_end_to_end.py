@@ -49,6 +49,17 @@ class Case:
     tolerance: dict | None = None
 
 
+def _topk_sum(fd, x, k: int, largest: bool):
+    """A sorted top-k's values plus its indices (as f64): one output that checks both."""
+    values, indices = fd.ops.topk(x, k, 1, largest=largest, sorted=True)
+    return fd.ops.add(values, fd.ops.cast(indices, F64))
+
+
+def _topk_sum_ref(t: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+    values, indices = t.topk(k, 1, largest=largest)
+    return values + indices.double()
+
+
 def _rand(seed: int, shape, dtype: DataType = F64) -> torch.Tensor:
     return rand(seed, *shape, dtype=dtype.torch)
 
@@ -1078,6 +1089,13 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
                                               lambda t: t.cumsum(1), []),
     "cumsum_sharded_dim": lambda m: _unary_case(m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.cumprod(x, 1),
                                                 lambda t: t.cumprod(1), ["allgather"]),
+    # a scan of sequence shards (an SSM's): each rank scans its block, the blocks' totals are gathered and
+    # scanned, and each block adds (multiplies) the totals before it; only [3, d, 1, 4] moves, not the input
+    "cumsum_sharded_dim_chunked": lambda m: _unary_case(
+        m, [3, 16, 4], {1: X}, None, lambda fd, x: fd.ops.cumsum(x, 1), lambda t: t.cumsum(1), ["allgather"]),
+    "cumprod_sharded_dim_chunked_init": lambda m: _unary_case(
+        m, [3, 16, 4], {1: X}, None, lambda fd, x: fd.ops.cumprod(fd.ops.add(x, 0.5), 1, 2.0),
+        lambda t: (t + 0.5).cumprod(1) * 2.0, ["allgather"]),
     "cumsum_of_a_partial_sum": lambda m: _unary_case(
         m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.cumsum(fd.ops.sum(x, [0]), 0),
         lambda t: t.sum(0).cumsum(0), ["allreduce"]),
@@ -1175,6 +1193,17 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
                                                            fd.ops.cast(fd.ops.slice(fd.ops.argsort(x, 1), [0, 0],
                                                                                     [8, 2]), F64)),
         lambda t: t.topk(2, 1).values + t.argsort(1)[:, :2].double(), []),
+    # a sorted top-k of vocabulary-sharded logits: each rank's top 3, gathered (4 x 3 per rank), their top 3, and
+    # the winners' global indices summed from the rank that holds each (zeros elsewhere); unsorted, it gathers
+    "topk_sharded_dim_two_stage": lambda m: _unary_case(
+        m, [4, 64], {1: X}, None, lambda fd, x: _topk_sum(fd, x, 3, True), lambda t: _topk_sum_ref(t, 3, True),
+        ["allgather", "allreduce"]),
+    "topk_sharded_dim_two_stage_smallest": lambda m: _unary_case(
+        m, [4, 64], {1: X}, None, lambda fd, x: _topk_sum(fd, x, 3, False), lambda t: _topk_sum_ref(t, 3, False),
+        ["allgather", "allreduce"]),
+    "topk_sharded_dim_unsorted_gathers": lambda m: _unary_case(
+        m, [4, 64], {1: X}, None, lambda fd, x: fd.ops.topk(x, 3, 1, sorted=False)[0],
+        lambda t: t.topk(3, 1, sorted=False).values, ["allgather"]),
     "topk_sharded_dim": lambda m: _unary_case(
         m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.topk(x, 3, 1, largest=False, sorted=True)[1],
         lambda t: t.topk(3, 1, largest=False).indices, ["allgather"]),
@@ -1597,7 +1626,25 @@ def read_on_other_meshes_case(world: int, source: str) -> Case:
     return Case(fd, [x, w], [_rand(71, (8, 4)), _rand(72, (6, 4))], reference, expected)
 
 
+def pending_sum_to_next_stage_case(world: int) -> Case:
+    """A row-parallel linear's pending sum on the first half of the ranks, read whole on the second half (the
+    next pipeline stage): reduce-scattered, its pieces sent, gathered there (Megatron's scatter-gather: P/2
+    three times at world 4, where an allreduce and a send of the whole sent 2P)."""
+    a, b = DeviceMesh(range(world // 2)), DeviceMesh(range(world // 2, world))
+    with FusionDefinition() as fd:
+        x, w = fd.define_tensor([8, 4], dtype=F64), fd.define_tensor([6, 4], dtype=F64)
+        z = fd.ops.tanh(fd.ops.set(fd.ops.linear(x, w)))
+        fd.add_output(z)
+        shard(x, a, {1: X})
+        shard(w, a, {1: X})
+        shard(z, b)
+    expected = ["send_recv"] if world == 2 else ["reduce_scatter", "send_recv", "allgather"]
+    return Case(fd, [x, w], [_rand(73, (8, 4)), _rand(74, (6, 4))], lambda x, w: [torch.tanh(F.linear(x, w))],
+                expected)
+
+
 CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its devices
+    "pending_sum_to_next_stage_scattered": pending_sum_to_next_stage_case,
     "shards_read_on_another_mesh_leave_once": lambda w: read_on_other_meshes_case(w, "shards"),
     "pending_sum_read_on_another_mesh_summed_once": lambda w: read_on_other_meshes_case(w, "partial"),
     "send_recv_between_meshes": lambda w: move_case(w, {0: X}),

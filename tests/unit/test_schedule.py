@@ -404,6 +404,13 @@ def test_reshard_steps_between_places_of_one_dim():
     mesh222 = DeviceMesh(torch.arange(8).reshape(2, 2, 2))
     assert kinds((PARTIAL_SUM, Shard(1), PARTIAL_SUM), (REPLICATE, REPLICATE, REPLICATE), mesh222) == [
         (Collective.ALLREDUCE, 2, 1), (Collective.ALLGATHER, 1, 1), (Collective.ALLREDUCE, 0, 1)]
+    # wanted sharded on one axis and whole on the other: reduce-scatter first, then allreduce the half left
+    assert kinds((PARTIAL_SUM, PARTIAL_SUM), (Shard(0), REPLICATE), MESH22) == [
+        (Collective.REDUCE_SCATTER, 0, 1), (Collective.ALLREDUCE, 1, 1)]
+    # a pending sum sent to another stage: reduce-scattered, its pieces sent, gathered there
+    steps = reshard_steps(Sharding(MESH2, (PARTIAL_SUM,)), Sharding(DeviceMesh([2, 3]), (REPLICATE,)), (4, 8), "test")
+    assert [(s.collective, s.attrs().get("dim")) for s in steps] == [
+        (Collective.REDUCE_SCATTER, 1), (Collective.SEND_RECV, None), (Collective.ALLGATHER, 1)]
     assert MESH22.axis_group((0, 1), 3) == (0, 1, 2, 3)
     assert DeviceMesh([[3, 1], [2, 0]]).all_axis_groups((0, 1)) == [(3, 1, 2, 0)]
     assert mesh222.all_axis_groups((0, 2)) == [(0, 1, 4, 5), (2, 3, 6, 7)]

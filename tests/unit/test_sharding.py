@@ -1134,6 +1134,34 @@ def test_softmax_over_sharded_dim_runs_decomposed(dtype):
     assert out_placements(f) == (Shard(1),) and f.tensor(f.outputs[0]).dtype is dtype
 
 
+@pytest.mark.parametrize("kind", ["cumsum", "cumprod"])
+def test_scan_over_sharded_dim_runs_in_blocks(kind):
+    """A scan of sequence shards: each rank scans its block; only the blocks' totals [3, 2, 1, 4] are gathered
+    (to scan them), not x [3, 16, 4]; the result stays on x's shards."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 16, 4])
+        fd.add_output(getattr(fd.ops, kind)(x, 1))
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    (gather,) = [op for op in f.ops if op.kind == "allgather"]
+    assert f.tensor(gather.outputs[0]).shape == (3, 2, 1, 4)
+    assert out_placements(f) == (Shard(1),)
+
+
+@pytest.mark.parametrize("k,sorted_,gathered", [(3, True, (4, 6)), (3, False, (4, 64)), (40, True, (4, 64))])
+def test_topk_over_sharded_dim_runs_in_two_stages(k, sorted_, gathered):
+    """A sorted top-k of vocabulary shards: each rank's top k, gathered [4, 2k], and their top k (the indices
+    summed from the rank that holds each); unsorted (its order is torch's of the whole op) or with k larger
+    than a shard, the logits [4, 64] are gathered."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 64])
+        for out in fd.ops.topk(x, k, 1, sorted=sorted_):
+            fd.add_output(out)
+        shard(x, MESH2, {1: X})
+    f = lower(fd)
+    assert [f.tensor(op.outputs[0]).shape for op in f.ops if op.kind == "allgather"] == [gathered]
+
+
 @pytest.mark.parametrize("other", ["zero", "pending", "replicated", "one"])
 def test_where_keeps_a_pending_sum_where_it_is_linear(other):
     """``sum(where(hit, y, other), 1)`` of a row-parallel (pending) y: where is linear in y and ``other`` together

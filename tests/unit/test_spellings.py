@@ -437,7 +437,8 @@ def test_from_pytorch_declares_the_tensors_layout():
         a, b, d = fd.from_pytorch(z), fd.from_pytorch(e), fd.from_pytorch(c, static_sizes=True)
         for t in (a, b, d):
             fd.add_output(fd.ops.neg(t))
-    assert a.shape() == (-1, -1, -1) and a.contiguity == (True, False, True) and a.stride_order == (1, 0, 2)
+    assert a.shape == (-1, -1, -1) and a.contiguity == (True, False, True) and a.stride_order == (1, 0, 2)
+    assert all(isinstance(e, SymbolicSize) for e in a.shape()) and d.shape() == [3, 1, 4]
     assert b.dtype is DataType.Double and b.contiguity == (True, True, None)
     assert d.shape == (3, 1, 4) and d.contiguity == (True, None, True) and d.stride_order is None
     assert isinstance(a.size(0), SymbolicSize) and d.size(2) == 4 and a.is_tensor()
@@ -445,3 +446,38 @@ def test_from_pytorch_declares_the_tensors_layout():
         torch.testing.assert_close(got, want)
     with pytest.raises(InputError, match="dim 2 must have a larger stride than dim 0"):
         fd.execute([z.contiguous(), e, c])  # row-major: not the declared layout
+
+
+def test_shape_called_gives_symbolic_sizes():
+    """``tv.shape()`` as a shape argument binds each symbolic extent at execute (it was -1, which
+    broadcast_in_dim read as "keep the input's extent" and slice as "from the end": [2, 1, 4] and [2, 3, 2] came
+    back, no error); where an op takes only ints, a clear error."""
+    with FusionDefinition() as fd:
+        x, y = fd.define_tensor([-1, -1, -1]), fd.define_tensor([-1, 1, -1], contiguity=[True, None, True])
+        fd.add_output(fd.ops.broadcast_in_dim(y, x.shape(), [0, 1, 2]))
+        fd.add_output(fd.ops.slice(x, [0, 0, 1], x.shape()))
+        with pytest.raises(DefinitionError, match="pad_widths must be a list of ints"):
+            fd.ops.pad(x, [0, x.shape()[2]])
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 1, 4)
+    wide, sliced = fd.execute([a, b])
+    torch.testing.assert_close(wide, b.expand(2, 3, 4))
+    torch.testing.assert_close(sliced, a[:, :, 1:])
+
+
+def test_scalar_arithmetic_folds_into_a_scalar():
+    """nvFuser's ops on scalars alone (``mul(s, s)``, ``cast(s, Int)``, a define_scalar ``full`` value) give a
+    scalar now, typed where an operand is, as torch types 0-d tensors."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3])
+        two, f32 = fd.define_scalar(2.0), fd.define_scalar(1.0, DataType.Float)
+        product = fd.ops.mul(two, fd.define_scalar(3))
+        step = fd.ops.nextafter(f32, fd.define_scalar(2.0, DataType.Float))
+        whole = fd.ops.cast(fd.define_scalar(3.7), DataType.Int)
+        fd.add_output(fd.ops.mul(x, product))
+        fd.add_output(fd.ops.full([2], fd.define_scalar(1.5, DataType.Double), DataType.Float))
+    assert (product.value, product.dtype) == (6.0, None) and fd.ops.add(2, 3).value == 5
+    assert (step.value, step.dtype) == (torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item(), DataType.Float)
+    assert (whole.value, whole.dtype) == (3, DataType.Int)
+    scaled, filled = fd.execute([torch.ones(3)])
+    torch.testing.assert_close(scaled, torch.full((3,), 6.0))
+    torch.testing.assert_close(filled, torch.full((2,), 1.5))

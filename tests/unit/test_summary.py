@@ -64,9 +64,12 @@ def test_send_recv_and_formatting():
         for tv in (x, y):
             tv.outer_split(0, 2)
             tv.axis(0).parallelize(ParallelType.mesh_x)
-    s = summarize(run_pipeline(fd.fusion))
+    fusion = run_pipeline(fd.fusion)
+    s = summarize(fusion)  # rank 0 sends its shard to rank 2; rank 2 receives it
     (c,) = [c for seg in s.segments for c in seg.comms]
-    assert (c.kind, c.payload, c.sent, c.received) == ("send_recv", 4 * 4 * 4, 64, 64)
+    assert (c.kind, c.payload, c.sent, c.received) == ("send_recv", 4 * 4 * 4, 64, 0)
+    (c,) = [c for seg in summarize(fusion, rank=2).segments for c in seg.comms]
+    assert (c.sent, c.received) == (0, 64)
     assert s.flops == 0
     assert format_bytes(512) == "512 B" and format_bytes(8192) == "8.0 KiB"
     assert format_bytes(3 * 2**29) == "1.5 GiB"
