@@ -45,6 +45,14 @@ class Builder:
         self.ops.append(Op(kind, operands, tuple(names), tuple(attrs.items())))
         return names[0] if len(names) == 1 else tuple(names)
 
+    def blocks(self, x: int, dim: int, at_least: int = 1) -> int | None:
+        """``x`` reshaped with ``dim`` cut into one block per device of the mesh (a new dim before it), where the
+        blocks divide it and hold ``at_least`` elements each; else None, and nothing is written."""
+        shape, n = self.tensors[x].shape, self.mesh.size
+        if shape[dim] % n or shape[dim] // n < at_least:
+            return None
+        return self("reshape", x, shape=(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]))
+
     def finish(self, name: int, out: int) -> None:
         """Make ``name`` the decomposed op's result ``out``: the op that made it writes ``out`` where it is the
         last op and ``name`` has ``out``'s dtype, else a cast writes ``out`` (a recipe may compute half
@@ -66,8 +74,17 @@ def decomposed(fusion: Fusion, names: frozenset[int], mesh: DeviceMesh) -> Fusio
         return fusion
     builder = Builder(fusion.tensors, mesh)
     for op in fusion.ops:
+        written = len(builder.ops)
         if op.outputs[0] in names:
             opdef(op.kind).decompose(op, builder)
-        else:
+        if len(builder.ops) == written:  # not asked for, or the recipe does not apply: the op whole
             builder.ops.append(op)
     return fusion.replace(tensors=tuple(builder.tensors), ops=tuple(builder.ops))
+
+
+def decomposes(op: Op, fusion: Fusion, mesh: DeviceMesh) -> bool:
+    """Whether ``op``'s recipe applies to it in ``fusion`` (it writes ops: a top-k whose k exceeds a device's
+    block, or an unsorted one, stays whole), so that propagation does not plan the fusion again for nothing."""
+    builder = Builder(fusion.tensors, mesh)
+    opdef(op.kind).decompose(op, builder)
+    return bool(builder.ops)

@@ -8,7 +8,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-from tp_fusion.passes.decompose import decomposed
+from tp_fusion.passes.decompose import decomposed, decomposes
 from tp_fusion.sharding.reshard import free_between, gathered, local_between
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Replicate, Shard, Sharding
 from tp_fusion.sharding.strategy import Strategy, choose, is_cheap, nbytes
@@ -197,18 +197,25 @@ def _could_gather_once(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choice
 
 
 def _cheap_sources(fusion: Fusion, op, draft: _Draft, depth: int = 4) -> set[int]:
-    """The tensors ``op`` computes from through cheap ops that only it reads, in turn (``1 - h * h`` of a token
-    shard ``h``: h, not the product): where its result is gathered, it could run whole on their gathered copies.
-    ``depth`` bounds the walk."""
+    """The tensors ``op`` computes from through ``_private_step``s, in turn (``1 - h * h`` of a token shard
+    ``h``: h, not the product): where its result is gathered, it could run whole on their gathered copies (the
+    backward walk runs the steps whole, ``_computable_from``). ``depth`` bounds the walk."""
     found = set()
     for a in op.tensor_inputs:
-        producer = fusion.producer(a)
-        if depth and producer is not None and is_cheap(producer) and len(fusion.consumers(a)) == 1 \
-                and not draft.tensor(a).annotated and a not in fusion.outputs:
-            found |= _cheap_sources(fusion, producer, draft, depth - 1)
+        if depth and _private_step(fusion, draft, a):
+            found |= _cheap_sources(fusion, fusion.producer(a), draft, depth - 1)
         else:
             found.add(a)
     return found
+
+
+def _private_step(fusion: Fusion, draft: _Draft, a: int) -> bool:
+    """Whether ``a`` is made by a cheap pointwise op and read by one op only, neither annotated nor an output:
+    a step that may run wherever its reader wants it."""
+    producer = fusion.producer(a)
+    return producer is not None and len(producer.outputs) == 1 and is_cheap(producer) \
+        and bool(traits(producer.kind) & Trait.POINTWISE) and len(fusion.consumers(a)) == 1 \
+        and not draft.tensor(a).annotated and a not in fusion.outputs
 
 
 def _single_need(fusion: Fusion, ops: list, index: dict[int, int], o: int) -> Sharding | None:
@@ -449,21 +456,21 @@ def _could_sum_pending_first(fusion: Fusion, draft: _Draft, ops: list) -> list[_
 
 
 def _could_decompose(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
-    """Results of ops with a ``decompose`` recipe (softmax, var, layer norms), of operands of concrete shapes,
-    that move an operand, or whose operand's producer does: run as the recipe's ops, a dim the op
-    normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value per row
-    (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the logits of a
-    vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary shards, where
-    the op whole would gather the head's weight (a move of its operand's producer). An attention's softmax over
-    keys that nothing moves for is left whole (each try plans the fusion again)."""
-    made_by = {o: op for op in ops for o in op.outputs}
+    """Results of ops with a ``decompose`` recipe that applies (softmax, var, layer norms, sorted top-k, scans),
+    of operands of concrete shapes, that move an operand, or whose operand's producer does: run as the recipe's
+    ops, a dim the op normalizes over may stay sharded, its reductions leaving pending sums or maxima of a value
+    per row (``passes.decompose``). Whether that moves less depends on the ops around it: a softmax of the logits
+    of a vocabulary-parallel LM head gathers the tokens for the head and keeps the logits on vocabulary shards,
+    where the op whole would gather the head's weight (a move of its operand's producer). An attention's softmax
+    over keys that nothing moves for is left whole (each try plans the fusion again)."""
+    made_by, mesh = {o: op for op in ops for o in op.outputs}, default_mesh(fusion)
 
     def moves(op) -> bool:
         return op is not None and any(_operand_moves(op, draft))
     return [_Choices(decomposed=frozenset({op.outputs[0]})) for op in ops
             if opdef(op.kind).decompose is not None and op.strategy.mesh.size > 1
             and all(e >= 0 for a in op.tensor_inputs for e in draft.tensor(a).shape)
-            and (moves(op) or moves(made_by.get(op.inputs[0])))]
+            and (moves(op) or moves(made_by.get(op.inputs[0]))) and decomposes(op, fusion, mesh)]
 
 
 def _could_run_on_another_mesh(fusion: Fusion, draft: _Draft, ops: list) -> list[_Choices]:
@@ -587,16 +594,14 @@ def _backward(fusion: Fusion, draft: _Draft, ops: list, mesh: DeviceMesh, seeds:
 
 
 def _computable_from(fusion: Fusion, draft: _Draft, ops: list, seeds: dict[int, Sharding]) -> dict[int, Sharding]:
-    """``seeds`` with the results of cheap pointwise ops that only one op reads, of operands all in it in one
-    sharding, in that sharding: computed from those copies, as the backward walk re-chooses their ops after
+    """``seeds`` with the results of ``_private_step``s whose operands are all in it in one sharding, in that
+    sharding: computed from those copies, as the backward walk re-chooses their ops after
     their readers (``1 - h * h`` of a gathered h: its reader takes it whole, then the product runs whole)."""
     out = dict(seeds)
     for op in ops:
-        (o, *more), found = op.outputs, {out.get(a) for a in op.tensor_inputs}
-        if more or len(found) != 1 or None in found or not is_cheap(op) or not traits(op.kind) & Trait.POINTWISE \
-                or len(fusion.consumers(o)) != 1 or o in fusion.outputs or draft.tensor(o).annotated:
-            continue
-        out[o] = found.pop()
+        found = {out.get(a) for a in op.tensor_inputs}
+        if len(found) == 1 and None not in found and _private_step(fusion, draft, op.outputs[0]):
+            out[op.outputs[0]] = found.pop()
     return out
 
 

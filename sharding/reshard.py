@@ -40,7 +40,7 @@ import torch
 from tp_fusion.sharding.sharding import REPLICATE, Partial, Placement, Replicate, Shard, Sharding
 
 from tp_fusion.errors import LoweringError, ShardingError
-from tp_fusion.mesh import DeviceMesh
+from tp_fusion.mesh import DeviceMesh, as_axes
 
 
 class Collective(enum.Enum):
@@ -216,8 +216,8 @@ def _joined_allreduces(steps: list[ReshardStep]) -> list[ReshardStep]:
     for step in steps:
         last = out[-1] if out else None
         if last is not None and step.collective is last.collective is Collective.ALLREDUCE and step.src == last.src:
-            axes = last.mesh_axis if isinstance(last.mesh_axis, tuple) else (last.mesh_axis,)
-            out[-1] = dataclasses.replace(last, mesh_axis=tuple(sorted((*axes, step.mesh_axis))), after=step.after)
+            axes = tuple(sorted((*as_axes(last.mesh_axis), step.mesh_axis)))
+            out[-1] = dataclasses.replace(last, mesh_axis=axes, after=step.after)
         else:
             out.append(step)
     return out
@@ -279,18 +279,10 @@ def _scattered(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Sharding
         placements[axis] = REPLICATE
         for want in wants + [Shard(d) for d in free]:
             trial = Sharding(src.mesh, (*placements[:axis], want, *placements[axis + 1:]))
-            if shape[want.dim] >= 0 and trial.nests(want.dim) and _divides(trial, shape):
+            if shape[want.dim] >= 0 and trial.nests(want.dim) and shape[want.dim] % trial.dim_factor(want.dim) == 0:
                 placements[axis] = want
                 break
     return Sharding(src.mesh, tuple(placements))
-
-
-def _divides(s: Sharding, shape: tuple[int, ...]) -> bool:
-    try:
-        s.check_divides(shape, "")
-    except ShardingError:
-        return False
-    return True
 
 
 def departure(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> Sharding | None:

@@ -85,7 +85,7 @@ class DeviceMesh:
     def axis_group(self, axis: int | tuple[int, ...], rank: int) -> tuple[int, ...]:
         """The ranks that share every coordinate of ``rank`` but the ones along ``axis`` (a mesh axis, or
         a tuple of them: a collective over several axes at once), in row-major order of those axes."""
-        axes = _axes(axis)
+        axes = as_axes(axis)
         c = list(self.coords(rank))
         out = []
         for index in itertools.product(*(range(self.shape[a]) for a in axes)):
@@ -97,7 +97,7 @@ class DeviceMesh:
     def all_axis_groups(self, axis: int | tuple[int, ...]) -> list[tuple[int, ...]]:
         """Every group along ``axis`` (a mesh axis or a tuple of them), in a fixed order (so every rank
         creates them alike)."""
-        axes = _axes(axis)
+        axes = as_axes(axis)
         others = [range(n) if a not in axes else range(1) for a, n in enumerate(self.shape)]
         return [self.axis_group(axes, self.rank_at(c)) for c in itertools.product(*others)]
 
@@ -109,11 +109,11 @@ class DeviceMesh:
 
     def numel_along(self, axes: int | Iterable[int]) -> int:
         """How many devices the mesh axes ``axes`` (one axis, or several) span together."""
-        return math.prod(self.shape[a] for a in _axes(axes))
+        return math.prod(self.shape[a] for a in as_axes(axes))
 
 
-def _axes(axis: int | Iterable[int]) -> tuple[int, ...]:
-    """One mesh axis or several, as a tuple."""
+def as_axes(axis: int | Iterable[int]) -> tuple[int, ...]:
+    """One mesh axis or several (a collective's ``mesh_axis``), as a tuple."""
     return (axis,) if isinstance(axis, int) else tuple(axis)
 
 

@@ -99,7 +99,8 @@ class OpDef:
     # one per call, whether the op runs on it or not, so that every rank's later draws stay alike
     fresh_seed: Callable[[dict], bool] | None = None
     # the op as simpler ops, ``decompose(op, builder)`` (``passes.decompose.Builder``) writing ``op``'s result:
-    # what propagation may run instead where the op would gather a dim it normalizes over (None: no such)
+    # what propagation may run instead where the op would gather a dim it normalizes over (None: no such; a
+    # recipe that writes nothing does not apply to that op, which stays whole)
     decompose: Callable | None = None
 
     def has(self, trait: Trait) -> bool:
@@ -451,39 +452,42 @@ def _binary(fn):
     return impl
 
 
+def _is_scalar(x) -> bool:
+    return isinstance(x, (Const, int, float, bool))
+
+
+def _folded(kind: str, operands, typed: bool = False, **attrs) -> Const:
+    """nvFuser's arithmetic on scalar Vals (numbers and define_scalars), done now: op ``kind`` on 0-d tensors of
+    the operands (a define_scalar's dtype, else a float as float64, as Python computes). The result is typed
+    where an operand is (torch's promotion of 0-d tensors), or ``typed``."""
+    values = [a if isinstance(a, Const) else Const(a) for a in operands]
+    as_tensors = [torch.tensor(v.value, dtype=v.dtype.torch if v.dtype is not None else
+                               torch.float64 if isinstance(v.value, float) else None) for v in values]
+    try:
+        out = OPS[kind].impl(*as_tensors, **attrs)
+    except (RuntimeError, TypeError) as e:
+        _fail(kind, f"torch rejects the scalars {[v.value for v in values]}: {str(e).splitlines()[0]}")
+    typed = typed or any(v.dtype is not None for v in values)
+    return Const(out.item(), DataType.from_torch(out.dtype) if typed else None)
+
+
 def _unary_front(name: str):
     def front(rec, x):
-        if isinstance(x, (Const, int, float, bool)):  # nvFuser's scalar Vals: folded now
-            value = x.value if isinstance(x, Const) else x
-            as_tensor = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
-            try:
-                return Const(OPS[name].impl(as_tensor).item())
-            except (RuntimeError, TypeError) as e:
-                _fail(name, f"torch rejects the scalar {value!r}: {str(e).splitlines()[0]}")
-        return rec(rec.tv(x, "x"))
+        return _folded(name, [x]) if _is_scalar(x) else rec(rec.tv(x, "x"))
     front.__doc__ = f"``torch.{name}(x)``, elementwise; on a scalar (a number or ``define_scalar``), a scalar."
     return front
 
 
 def _pointwise_operands(rec, *operands, **attrs):
     """Records a pointwise op whose operands are TensorViews or numbers; of numbers (and define_scalars) alone,
-    nvFuser's scalar arithmetic, folded now into a scalar (typed where an operand is: torch's promotion of 0-d
-    tensors)."""
+    a scalar (``_folded``)."""
     from tp_fusion.fusion_definition import TensorView
 
     if any(isinstance(a, TensorView) for a in operands):
         return rec(*operands, **attrs)
-    if not all(isinstance(a, (Const, int, float, bool)) for a in operands):
+    if not all(map(_is_scalar, operands)):
         _fail(rec.kind, f"operands must be TensorViews or numbers, got {', '.join(map(describe_value, operands))}")
-    values = [a if isinstance(a, Const) else Const(a) for a in operands]
-    as_tensors = [torch.tensor(v.value, dtype=v.dtype.torch if v.dtype is not None else
-                               torch.float64 if isinstance(v.value, float) else None) for v in values]
-    try:
-        out = OPS[rec.kind].impl(*as_tensors, **attrs)
-    except (RuntimeError, TypeError) as e:
-        _fail(rec.kind, f"torch rejects the scalars {[v.value for v in values]}: {str(e).splitlines()[0]}")
-    typed = any(v.dtype is not None for v in values)
-    return Const(out.item(), DataType.from_torch(out.dtype) if typed else None)
+    return _folded(rec.kind, operands, **attrs)
 
 
 def _binary_front(name: str):
@@ -583,9 +587,8 @@ def _cast(x, dtype):
 
 def _cast_front(rec, x, dtype):
     """``x`` converted to ``dtype`` (a DataType); a number or define_scalar, a define_scalar of ``dtype``."""
-    if isinstance(x, (Const, int, float, bool)):
-        value = x.value if isinstance(x, Const) else x
-        return Const(torch.tensor(value).to(rec.dtype(dtype).torch).item(), rec.dtype(dtype))
+    if _is_scalar(x):
+        return _folded("cast", [x], typed=True, dtype=rec.dtype(dtype))
     return rec(rec.tv(x, "x"), dtype=rec.dtype(dtype))
 
 
@@ -880,12 +883,9 @@ def _chunked_scan(total: str, combine: str, identity: int):
     Values round as the blocks are summed, as any pending sum's."""
     def recipe(op, b) -> None:
         (x,), dim, init = op.inputs, op.attr("dim"), op.attr("init")
-        shape, blocks = b.tensors[x].shape, b.mesh.size
-        n = shape[dim]
-        if n % blocks or n == blocks:
-            b.ops.append(op)
+        shape, cut = b.tensors[x].shape, b.blocks(x, dim, at_least=2)
+        if cut is None:
             return
-        cut = b("reshape", x, shape=(*shape[:dim], blocks, n // blocks, *shape[dim + 1:]))
         within = b(op.kind, cut, dim=dim + 1, init=None)
         totals = b(total, cut, dims=(dim + 1,), keepdim=True, dtype=None)
         # the totals one block later (the identity first): each block's prefix is their scan
@@ -1681,14 +1681,13 @@ def _topk_decomposed(op, b) -> None:
     unsorted one comes in torch's order of the whole op, which the stages would not keep. Where k exceeds a
     block, or the blocks do not divide the dim, the op stays whole too."""
     (x,), dim, k = op.inputs, op.attr("dim"), op.attr("k")
-    shape, blocks = b.tensors[x].shape, b.mesh.size
-    n = shape[dim]
-    if not op.attr("sorted") or n % blocks or k > n // blocks:
-        b.ops.append(op)
+    shape = b.tensors[x].shape
+    cut = b.blocks(x, dim, at_least=k) if op.attr("sorted") else None
+    if cut is None:
         return
-    cut = b("reshape", x, shape=(*shape[:dim], blocks, n // blocks, *shape[dim + 1:]))
+    blocks, block = b.tensors[cut].shape[dim:dim + 2]
     values, local = b("topk", cut, k=k, dim=dim + 1, largest=op.attr("largest"), sorted=False)
-    starts = b("iota", length=blocks, start=0, step=n // blocks, dtype=DataType.Int)
+    starts = b("iota", length=blocks, start=0, step=block, dtype=DataType.Int)
     where = b("add", local, b("broadcast_in_dim", starts, shape=b.tensors[local].shape, broadcast_dims=(dim,)))
     flat = (*shape[:dim], blocks * k, *shape[dim + 1:])
     candidates, at = b("reshape", values, shape=flat), b("reshape", where, shape=flat)

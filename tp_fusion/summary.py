@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from tp_fusion.errors import DefinitionError
 from tp_fusion.ir import Fusion, Op
+from tp_fusion.mesh import as_axes
 from tp_fusion.ops import Trait, opdef, traits
 from tp_fusion.sharding.reshard import Collective
 from tp_fusion.types import ParallelType
@@ -178,8 +179,7 @@ def comm_cost(fusion: Fusion, op: Op, rank: int = 0) -> CommCost:
     mesh = fusion.tensor(src).sharding.mesh
     axis = op.attr("mesh_axis")
     n = mesh.numel_along(axis)
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    group = f"{'+'.join(ParallelType.for_mesh_axis(a, mesh.ndim).value for a in axes)}, n={n}"
+    group = f"{'+'.join(ParallelType.for_mesh_axis(a, mesh.ndim).value for a in as_axes(axis))}, n={n}"
     payload = _bytes(fusion, out if collective is Collective.ALLGATHER else src)
     share = payload * (n - 1) // n if rank in mesh else 0  # a rank off the mesh (another stage) takes no part
     if collective is Collective.ALLREDUCE:
