@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from tp_fusion import loop as loops
-from tp_fusion.errors import DefinitionError, InputError, ShardingError
-from tp_fusion.ir import Fusion, Op, Tensor, resolve_sizes
-from tp_fusion.ops import opdef, operand_types, with_stride_order
+from tp_fusion.errors import DefinitionError, InputError, ShardingError, TPFusionError
+from tp_fusion.ir import Fusion, Op, ScalarRef, Tensor, resolve_symbols, symbols_of
+from tp_fusion.ops import OPS, opdef, operand_types, python_scalar, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
 from tp_fusion.runtime.dist import is_dtensor
+from tp_fusion.types import DataType
 
 if TYPE_CHECKING:
     from tp_fusion.fusion_definition import Layout  # (it imports this module)
@@ -35,8 +36,12 @@ def global_input_shapes(fusion: Fusion, inputs: Sequence, rank: int) -> list[tup
         raise InputError(f"execute: the fusion takes {len(fusion.inputs)} inputs ({names}), got {len(inputs)}")
     shapes, devices = [], set()
     layouts = declared_layouts(fusion)
+    scalars = scalar_inputs(fusion)
     for name, x in zip(fusion.inputs, inputs):
         t = fusion.tensor(name)
+        if name in scalars and not (isinstance(x, torch.Tensor) and x.dim() == 0):
+            raise InputError(f"execute: input T{name} is a scalar of {t.dtype.torch} (define_scalar); pass a number "
+                             f"of its kind, got {_described(x)}")
         if not isinstance(x, torch.Tensor):
             raise InputError(f"execute: input T{name} must be a torch.Tensor, got {type(x).__name__}")
         if is_dtensor(x):
@@ -84,6 +89,87 @@ def _unparallelized_split(t: Tensor, dim: int) -> str:
         return ""
     return (f": it was split into loop axes {pieces}, none of them parallelized; to shard it, call "
             f"T{t.name}.axis({pieces[0]}).parallelize(ParallelType.mesh_x)")
+
+
+
+def _described(x) -> str:
+    return f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+
+def scalar_inputs(fusion: Fusion) -> frozenset[int]:
+    """The inputs ``execute`` takes as numbers (``define_scalar(None, dtype)``), by name."""
+    return getattr(fusion.inputs, "scalars", frozenset())
+
+
+def numbers_as_tensors(fusion: Fusion, inputs: list, device: torch.device) -> list:
+    """``inputs`` with each number given for a scalar input as the 0-d tensor of its dtype on ``device`` that
+    the plan takes. A value of another kind is left as it is, for ``global_input_shapes`` to refuse (on
+    every rank alike)."""
+    scalars = scalar_inputs(fusion)
+    if not scalars:
+        return inputs
+    out = list(inputs)
+    for i, (name, x) in enumerate(zip(fusion.inputs, inputs)):
+        dtype = fusion.tensor(name).dtype.torch
+        if name in scalars and _fits(python_scalar(x), dtype):
+            out[i] = torch.tensor(python_scalar(x), dtype=dtype, device=device)
+    return out
+
+
+def _fits(value, dtype: torch.dtype) -> bool:
+    """Whether ``value`` is a Python number of ``dtype``'s kind: a bool for bool, an int (or a bool) for the
+    integers, any number for the floats."""
+    if dtype == torch.bool:
+        return isinstance(value, bool)
+    return isinstance(value, int) or (dtype.is_floating_point and isinstance(value, float))
+
+
+def bound_scalar_inputs(fusion: Fusion) -> frozenset[int]:
+    """The scalar inputs whose values some op takes as an attribute (through ops on scalars too): a plan is
+    built for their values."""
+    todo = [ref.tensor for op in fusion.ops for ref in symbols_of(op.attrs)]
+    seen: set[int] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        producer = fusion.producer(name)
+        if producer is not None:
+            todo.extend(producer.tensor_inputs)
+            todo.extend(ref.tensor for ref in symbols_of(producer.attrs))
+    return frozenset(seen & set(fusion.inputs))
+
+
+def _scalar_evaluator(fusion: Fusion, scalars: dict, shape_of):
+    """``value_of(ref)``: the number a ScalarRef stands for, from the scalar inputs' values ``scalars`` (by
+    name) and the ops on them, run now on 0-d CPU tensors (as torch computes them at run time)."""
+    values: dict[int, torch.Tensor] = {}
+
+    def tensor(name: int) -> torch.Tensor:
+        if name not in values:
+            op = fusion.producer(name)
+            if op is None:
+                if name not in scalars:
+                    raise InputError(f"compile: the plan depends on the value of scalar input T{name} (an op takes "
+                                     "it as an attribute); give its value in its place")
+                values[name] = torch.tensor(scalars[name], dtype=fusion.tensor(name).dtype.torch)
+            else:
+                args = [tensor(a) if isinstance(a, int) else a.value for a in op.inputs]
+                attrs = {k: resolve_symbols(v, shape_of, value_of) for k, v in op.attrs}
+                outs = OPS[op.kind].impl(*args, **attrs)
+                values.update(zip(op.outputs, outs if isinstance(outs, tuple) else (outs,)))
+        return values[name]
+
+    def value_of(ref: ScalarRef):
+        value = tensor(ref.tensor).item()
+        if ref.dtype in (DataType.Int, DataType.Int32) and not isinstance(value, int):  # an extent
+            if not float(value).is_integer():
+                raise InputError(f"execute: the scalar inputs' values do not fit the fusion: scalar T{ref.tensor} is "
+                                 f"{value}, where an op takes an integer (an extent)")
+            value = int(value)
+        return value
+    return value_of
 
 
 def declared_layouts(fusion: Fusion) -> dict:
@@ -151,18 +237,27 @@ def check_mesh_sizes(fusion: Fusion, world: int) -> None:
                 "range(dist.get_world_size()) or start more ranks")
 
 
-def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]]) -> Fusion:
-    """The fusion with every symbolic extent bound: shapes re-inferred from the inputs' sizes.
-    A fusion without symbolic extents whose inputs have the defined shapes is returned as it is."""
+def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars: dict | None = None) -> Fusion:
+    """The fusion with every symbol bound: shapes re-inferred from the inputs' sizes, the attributes that
+    scalars give (``ScalarRef``) from the values ``scalars`` of the scalar inputs (by name) that they read.
+    A fusion without symbols whose inputs have the defined shapes is returned as it is."""
     if all(tuple(s) == fusion.tensor(n).shape for n, s in zip(fusion.inputs, input_shapes)) and \
-            not any(-1 in t.shape for t in fusion.tensors):
+            not any(-1 in t.shape for t in fusion.tensors) and not any(symbols_of(op.attrs) for op in fusion.ops):
         return fusion
     tensors = list(fusion.tensors)
     for name, shape in zip(fusion.inputs, input_shapes):
         tensors[name] = _bound(tensors[name], tuple(shape), None)
+    shape_of = lambda name: tensors[name].shape  # noqa: E731
+    value_of = _scalar_evaluator(fusion, scalars or {}, shape_of)
     ops = []
     for op in fusion.ops:
-        op = op.replace(attrs=resolve_sizes(op.attrs, lambda name: tensors[name].shape))  # fd.ops.size scalars
+        try:
+            op = op.replace(attrs=resolve_symbols(op.attrs, shape_of, value_of))
+        except TPFusionError:
+            raise
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise InputError(f"execute: the scalar inputs' values do not fit the fusion: {op.kind}: "
+                             f"{str(e).splitlines()[0]}") from None
         ops.append(op)
         args = operand_types(op, tensors.__getitem__)
         try:
@@ -205,10 +300,11 @@ def resolve_layouts(fusion: Fusion) -> Fusion:
 
 
 def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], rank: int,
-                    device: torch.device) -> Program:
-    """This rank's program for inputs of these GLOBAL shapes. Raises the library's errors for
-    anything that does not fit; never communicates."""
-    concrete = resolve_layouts(concretize(fusion, input_shapes))
+                    device: torch.device, scalars: dict | None = None) -> Program:
+    """This rank's program for inputs of these GLOBAL shapes (and values ``scalars`` of the scalar inputs that
+    attributes read, by name). Raises the library's errors for anything that does not fit; never
+    communicates."""
+    concrete = resolve_layouts(concretize(fusion, input_shapes, scalars))
     for t in concrete.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")

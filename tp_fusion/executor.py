@@ -30,12 +30,14 @@ import torch
 from tp_fusion import errors
 from tp_fusion.compile import (
     as_declared,
+    bound_scalar_inputs,
     check_layout,
     check_mesh_sizes,
     check_unheld,
     compile_program,
     declared_layouts,
     global_input_shapes,
+    numbers_as_tensors,
 )
 from tp_fusion.errors import DefinitionError, ExecutionError, InputError, TPFusionError
 from tp_fusion.ir import Fusion
@@ -56,6 +58,7 @@ class _InputView:
     held: tuple[bool, ...]  # which inputs this rank holds a part of
     checked: tuple[int, ...]  # checked on every call, as the key leaves them out: unheld, or with a declared layout
     exchanged: tuple[int, ...]  # symbolic extents some rank cannot know (it holds no part): exchanged every call
+    bound: tuple[int, ...]  # scalar inputs whose values the plan is built for (ops take them as attributes)
 
 
 def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
@@ -66,7 +69,8 @@ def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
                     if not h or (name in layouts and layouts[name].constrains))
     exchanged = tuple(i for i, t in enumerate(tensors)
                       if -1 in t.shape and not all(t.held_by(r) for r in range(world)))
-    return _InputView(held, checked, exchanged)
+    bound = bound_scalar_inputs(fusion)
+    return _InputView(held, checked, exchanged, tuple(i for i, name in enumerate(fusion.inputs) if name in bound))
 
 
 def _signature(inputs: Sequence, view: _InputView) -> tuple:
@@ -77,8 +81,17 @@ def _signature(inputs: Sequence, view: _InputView) -> tuple:
     the plan they find."""
     if len(inputs) != len(view.held):
         return (len(inputs),)
-    return tuple(None if not h else (tuple(x.shape), x.dtype, x.device, x.layout, dist.is_dtensor(x))
-                 if isinstance(x, torch.Tensor) else type(x) for x, h in zip(inputs, view.held))
+    shapes = tuple(None if not h else (tuple(x.shape), x.dtype, x.device, x.layout, dist.is_dtensor(x))
+                   if isinstance(x, torch.Tensor) else type(x) for x, h in zip(inputs, view.held))
+    return shapes + tuple(_value(inputs[i]) for i in view.bound)
+
+
+def _value(x):
+    """A scalar input's value (a list for a vector); None where it is no tensor (execute refuses it)."""
+    if not isinstance(x, torch.Tensor) or dist.is_dtensor(x):
+        return None
+    value = x.tolist()
+    return tuple(value) if isinstance(value, list) else value
 
 
 class Executor:
@@ -110,6 +123,7 @@ class Executor:
         multi = self._sharded and world is not None and dist.world_size() > 1
         every_call = multi and agrees_every_call(dist.backend())
         rank, size = dist.rank(), dist.world_size() if dist.is_initialized() else 1
+        inputs = numbers_as_tensors(self.fusion, inputs, _device_of(inputs))
         view = self._views.get((rank, size))
         if view is None:
             view = self._views[rank, size] = _input_view(self.fusion, rank, size)
@@ -127,7 +141,7 @@ class Executor:
         error, refused = None, {}
         try:
             if cached is None:
-                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)))
+                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)), view)
             else:
                 program, runner, fingerprint, detail = cached
                 refused = _unkeyed_refusals(self.fusion, inputs, view, rank)
@@ -145,7 +159,7 @@ class Executor:
             if rebuild and cached is not None:
                 # A peer builds this plan (its definition was changed and changed back, say): building is
                 # collective (process groups, tuning), so this rank builds it again alongside.
-                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)))
+                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)), view)
                 cached = None
         deferred = None
         if error is not None:
@@ -173,9 +187,10 @@ class Executor:
             raise deferred
         return outputs, program
 
-    def _compile(self, inputs: list, known: dict[int, tuple[int, ...]]) -> tuple[Program, int, tuple[int, str]]:
+    def _compile(self, inputs: list, known: dict[int, tuple[int, ...]],
+                 view: _InputView) -> tuple[Program, int, tuple[int, str]]:
         """This rank's program for these inputs, its fingerprint, and (the fusion's fingerprint, a
-        description of the shapes): what the agreement reports when the ranks differ.
+        description of the shapes and bound scalars): what the agreement reports when the ranks differ.
         ``known``: the exchanged global shapes of inputs this rank may hold no part of."""
         rank = dist.rank()
         if dist.is_initialized():
@@ -185,10 +200,23 @@ class Executor:
         shapes = [known[i] if i in known and -1 in shape else shape for i, shape in enumerate(shapes)]
         device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
         _check_backend(self.fusion, inputs)
-        program = compile_program(self.fusion, shapes, rank, device)
+        scalars = {self.fusion.inputs[i]: _value(inputs[i]) for i in view.bound}
+        program = compile_program(self.fusion, shapes, rank, device, scalars)
         described = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
-        detail = (self._identity, described)  # which fusion, and its input shapes
-        return program, _fingerprint(self._identity, tuple(map(tuple, shapes))), detail
+        described += "".join(f", T{n} = {v}" for n, v in scalars.items())
+        detail = (self._identity, described)  # which fusion, and its input shapes and bound scalars
+        return program, _fingerprint(self._identity, tuple(map(tuple, shapes)), scalars), detail
+
+
+def _device_of(inputs: list) -> torch.device:
+    """Where scalar inputs' tensors go: the first tensor input's device; without one, the current CUDA device
+    under NCCL, else the CPU."""
+    tensor = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    if tensor is not None:
+        return tensor.device
+    if dist.is_initialized() and dist.backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _exchange_extents(fusion: Fusion, inputs: list, view: _InputView) -> tuple[tuple[int, ...], ...]:

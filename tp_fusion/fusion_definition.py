@@ -300,6 +300,21 @@ class TensorView:
         return index[0] % n
 
 
+class Scalar(TensorView):
+    """A scalar known only at execute (nvFuser's symbolic scalar Val): an input that ``execute`` takes as a
+    number (``define_scalar(None, dtype)``), or an op on such scalars. Ops take it as a 0-d tensor of its
+    dtype (torch promotes it as one: ``mul(f32_tensor, double_scalar)`` is float32), read at every call;
+    where they take a number instead (an extent, a fill value, a seed, an index), its value is bound when
+    the plan is built: a plan per value of the scalar inputs that attributes read."""
+
+    def is_tensor(self) -> bool:
+        """False: a scalar (nvFuser's Val method)."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"Scalar(T{self.name}: {self.dtype.short})"
+
+
 Operand = TensorView | Const | int | float | bool
 
 
@@ -411,15 +426,17 @@ def _fixed_order(order: tuple[int, ...] | None, ndim: int) -> tuple[int, ...] | 
 
 class FusionInputs(tuple):
     """``Fusion.inputs`` of ``fd.fusion``: the input names (a tuple), and called, nvFuser's
-    ``fd.fusion.inputs()``: the input TensorViews. ``layouts`` maps names to declared layouts."""
+    ``fd.fusion.inputs()``: the input TensorViews. ``layouts`` maps names to declared layouts; ``scalars`` holds
+    the inputs that execute takes as numbers (``define_scalar(None, dtype)``)."""
 
     _fd: FusionDefinition | None = None
     layouts: dict = {}
+    scalars: frozenset = frozenset()
 
     def __call__(self) -> list[TensorView]:
         if self._fd is None:
             raise DefinitionError("fusion.inputs(): this snapshot has no FusionDefinition to hand out TensorViews")
-        return [TensorView(self._fd, name) for name in self]
+        return [self._fd._view(name) for name in self]
 
     def __reduce__(self):
         return tuple, (tuple(self),)
@@ -441,6 +458,7 @@ class FusionDefinition:
         self._inputs: list[int] = []
         self._outputs: list[int] = []
         self._layouts: dict[int, Layout] = {}  # input name -> declared layout (define_tensor)
+        self._scalars: set[int] = set()  # the 0-d tensors that stand for scalars (Scalar handles): inputs, ops on them
         self.ops = _OpsNamespace(self)
         self._plan = None
         self._executor = None
@@ -470,6 +488,7 @@ class FusionDefinition:
         as nvFuser spells it (``fd.fusion.inputs()``), it gives the input TensorViews."""
         inputs = FusionInputs(self._inputs)
         inputs._fd, inputs.layouts = self, dict(self._layouts)
+        inputs.scalars = frozenset(self._scalars.intersection(self._inputs))
         return Fusion(tuple(self._tensors), tuple(self._ops), inputs, tuple(self._outputs))
 
     def __str__(self) -> str:
@@ -496,6 +515,10 @@ class FusionDefinition:
         self._tensors.append(Tensor(name, tuple(shape), dtype))
         self._changed()
         return TensorView(self, name)
+
+    def _view(self, name: int) -> TensorView:
+        """The handle of tensor ``name``: a Scalar where it stands for one."""
+        return Scalar(self, name) if name in self._scalars else TensorView(self, name)
 
     def define_tensor(self, shape: Sequence[int] | None = None, contiguity=None, dtype: DataType = DataType.Float,
                       is_cpu: bool = False, stride_order: Sequence[int] | None = None, *,
@@ -549,12 +572,21 @@ class FusionDefinition:
         return self.define_tensor(sizes=tensor.shape, strides=tensor.stride(), dtype=DataType.from_torch(tensor.dtype),
                                   static_sizes=static_sizes, is_cpu=tensor.device.type == "cpu")
 
-    def define_scalar(self, value, dtype: DataType | None = None) -> Const:
+    def define_scalar(self, value=None, dtype: DataType | None = None) -> Const | Scalar:
         """A constant operand ``value`` (a Python number, or a numpy scalar: the number it holds), converted
-        to ``dtype`` when given (None or ``DataType.Null``: kept as it is)."""
+        to ``dtype`` when given (None or ``DataType.Null``: kept as it is). Without a value, nvFuser's
+        symbolic scalar: an input of ``dtype`` (default Double) that ``execute`` takes as a number, in
+        order with the other inputs (a ``Scalar``)."""
+        if value is None:
+            dtype = DataType.Double if dtype in (None, DataType.Null) else _ops.tensor_dtype("define_scalar", dtype)
+            tv = self._new_tensor((), dtype)
+            self._inputs.append(tv.name)
+            self._scalars.add(tv.name)
+            return self._view(tv.name)
         value = _ops.python_scalar(value)
         if not isinstance(value, (int, float, bool)):
-            raise DefinitionError(f"define_scalar: value must be a Python number, got {value!r}")
+            raise DefinitionError(f"define_scalar: value must be a Python number (or None: a scalar input), got "
+                                  f"{value!r}")
         dtype = None if dtype in (None, DataType.Null) else _ops.data_type("define_scalar", dtype)
         if dtype is not None:
             value = {DataType.Bool: bool, DataType.Int: int, DataType.Int32: int}.get(dtype, float)(value)
@@ -562,6 +594,15 @@ class FusionDefinition:
                     torch.iinfo(dtype.torch).max:
                 raise DefinitionError(f"define_scalar: {value} does not fit in {dtype.torch}")
         return Const(value, dtype)
+
+    def define_vector(self, size: int, dtype: DataType = DataType.Int) -> list[Scalar]:
+        """nvFuser's vector of ``size`` scalar inputs of ``dtype``, which ops take where they take a list of
+        numbers (a shape: ``fd.ops.reshape(x, v)``). ``execute`` takes them as numbers, or as one list (or
+        tuple) in their place: a list among the inputs stands for its elements."""
+        n = _integers([size])
+        if n is None or n[0] < 0:
+            raise DefinitionError(f"define_vector: size must be an int >= 0, got {size!r}")
+        return [self.define_scalar(None, dtype) for _ in range(n[0])]
 
     def add_output(self, tv: TensorView) -> None:
         """Make ``tv`` an output: ``execute`` returns this rank's local shard of it, in order of calls."""
@@ -599,6 +640,10 @@ class FusionDefinition:
             raise DefinitionError(f"{kind}: cannot apply to {described}: {e}") from None
         tvs = [self._new_tensor(t.shape, t.dtype) for t in outs]
         self._ops.append(Op(kind, tuple(args), tuple(tv.name for tv in tvs), tuple(attrs.items())))
+        tensors = [a for a in args if isinstance(a, int)]
+        if tensors and all(a in self._scalars for a in tensors):  # an op on scalars: its 0-d results are scalars
+            self._scalars.update(tv.name for tv, t in zip(tvs, outs) if not t.shape)
+            tvs = [self._view(tv.name) for tv in tvs]
         return tvs[0] if len(tvs) == 1 else tuple(tvs)
 
     def _check_own(self, tv: TensorView, kind: str) -> None:
@@ -668,6 +713,8 @@ class FusionDefinition:
         # A single tensor is the list of it, not its rows; anything else that is no iterable is checked
         # with the inputs, so that every rank raises alike.
         inputs = list(inputs) if isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor) else [inputs]
+        if self._scalars:  # a list among the inputs stands for its elements (numbers for a define_vector)
+            inputs = [v for x in inputs for v in (x if isinstance(x, (list, tuple)) else [x])]
         if self._executor is None:
             self._executor = Executor(self.fusion, self._serial)
         outputs, self._plan = self._executor.run(inputs)
@@ -676,7 +723,8 @@ class FusionDefinition:
     def compile(self, input_shapes: Sequence[Sequence[int]], rank: int = 0, device: str | torch.device = "cpu"):
         """The plan ``execute`` would run on ``rank`` for inputs of these GLOBAL shapes, without any
         process group or communication: inspect a GPU job's plan on a laptop. Fused segments show
-        ``undecided`` (their mode is measured on GPUs at the first execute).
+        ``undecided`` (their mode is measured on GPUs at the first execute). A scalar input is given its
+        value (a number) instead.
 
         >>> plan = fd.compile([[4096, 1024], [4096, 1024], [4096], [1024, 4096]], rank=0)
         >>> print(plan); print(plan.collectives())
@@ -690,8 +738,15 @@ class FusionDefinition:
         ranks = _integers([rank])
         if ranks is None or ranks[0] < 0:
             raise InputError(f"compile: rank must be the rank (an int >= 0) whose plan to build, got {rank!r}")
-        shapes = []
+        shapes, scalars = [], {}
         for name, given in zip(self._inputs, input_shapes):
+            if name in self._scalars:  # a scalar input: its value
+                value = _ops.python_scalar(given)
+                if not isinstance(value, (int, float, bool)):
+                    raise InputError(f"compile: input T{name} is a scalar; give its value (a number), got {given!r}")
+                shapes.append(())
+                scalars[name] = value
+                continue
             t, shape = self._tensors[name], _integers(given)
             if shape is None or len(shape) != t.ndim or any(d >= 0 and d != s for d, s in zip(t.shape, shape)):
                 raise InputError(f"compile: input T{name} is defined as {list(t.shape)}, got global shape "
@@ -705,7 +760,7 @@ class FusionDefinition:
         except (RuntimeError, TypeError) as e:
             raise InputError(f"compile: device must be a torch.device or its name ('cpu', 'cuda'), got {device!r}") \
                 from e
-        return compile_program(self.fusion, shapes, ranks[0], device)
+        return compile_program(self.fusion, shapes, ranks[0], device, scalars)
 
     def _check_outputs(self, what: str) -> None:
         """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not

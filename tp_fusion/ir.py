@@ -90,6 +90,10 @@ class Const:
     value: float | int | bool
     dtype: DataType | None = None
 
+    def is_tensor(self) -> bool:
+        """False (nvFuser's Val method)."""
+        return False
+
     def __str__(self) -> str:
         return repr(self.value)
 
@@ -107,13 +111,42 @@ class SymbolicSize:
         return f"T{self.tensor}.size({self.dim})"
 
 
-def resolve_sizes(value, shape_of):
-    """An attribute with each SymbolicSize replaced by its extent, ``shape_of(tensor)[dim]``."""
+@dataclass(frozen=True, slots=True)
+class ScalarRef:
+    """A number an op takes as an attribute (an extent, a fill value, a seed) given by a scalar known only at
+    execute: the value of 0-d tensor ``tensor`` (a ``define_scalar(None, dtype)`` input, or an op on such
+    scalars), as ``dtype`` (an extent is an Int, whatever the scalar's dtype; a whole number). Compiling
+    replaces it with the value, so a plan is built per value of the scalar inputs it depends on."""
+
+    tensor: int
+    dtype: DataType
+
+    def __repr__(self) -> str:
+        return f"T{self.tensor}.item()"
+
+
+Symbol = SymbolicSize | ScalarRef  # an attribute's number known at execute
+
+
+def resolve_symbols(value, shape_of, value_of):
+    """An attribute with each symbol replaced by its number: a SymbolicSize by ``shape_of(tensor)[dim]``, a
+    ScalarRef by ``value_of(ref)``."""
     if isinstance(value, SymbolicSize):
         return shape_of(value.tensor)[value.dim]
+    if isinstance(value, ScalarRef):
+        return value_of(value)
     if isinstance(value, tuple):
-        return tuple(resolve_sizes(v, shape_of) for v in value)
+        return tuple(resolve_symbols(v, shape_of, value_of) for v in value)
     return value
+
+
+def symbols_of(value) -> list[ScalarRef]:
+    """The ScalarRefs in an attribute (nested in tuples too)."""
+    if isinstance(value, ScalarRef):
+        return [value]
+    if isinstance(value, tuple):
+        return [r for v in value for r in symbols_of(v)]
+    return []
 
 
 Arg = int | Const  # an op input: a tensor name or a constant

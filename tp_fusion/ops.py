@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_fusion.errors import DefinitionError, LoweringError
-from tp_fusion.ir import Const, SymbolicSize
+from tp_fusion.ir import Const, ScalarRef, Symbol, SymbolicSize
 from tp_fusion.sharding import rules
 from tp_fusion.sharding.sharding import PARTIAL_SUM, Partial
 from tp_fusion.types import DataType
@@ -242,7 +242,15 @@ def _torch_dtype(impl: Callable, args: list[Operand], attrs: dict) -> list[DataT
     one-element tensors (torch's own promotion, and its dtype errors), cached by what decides
     it (a scalar's type, not its value; a tensor's dtype and rank)."""
     key = tuple((a.dtype, a.ndim) if isinstance(a, TensorType) else type(a) for a in args)
+    attrs = {k: _probe_attribute(v) for k, v in attrs.items()}
     return list(_dtype_of(impl, key, tuple(args), tuple(attrs.items())))
+
+
+def _probe_attribute(value):
+    """A number of a ScalarRef's type standing for it where torch decides a dtype (its value is bound later)."""
+    if isinstance(value, ScalarRef):
+        return {DataType.Bool: True, DataType.Int: 1, DataType.Int32: 1}.get(value.dtype, 1.0)
+    return value
 
 
 _DTYPE_CACHE: dict[tuple, tuple[DataType, ...]] = {}
@@ -389,11 +397,28 @@ def data_type(op: str, dtype, what: str = "dtype") -> DataType:
     return dtype
 
 
+def _attribute(value):
+    """A number given to an op where it takes one: a ``define_scalar`` constant as its value, a symbolic
+    ``Scalar`` as the ScalarRef that compiling binds; anything else as it is."""
+    from tp_fusion.fusion_definition import Scalar
+
+    if isinstance(value, Const):
+        return value.value
+    return ScalarRef(value.name, value.dtype) if isinstance(value, Scalar) else value
+
+
 def _sequence(values) -> tuple | None:
-    """``values`` as a tuple, ``define_scalar`` constants as their values; None if it is no list or tuple."""
+    """``values`` as a tuple of ``_attribute``s; None if it is no list or tuple."""
     if not isinstance(values, (list, tuple)):
         return None
-    return tuple(v.value if isinstance(v, Const) else v for v in values)
+    return tuple(map(_attribute, values))
+
+
+def _is_integral(value) -> bool:
+    """An int (not a bool), or a symbol of one (a symbolic size, a scalar of an integer dtype)."""
+    if isinstance(value, ScalarRef):
+        return value.dtype in (DataType.Int, DataType.Int32)
+    return isinstance(value, SymbolicSize) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def _int_list(op: str, values, what: str) -> tuple[int, ...]:
@@ -404,12 +429,20 @@ def _int_list(op: str, values, what: str) -> tuple[int, ...]:
 
 
 def _extents(op: str, values, what: str) -> tuple:
-    """Ints and symbolic ``fd.ops.size`` scalars (``SymbolicSize``), as a tuple."""
+    """Ints and symbols (``fd.ops.size`` scalars, ``Scalar``s: bound as integers, whole numbers, as nvFuser's
+    extents), as a tuple."""
     out = _sequence(values)
-    if out is None or not all(isinstance(v, SymbolicSize) or (isinstance(v, int) and not isinstance(v, bool))
-                              for v in out):
-        _fail(op, f"{what} must be a list of ints or fd.ops.size scalars, got {values!r}")
-    return out
+    if out is None or not all(_is_integral(v) or (isinstance(v, ScalarRef) and v.dtype.is_floating) for v in out):
+        _fail(op, f"{what} must be a list of ints, fd.ops.size scalars or scalars, got {values!r}")
+    return tuple(ScalarRef(v.tensor, DataType.Int) if isinstance(v, ScalarRef) else v for v in out)
+
+
+def _concrete_extents(op: str, values) -> tuple:
+    """A factory's shape: ``_extents`` whose ints are >= 0 (no -1: nothing to take an extent from)."""
+    shape = _extents(op, values, "shape")
+    if any(_is_number(e) and e < 0 for e in shape):
+        _fail(op, f"shape {list(shape)} must be concrete (extents >= 0, or symbols of them)")
+    return shape
 
 
 def _target_shape(op: str, shape: tuple) -> tuple:
@@ -420,8 +453,8 @@ def _target_shape(op: str, shape: tuple) -> tuple:
 
 
 def _known(values) -> tuple[int, ...]:
-    """``values`` with each symbolic size as -1 (not known before execute)."""
-    return tuple(-1 if isinstance(v, SymbolicSize) else v for v in values)
+    """``values`` with each symbol as -1 (not known before execute)."""
+    return tuple(-1 if isinstance(v, Symbol) else v for v in values)
 
 
 # --- pointwise ------------------------------------------------------------------------------------
@@ -1121,8 +1154,8 @@ register("grouped_mm", impl=_grouped_mm, infer=_grouped_mm_infer, traits=Trait.G
 
 def _reshape_infer(args, attrs):
     (x,), shape = args, attrs["shape"]
-    if -1 in x.shape:  # symbolic input: extents are checked when bound
-        return [TensorType(shape, x.dtype)]
+    if -1 in x.shape or not all(map(_is_number, shape)):  # symbolic: extents are checked when bound
+        return [TensorType(_known(shape), x.dtype)]
     n, known = math.prod(x.shape), math.prod(e for e in shape if e != -1)
     if shape.count(-1) > 1 or (-1 in shape and (known == 0 or n % known)) or (-1 not in shape and known != n):
         _bad(f"cannot reshape {x} ({n} elements) to {list(shape)}")
@@ -1130,11 +1163,12 @@ def _reshape_infer(args, attrs):
 
 
 def _reshape_front(rec, x, new_shape=None, *, shape=None):
-    """``x.reshape(new_shape)`` with global extents (``shape=`` is accepted too)."""
+    """``x.reshape(new_shape)`` with global extents (``shape=`` is accepted too); an extent may be a symbol
+    (``fd.ops.size``, an integer ``Scalar``, and ``new_shape`` a ``define_vector``), bound at execute."""
     new_shape = new_shape if new_shape is not None else shape
     if new_shape is None:
         _fail("reshape", "give the new shape")
-    return rec(rec.tv(x, "x"), shape=_target_shape("reshape", _int_list("reshape", new_shape, "new_shape")))
+    return rec(rec.tv(x, "x"), shape=_target_shape("reshape", _extents("reshape", new_shape, "new_shape")))
 
 
 def _shape_localize(attrs: dict, s: Localize) -> dict:
@@ -1208,7 +1242,7 @@ def _broadcast_in_dim_infer(args, attrs):
     (x,), shape, bdims = args, attrs["shape"], attrs["broadcast_dims"]
     out = list(_known(shape))
     for i, d in enumerate(bdims):
-        if shape[d] == -1 or (isinstance(shape[d], SymbolicSize) and x.shape[i] != 1):
+        if shape[d] == -1 or (isinstance(shape[d], Symbol) and x.shape[i] != 1):
             out[d] = x.shape[i]
     return [TensorType(tuple(out), x.dtype)]
 
@@ -1318,7 +1352,7 @@ def _slice_infer(args, attrs):
     (x,) = args
     out = []
     for n, s, end, k in zip(x.shape, attrs["starts"], attrs["ends"], attrs["strides"]):
-        if n < 0 or isinstance(s, SymbolicSize) or isinstance(end, SymbolicSize):
+        if n < 0 or isinstance(s, Symbol) or isinstance(end, Symbol):
             out.append(-1)  # known once execute binds the sizes
             continue
         # Bounds on an extent bound at execute are normalized there, as nvFuser does at run time and
@@ -1344,7 +1378,7 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
         bounds = [_normalized_slice(s, e, n) for s, e, n in zip(starts, ends, x.shape)]
         starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)
     for d, (s, e, k, n) in enumerate(zip(starts, ends, strides, x.shape)):
-        known = n >= 0 and not isinstance(s, SymbolicSize) and not isinstance(e, SymbolicSize)
+        known = n >= 0 and _is_number(s) and _is_number(e)
         if k < 1 or (known and not 0 <= s <= e <= n):
             _fail("slice", f"dim {d} of T{x.name} {x._ir.type_str()}: [{s}:{e}:{k}] needs 0 <= start <= end <= "
                            "extent and a stride >= 1")
@@ -1556,7 +1590,7 @@ def _select_front(rec, x, index, dim: int):
     d = rec.dim(x, dim)
     i = _number("select", index, "index", (int,))
     n = x.shape[d]
-    if n >= 0 and not -n <= i < n:
+    if n >= 0 and _is_number(i) and not -n <= i < n:
         _fail("select", f"index {i} is out of range for dim {d} of T{x.name} {x._ir.type_str()}")
     return rec(x, dim=d, index=i)
 
@@ -1645,8 +1679,13 @@ def _scatter_front(rec, arg, index, src, dim: int):
     Recorded as ``scatter_along`` (the op name ``scatter`` is the collective's)."""
     x, index = rec.tv(arg, "arg"), rec.tv(index, "index")
     _integer_indices("scatter", index, "index")
-    src = _number("scatter", src, "src", (int, float, bool)) if isinstance(src, (int, float, bool, Const)) \
-        else rec.tv(src, "src (a TensorView, a Python number or a define_scalar)")
+    if _is_scalar(src):
+        src = _number("scatter", src, "src", (int, float, bool))
+    else:  # a symbolic Scalar is src broadcast to index's shape, read at run time as any tensor
+        src = rec.tv(src, "src (a TensorView, a Python number or a define_scalar)")
+        if not src.is_tensor():
+            src = rec.other("broadcast_in_dim", rec.other("cast", src, dtype=x.dtype),
+                            shape=tuple(_shape_front(rec, index)), broadcast_dims=())
     return rec.other("scatter_along", x, index, src, dim=rec.dim(x, dim))
 
 
@@ -1662,7 +1701,7 @@ def _topk_front(rec, arg, k, dim: int = -1, largest: bool = True, sorted: bool =
     dim may instead run in two stages (each rank's top k, then the top k of those), where that moves fewer
     bytes (``_topk_decomposed``)."""
     x = rec.tv(arg, "arg")
-    d, k = rec.dim(x, dim), _number("topk", k, "k", (int,))
+    d, k = rec.dim(x, dim), _number("topk", k, "k", (int,), symbolic=False)
     if k < 0 or (x.shape[d] >= 0 and k > x.shape[d]):
         _fail("topk", f"k {k} is out of range for dim {d} of T{x.name} {x._ir.type_str()}")
     return rec(x, k=k, dim=d, largest=bool(largest), sorted=bool(sorted))
@@ -1746,12 +1785,12 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
         return None if value is None else _number("embedding_fwd", value, what, kind)
     max_norm, norm_type = number(max_norm, "max_norm"), number(norm_type, "norm_type")
     pad, v = number(padding_idx, "padding_idx", (int,)), w.shape[0]
-    if pad is not None and v >= 0 and not -v <= pad < v:
+    if pad is not None and v >= 0 and _is_number(pad) and not -v <= pad < v:
         _fail("embedding_fwd", f"padding_idx {pad} is out of range for weight T{w.name} {w._ir.type_str()} "
                                f"({v} embeddings)")
     return rec(idx, w, padding_idx=pad,
-               max_norm=None if max_norm is None else float(max_norm),
-               norm_type=2.0 if norm_type is None else float(norm_type))
+               max_norm=max_norm if max_norm is None or not _is_number(max_norm) else float(max_norm),
+               norm_type=2.0 if norm_type is None else float(norm_type) if _is_number(norm_type) else norm_type)
 
 
 register("embedding_fwd", impl=_embedding,
@@ -2000,9 +2039,7 @@ def _full(shape, fill_value, dtype, device="cpu"):
 def _full_front(rec, shape, fill_value, dtype: DataType):
     """A tensor of ``shape`` (concrete extents) filled with ``fill_value``, a number or a define_scalar
     (nvFuser's ``full``)."""
-    shape = _int_list("full", shape, "shape")
-    if any(e < 0 for e in shape):
-        _fail("full", f"shape {list(shape)} must be concrete")
+    shape = _concrete_extents("full", shape)
     fill_value = _number("full", fill_value, "fill_value", (int, float, bool))
     return rec(shape=shape, fill_value=fill_value, dtype=rec.dtype(dtype))
 
@@ -2011,7 +2048,7 @@ def _full_localize(attrs: dict, s: Localize) -> dict:
     return {**attrs, "shape": s.out_local, "device": s.device}
 
 
-register("full", impl=_full, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
+register("full", impl=_full, infer=lambda args, attrs: [TensorType(_known(attrs["shape"]), attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front)
 
 
@@ -2023,12 +2060,13 @@ def _iota(length, start, step, dtype, device="cpu"):
 def _iota_front(rec, length, start=None, step=None, dtype: DataType = DataType.Int):
     """nvFuser's ``iota``: ``[start, start + step, ..., start + (length - 1) * step]`` of ``dtype``;
     ``start`` defaults to 0 and ``step`` to 1 (numbers or define_scalars; ``length`` a concrete int)."""
-    n = _number("iota", length, "length", (int,))
+    n = _number("iota", length, "length", (int,), symbolic=False)
     if n < 0:
         _fail("iota", f"length {n} must be >= 0")
     start = 0 if start is None else _number("iota", start, "start")
     step = 1 if step is None else _number("iota", step, "step")
-    if not rec.dtype(dtype).is_floating and not (float(start).is_integer() and float(step).is_integer()):
+    if not rec.dtype(dtype).is_floating and not all(_is_integral(v) or (_is_number(v) and float(v).is_integer())
+                                                    for v in (start, step)):
         _fail("iota", f"start {start} and step {step} must be whole numbers for dtype {dtype!r}")
     return rec(length=n, start=start, step=step, dtype=rec.dtype(dtype))
 
@@ -2078,20 +2116,30 @@ def _normal(mean, std, shape, dtype, rng_seed=None, rng_offset=None, device="cpu
     return x if (mean, std) == (0, 1) else x * std + mean
 
 
-def _number(op: str, value, what: str, kind=(int, float)):
-    """A Python number from a number or a ``define_scalar``; a TensorView or anything else is refused."""
-    value = value.value if isinstance(value, Const) else value
+def _number(op: str, value, what: str, kind=(int, float), symbolic: bool = True):
+    """A Python number from a number or a ``define_scalar``; where ``symbolic``, a symbolic ``Scalar`` of a
+    dtype of ``kind`` gives its ScalarRef (bound when the plan is built). A tensor or anything else is
+    refused."""
+    value = _attribute(value)
+    if isinstance(value, ScalarRef) and symbolic:
+        category = bool if value.dtype == DataType.Bool else int if _is_integral(value) else float
+        if category in kind or (category is int and float in kind):
+            return value
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kind):
-        _fail(op, f"{what} must be {'an int' if kind == (int,) else 'a Python number'} or a define_scalar, "
-                  f"got {value!r}")
+        got = f"a scalar of {value.dtype!r}{'' if symbolic else ' known only at execute'}" \
+            if isinstance(value, ScalarRef) else repr(value)
+        _fail(op, f"{what} must be {'an int' if kind == (int,) else 'a Python number'} or a define_scalar, got {got}")
     return value
+
+
+def _is_number(value) -> bool:
+    """Whether an attribute is a number known now (not a symbol bound when the plan is built)."""
+    return not isinstance(value, Symbol)
 
 
 def _draw_attrs(op: str, shape, dtype, rng_seed, rng_offset) -> dict:
     """A random factory's checked shape (concrete), dtype (floating) and seed and offset (both or neither)."""
-    shape = _int_list(op, shape, "shape")
-    if any(e < 0 for e in shape):
-        _fail(op, f"shape {list(shape)} must be concrete")
+    shape = _concrete_extents(op, shape)
     if not isinstance(dtype, DataType) or not dtype.is_floating:
         _fail(op, f"dtype must be a floating DataType, got {dtype!r}")
     if (rng_seed is None) != (rng_offset is None):
@@ -2099,7 +2147,7 @@ def _draw_attrs(op: str, shape, dtype, rng_seed, rng_offset) -> dict:
     if rng_seed is None:
         return {"shape": shape, "dtype": dtype, "rng_seed": None, "rng_offset": None}
     seed, offset = (_number(op, v, what, (int,)) for v, what in ((rng_seed, "rng_seed"), (rng_offset, "rng_offset")))
-    if seed < 0 or offset < 0:
+    if any(_is_number(v) and v < 0 for v in (seed, offset)):
         _fail(op, f"rng_seed {seed} and rng_offset {offset} must be >= 0")
     return {"shape": shape, "dtype": dtype, "rng_seed": seed, "rng_offset": offset}
 
@@ -2120,7 +2168,7 @@ def _uniform_front(rec, low=None, high=None, shape=None, *, minval=None, maxval=
         _fail("uniform", "missing its shape")
     attrs = _draw_attrs("uniform", shape, dtype, rng_seed, rng_offset)
     low, high = _number("uniform", low, "low"), _number("uniform", high, "high")
-    if low > high:
+    if _is_number(low) and _is_number(high) and low > high:
         _fail("uniform", f"low {low} is above high {high}: the draw is from [low, high)")
     return rec(minval=low, maxval=high, **attrs)
 
@@ -2140,7 +2188,7 @@ def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtyp
 
 
 for _name, _impl, _front in (("uniform", _uniform, _uniform_front), ("normal", _normal, _normal_front)):
-    register(_name, impl=_impl, infer=lambda args, attrs: [TensorType(attrs["shape"], attrs["dtype"])],
+    register(_name, impl=_impl, infer=lambda args, attrs: [TensorType(_known(attrs["shape"]), attrs["dtype"])],
              traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
              front=_front, uncapturable=lambda ins, attrs: True, fresh_seed=_unseeded)
 
@@ -2352,11 +2400,13 @@ def _sdpa_attrs(op: str, dropout_p, is_causal, scale) -> dict:
     if any(isinstance(a, TensorView) for a in (dropout_p, is_causal, scale)):
         _fail(op, "dropout_p, is_causal and scale are numbers or define_scalars, got a TensorView: nvFuser's "
                   "optional bias and mask operands are not supported (pass the scalars by keyword)")
-    dropout = 0.0 if dropout_p is None else float(_number(op, dropout_p, "dropout_p"))
-    if not 0 <= dropout < 1:
+    dropout = 0.0 if dropout_p is None else _number(op, dropout_p, "dropout_p")
+    if _is_number(dropout) and not 0 <= dropout < 1:
         _fail(op, f"dropout_p must lie in [0, 1), got {dropout}")
-    causal = False if is_causal is None else bool(_number(op, is_causal, "is_causal", (bool, int)))
-    scale = None if scale is None else float(_number(op, scale, "scale"))
+    causal = False if is_causal is None else _number(op, is_causal, "is_causal", (bool, int))
+    scale = None if scale is None else _number(op, scale, "scale")
+    dropout, causal, scale = (v if not _is_number(v) or v is None else cast(v)
+                              for v, cast in ((dropout, float), (causal, bool), (scale, float)))
     return {"dropout_p": dropout, "is_causal": causal, "scale": scale}
 
 

@@ -278,13 +278,14 @@ def test_integer_slice_bounds_on_a_symbolic_extent_are_normalized_at_execute():
         torch.testing.assert_close(got[1], t[1:-1, -3:100])
 
 
-def test_symbolic_scalars_only_where_extents_go():
+def test_symbolic_sizes_where_extents_go():
     with FusionDefinition() as fd:
         x = fd.define_tensor([-1, 4])
-        with pytest.raises(DefinitionError, match="new_shape must be a list of ints"):
-            fd.ops.reshape(x, [fd.ops.size(x, 0), 4])
-        with pytest.raises(DefinitionError, match="shape must be a list of ints or fd.ops.size scalars"):
+        fd.add_output(fd.ops.reshape(x, [fd.ops.size(x, 0), 2, 2]))
+        with pytest.raises(DefinitionError, match="shape must be a list of ints, fd.ops.size scalars or scalars"):
             fd.ops.broadcast_in_dim(x, shape=[2.0, 4], broadcast_dims=[0, 1])
+    x_full = torch.randn(3, 4)
+    torch.testing.assert_close(fd.execute([x_full])[0], x_full.reshape(3, 2, 2))
 
 
 @pytest.mark.parametrize("symbolic", [False, True])
