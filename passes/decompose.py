@@ -46,9 +46,11 @@ class Builder:
         return names[0] if len(names) == 1 else tuple(names)
 
     def blocks(self, x: int, dim: int, at_least: int = 1) -> int | None:
-        """``x`` reshaped with ``dim`` cut into one block per device of the mesh (a new dim before it), where the
-        blocks divide it and hold ``at_least`` elements each; else None, and nothing is written."""
-        shape, n = self.tensors[x].shape, self.mesh.size
+        """``x`` reshaped with ``dim`` cut into one block per shard of it (a new dim before it; where it is not
+        sharded, one per device of the mesh), where the blocks divide it and hold ``at_least`` elements each;
+        else None, and nothing is written."""
+        shape, sharding = self.tensors[x].shape, self.tensors[x].sharding
+        n = sharding.dim_factor(dim) if sharding is not None and sharding.dim_factor(dim) > 1 else self.mesh.size
         if shape[dim] % n or shape[dim] // n < at_least:
             return None
         return self("reshape", x, shape=(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]))

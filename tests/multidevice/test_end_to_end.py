@@ -1280,6 +1280,9 @@ CASES_2D: dict[str, Callable[[DeviceMesh], Case]] = {
         m, [4, 8], {0: X, 1: Y}, {}, lambda fd, x: fd.ops.set(x), lambda t: t, ["allgather", "allgather"]),
     "set_all_to_all_mesh_x": lambda m: _unary_case(
         m, [4, 8], {0: X}, {1: X}, lambda fd, x: fd.ops.set(x), lambda t: t, ["all_to_all"]),
+    "topk_vocab_on_tp_two_stage": lambda m: _unary_case(  # one block per shard of the vocabulary (2), not per device
+        m, [4, 64], {1: X}, None, lambda fd, x: _topk_sum(fd, x, 3, True), lambda t: _topk_sum_ref(t, 3, True),
+        ["allgather", "allreduce"]),
     "sum_2d_allreduce_mesh_x": lambda m: _unary_case(
         m, [4, 8], {0: Y, 1: X}, None, lambda fd, x: fd.ops.sum(x, [1]), lambda t: t.sum(1), ["allreduce"]),
     "linear_2d_weight_sharded_n_and_k": lambda m: binary_case(

@@ -1162,6 +1162,18 @@ def test_topk_over_sharded_dim_runs_in_two_stages(k, sorted_, gathered):
     assert [f.tensor(op.outputs[0]).shape for op in f.ops if op.kind == "allgather"] == [gathered]
 
 
+def test_topk_cuts_one_block_per_shard_of_its_dim():
+    """Vocabulary shards on the TP axis of a DP x TP mesh: 2 blocks, one per shard (not one per device: 4), so
+    the candidates gathered are [4, 2k]."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 64])
+        for out in fd.ops.topk(x, 3, 1, sorted=True):
+            fd.add_output(out)
+        shard(x, MESH22, {1: X})
+    f = lower(fd)
+    assert [f.tensor(op.outputs[0]).shape for op in f.ops if op.kind == "allgather"] == [(4, 6)]
+
+
 @pytest.mark.parametrize("other", ["zero", "pending", "replicated", "one"])
 def test_where_keeps_a_pending_sum_where_it_is_linear(other):
     """``sum(where(hit, y, other), 1)`` of a row-parallel (pending) y: where is linear in y and ``other`` together
