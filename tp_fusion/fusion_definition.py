@@ -459,6 +459,7 @@ class FusionDefinition:
         self._outputs: list[int] = []
         self._layouts: dict[int, Layout] = {}  # input name -> declared layout (define_tensor)
         self._scalars: set[int] = set()  # the 0-d tensors that stand for scalars (Scalar handles): inputs, ops on them
+        self._size_scalars: dict[SymbolicSize, int] = {}  # symbolic sizes that arithmetic took, as Scalars
         self.ops = _OpsNamespace(self)
         self._plan = None
         self._executor = None
@@ -515,6 +516,16 @@ class FusionDefinition:
         self._tensors.append(Tensor(name, tuple(shape), dtype))
         self._changed()
         return TensorView(self, name)
+
+    def _size_scalar(self, size: SymbolicSize) -> Scalar:
+        """The Scalar of a symbolic size's value, for arithmetic on it: a 0-d Int ``full`` of it (compiling binds
+        it), recorded once per size."""
+        name = self._size_scalars.get(size)
+        if name is None:
+            name = self._size_scalars[size] = self._record("full", [], shape=(), fill_value=size,
+                                                           dtype=DataType.Int).name
+            self._scalars.add(name)
+        return self._view(name)
 
     def _view(self, name: int) -> TensorView:
         """The handle of tensor ``name``: a Scalar where it stands for one."""

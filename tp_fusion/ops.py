@@ -336,6 +336,10 @@ class Recorder:
     def other(self, kind: str, *operands, **attrs):
         return self._fd._record(kind, operands, **attrs)
 
+    def scalar_of(self, size: SymbolicSize):
+        """The ``Scalar`` of a symbolic size's value, for arithmetic on it."""
+        return self._fd._size_scalar(size)
+
     def tv(self, x, what: str = "operand"):
         from tp_fusion.fusion_definition import TensorView
 
@@ -506,6 +510,8 @@ def _folded(kind: str, operands, typed: bool = False, **attrs) -> Const:
 
 def _unary_front(name: str):
     def front(rec, x):
+        if isinstance(x, SymbolicSize):
+            x = rec.scalar_of(x)
         return _folded(name, [x]) if _is_scalar(x) else rec(rec.tv(x, "x"))
     front.__doc__ = f"``torch.{name}(x)``, elementwise; on a scalar (a number or ``define_scalar``), a scalar."
     return front
@@ -516,6 +522,7 @@ def _pointwise_operands(rec, *operands, **attrs):
     a scalar (``_folded``)."""
     from tp_fusion.fusion_definition import TensorView
 
+    operands = [rec.scalar_of(a) if isinstance(a, SymbolicSize) else a for a in operands]
     if any(isinstance(a, TensorView) for a in operands):
         return rec(*operands, **attrs)
     if not all(map(_is_scalar, operands)):
@@ -620,6 +627,8 @@ def _cast(x, dtype):
 
 def _cast_front(rec, x, dtype):
     """``x`` converted to ``dtype`` (a DataType); a number or define_scalar, a define_scalar of ``dtype``."""
+    if isinstance(x, SymbolicSize):
+        x = rec.scalar_of(x)
     if _is_scalar(x):
         return _folded("cast", [x], typed=True, dtype=rec.dtype(dtype))
     return rec(rec.tv(x, "x"), dtype=rec.dtype(dtype))

@@ -99,6 +99,22 @@ def test_seeds_indices_and_scatter_values_from_scalars():
     assert _plans(fd) == 1
 
 
+def test_arithmetic_on_a_symbolic_size_gives_a_scalar():
+    """nvFuser's mean over a symbolic dim, ``sum(x, 1) * reciprocal(size(x, 1))``, and an extent computed from a
+    size: the size is a Scalar once an op takes it (one per size)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, -1])
+        n = fd.ops.size(x, 1)
+        fd.add_output(fd.ops.mul(fd.ops.sum(x, [1]), fd.ops.reciprocal(n)))
+        fd.add_output(fd.ops.reshape(x, [fd.ops.mul(n, 2), -1]))
+    assert str(fd).count("full(shape=[], fill_value=T0.size(1)") == 1
+    for shape in ((4, 6), (2, 5)):
+        x_full = torch.randn(shape)
+        mean, reshaped = fd.execute([x_full])
+        torch.testing.assert_close(mean, x_full.mean(1))
+        torch.testing.assert_close(reshaped, x_full.reshape(2 * shape[1], -1))
+
+
 def test_a_scalar_input_refuses_what_is_no_number_of_its_kind():
     with FusionDefinition() as fd:
         x = fd.define_tensor([4])
