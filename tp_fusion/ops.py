@@ -551,13 +551,29 @@ for _name, _fn in _UNARY.items():
              rule=rules.pointwise(rules.linear_in_first if _name == "neg" else None),
              flops=_flops_output, front=_unary_front(_name))
 
+
+def _logical_right_shift(x, shift):
+    """nvFuser's ``logical_right_shift(a, b)``: ``a >> b`` filling with zero bits, not the sign bit (an unsigned
+    shift of the bits of the result's integer dtype; torch has no such op); a shift of the width or more gives 0.
+    a or b may be a number."""
+    out = torch.bitwise_right_shift(x, shift)
+    if not out.dtype.is_signed:
+        return out
+    bits = torch.iinfo(out.dtype).bits
+    s = shift.to(out.dtype).clamp(0, bits)
+    one = torch.ones((), dtype=out.dtype, device=out.device)
+    sign_fill = torch.bitwise_left_shift(torch.bitwise_left_shift(one, s) - 1, bits - s)  # the top s bits
+    return torch.where(x < 0, out ^ sign_fill, out)
+
+
 _BINARY_PARTIAL = {"add": rules.linear_in_all, "sub": rules.linear_in_all, "mul": rules.linear_in_each,
                    "div": rules.linear_in_first, "truediv": rules.linear_in_first}
 # truediv is nvFuser's name of torch's div; mod is nvFuser's C remainder (the sign of the dividend), torch's fmod.
 _BINARY = {name: getattr(torch, name) for name in (
     "add", "sub", "mul", "div", "pow", "maximum", "minimum", "atan2", "fmod", "remainder", "nextafter", "gcd",
     "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
-    "bitwise_left_shift", "bitwise_right_shift")} | {"truediv": torch.true_divide, "mod": torch.fmod}
+    "bitwise_left_shift", "bitwise_right_shift")} | {"truediv": torch.true_divide, "mod": torch.fmod,
+                                                     "logical_right_shift": _logical_right_shift}
 _BINARY_PENDING = {"maximum": Partial("max"), "minimum": Partial("min")}  # their own reduction pending, not a sum
 for _name, _fn in _BINARY.items():
     _impl = _binary(_fn)
@@ -565,6 +581,7 @@ for _name, _fn in _BINARY.items():
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE,
              rule=rules.pointwise(_partial, _BINARY_PENDING.get(_name, PARTIAL_SUM)), flops=_flops_output,
              front=_binary_front(_name))
+OPS["logical_right_shift"].front.__doc__ = _logical_right_shift.__doc__
 
 
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
@@ -895,6 +912,29 @@ for _name, _impl, _front, _pending in (("sum", _sum, _sum_front, "sum"), ("mean"
              rule=rules.reduction(_pending), flops=_flops_input, front=_front, pending=_pending or "sum",
              localize=_mean_localize if _name == "mean" else None, num_outputs=2 if _name == "var_mean" else 1,
              decompose=None if _pending else _var_decomposed)
+
+
+def _welford(x, dims, keepdim=False):
+    """(mean, sum of squared deviations from it, count) over ``dims``, from torch's var_mean."""
+    var, mean = torch.var_mean(x, dim=dims, correction=0, keepdim=keepdim)
+    n = math.prod(x.shape[d] for d in dims)
+    return mean, var * n, torch.full_like(mean, n, dtype=torch.int64)
+
+
+def _welford_front(rec, x, dims):
+    """nvFuser's ``welford(x, dims)`` -> (avg, var_sum, n): the mean over ``dims`` (an int or a non-empty list),
+    the sum of squared deviations from it, and the number of elements reduced (an Int tensor of avg's shape);
+    ``var_sum / n`` is the biased variance. A sharded reduced dim is gathered first."""
+    x = rec.tv(x, "x")
+    dims = rec.dims(x, dims)
+    if not dims:
+        _fail("welford", "give at least one dim to reduce")
+    return rec(x, dims=dims, keepdim=False)
+
+
+register("welford", impl=_welford, infer=_reduction_infer(_welford), traits=Trait.REDUCTION,
+         rule=rules.reduction(None), flops=_flops_input, front=_welford_front, num_outputs=3)
+
 
 # --- scans ----------------------------------------------------------------------------------------
 
@@ -1314,12 +1354,44 @@ SPELLINGS["size"] = _size_front
 SPELLINGS["shape"] = _shape_front
 
 
-def _squeeze_front(rec, x, dims):
+def _squeeze_front(rec, x, dims, squeeze_expanded: bool = False):
     """``x`` without those of the given dims that have extent 1; others are kept, as torch keeps them
     (nvFuser rejects them). A symbolic extent is taken to be 1, and checked at execute: the result's
-    rank is fixed when it is defined."""
+    rank is fixed when it is defined. With ``squeeze_expanded`` (nvFuser's flag), an expanded broadcast
+    dim (one that ``broadcast_in_dim``, ``expand`` or ``broadcast`` made new or grew from extent 1) is
+    removed too: recorded as that broadcast without the dim. Another dim of extent other than 1 is
+    then an error, as in nvFuser (it squeezes expanded broadcasts only)."""
     x = rec.tv(x, "x")
-    return rec(x, dims=[d for d in rec.dims(x, dims) if x.shape[d] in (1, -1)])
+    dims = rec.dims(x, dims)
+    if rec.flag(squeeze_expanded, "squeeze_expanded"):
+        x, dims = _squeeze_expanded(rec, x, dims)
+    return rec(x, dims=[d for d in dims if x.shape[d] in (1, -1)])
+
+
+def _squeeze_expanded(rec, x, dims: tuple[int, ...]):
+    """(x without its broadcast dims among ``dims``, the other ``dims`` renumbered): x's broadcast recorded
+    again from its source without them (squeezing the source's extent-1 dims that grew)."""
+    from tp_fusion.fusion_definition import TensorView
+
+    producer = rec._fd._producer(x.name)
+    bcast = producer is not None and producer.kind == "broadcast_in_dim"
+    src = TensorView(rec._fd, producer.inputs[0]) if bcast else None
+    bdims = producer.attr("broadcast_dims") if bcast else ()
+    drop = [d for d in dims if bcast and (d not in bdims or src.shape[bdims.index(d)] == 1)]
+    bad = [d for d in dims if d not in drop and x.shape[d] not in (1, -1)]
+    if bad:
+        _fail("squeeze", f"dim {bad[0]} of T{x.name} {x._ir.type_str()} is no expanded broadcast (a dim that "
+                         "broadcast_in_dim, expand or broadcast made new or grew from extent 1, squeezed where that "
+                         "op's output is) nor of extent 1")
+    if not any(x.shape[d] != 1 for d in drop):
+        return x, dims
+    keep = [d for d in range(x.ndim) if d not in drop]
+    grown = [i for i, d in enumerate(bdims) if d in drop]
+    if grown:
+        src = rec.other("squeeze", src, dims=grown)
+    shape = [producer.attr("shape")[d] for d in keep]
+    out = rec.other("broadcast_in_dim", src, shape=shape, broadcast_dims=[keep.index(d) for d in bdims if d in keep])
+    return out, tuple(keep.index(d) for d in dims if d in keep)
 
 
 def _squeeze_infer(args, attrs):
@@ -1539,13 +1611,16 @@ def _index_select_infer(args, attrs):
 
 def _index_select_front(rec, x, index, dim: int):
     """nvFuser's ``index_select(x, index, dim)``, torch's ``torch.index_select(x, dim, index)``: the rows
-    ``index`` (1-D, Int or Int32) of ``x`` along ``dim``. Where x's ``dim`` is sharded, each rank looks up the
-    rows it holds (zeros for the others): a partial sum, finished by an allreduce or a reduce_scatter, as
-    Megatron's vocab-parallel embedding. A sharded index shards the output's ``dim``, with no communication."""
+    ``index`` (1-D, Int or Int32; a 0-d one is one row, as torch and nvFuser take it) of ``x`` along ``dim``.
+    Where x's ``dim`` is sharded, each rank looks up the rows it holds (zeros for the others): a partial sum,
+    finished by an allreduce or a reduce_scatter, as Megatron's vocab-parallel embedding. A sharded index shards
+    the output's ``dim``, with no communication."""
     x, index = rec.tv(x, "x"), rec.tv(index, "index")
     _integer_indices("index_select", index, "index")
-    if index.ndim != 1:
-        _fail("index_select", f"index T{index.name} {index._ir.type_str()} must be 1-D")
+    if index.ndim > 1:
+        _fail("index_select", f"index T{index.name} {index._ir.type_str()} must be 1-D or 0-d")
+    if index.ndim == 0:
+        index = rec.other("unsqueeze", index, dim=0)
     return rec(x, index, dim=rec.dim(x, dim))
 
 

@@ -316,6 +316,25 @@ def test_var_mean_default_correction_is_one():
     _check(m, x.mean(dim=1))
 
 
+@pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
+def test_welford(dtype, dt):
+    """nvFuser's welford -> (avg, var_sum, n): var_sum / n is the biased variance (nvFuser's test_welford)."""
+    x = _rand(13, 4, 6, 3, dtype=dtype)
+
+    def build(fd, t):
+        _, last_sum, last_n = fd.ops.welford(t, 2)
+        return (*fd.ops.welford(t, [0, -1]), fd.ops.div(last_sum, last_n))
+    _, (avg, var_sum, n, var) = _run(build, [x])
+    want_var, want_avg = torch.var_mean(x, dim=[0, 2], correction=0)
+    _check(avg, want_avg)
+    _check(var_sum, want_var * 12, **({"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {}))
+    _check(n, torch.full((6,), 12))
+    _check(var, torch.var(x, dim=2, correction=0))
+    with FusionDefinition() as fd:
+        with pytest.raises(DefinitionError, match="welford: give at least one dim"):
+            fd.ops.welford(fd.define_tensor([2, 3]), [])
+
+
 # --- matrix ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
@@ -539,6 +558,32 @@ def test_squeeze_of_a_symbolic_dim_is_checked_at_execute():
         fd.execute([_rand(0, 2, 4)])
 
 
+def test_squeeze_expanded_removes_expanded_broadcasts():
+    """nvFuser's ``squeeze_expanded``: a dim that expand/broadcast_in_dim made new or grew from 1 is removed
+    (its values are alike along it); without the flag it is kept, as torch keeps dims of extent other than 1."""
+    x = _rand(1, 3, 1, 4)
+
+    def build(fd, t):
+        e = fd.ops.expand(t, [2, 3, 5, 4])  # dim 0 new, dim 2 grown from 1
+        b = fd.ops.broadcast_in_dim(t, [3, 1, 4, 6], [0, 1, 2])
+        return (fd.ops.squeeze(e, [0, 2], squeeze_expanded=True), fd.ops.squeeze(e, [-2], squeeze_expanded=True),
+                fd.ops.squeeze(b, [1, 3], squeeze_expanded=True), fd.ops.squeeze(e, [0, 2]))
+    _, outs = _run(build, [x])
+    for got, want in zip(outs, [x.squeeze(1), x.squeeze(1).expand(2, 3, 4), x.squeeze(1), x.expand(2, 3, 5, 4)]):
+        _check(got, want)
+
+
+def test_squeeze_expanded_refuses_a_dim_that_is_no_broadcast():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 1, 4])
+        y = fd.ops.exp(fd.ops.expand(x, [3, 5, 4]))  # no longer the broadcast's output
+        for t, d in ((x, 0), (y, 1)):
+            with pytest.raises(DefinitionError, match=f"squeeze: dim {d} of T{t.name} .* is no expanded broadcast"):
+                fd.ops.squeeze(t, [d], squeeze_expanded=True)
+        with pytest.raises(DefinitionError, match="squeeze_expanded must be True or False"):
+            fd.ops.squeeze(x, [1], squeeze_expanded="yes")
+
+
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
 def test_set_is_a_copy(dtype, dt):
     x = _rand(22, 3, 4, dtype=dtype)
@@ -757,6 +802,37 @@ def test_integer_binary(name):
     _check(a3, INTEGER_BINARY[name](a, torch.tensor(3)))
 
 
+def _unsigned_right_shift(a: torch.Tensor, s) -> torch.Tensor:
+    """A logical right shift of each value's two's-complement bits, in Python integers."""
+    bits = torch.iinfo(a.dtype).bits
+    shifts = torch.as_tensor(s).expand(a.shape).tolist() if torch.is_tensor(s) else [s] * a.numel()
+    out = [(v % 2 ** bits) >> n if n < bits else 0 for v, n in zip(a.flatten().tolist(), shifts)]
+    return torch.tensor([v - 2 ** bits if v >= 2 ** (bits - 1) else v for v in out], dtype=a.dtype).reshape(a.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+def test_logical_right_shift(dtype):
+    """nvFuser's logical_right_shift: zeros shifted in from the left, also for negative values; a shift of the
+    width or more gives 0 (nvFuser's test_right_shift_logical values)."""
+    a = torch.tensor([-1, -2147483648, 1073741824, -64463884, -65968277, 4042311, -98914167, 5526216], dtype=dtype)
+    bits = torch.iinfo(dtype).bits
+    s = torch.tensor([0, 1, 3, bits - 1, bits, bits + 5, 7, 2], dtype=dtype)
+    _, (by3, by_each, wide) = _run(lambda fd, x, y: (fd.ops.logical_right_shift(x, 3), fd.ops.logical_right_shift(
+        x, y), fd.ops.logical_right_shift(x, bits)), [a, s])
+    _check(by3, _unsigned_right_shift(a, 3))
+    _check(by_each, _unsigned_right_shift(a, s))
+    _check(wide, torch.zeros_like(a))
+    if dtype == torch.int32:
+        assert by3.tolist() == [536870911, 268435456, 134217728, 528812926, 528624877, 505288, 524506641, 690777]
+
+
+def test_logical_right_shift_of_floats_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3])
+        with pytest.raises(DefinitionError, match="logical_right_shift: cannot apply"):
+            fd.ops.logical_right_shift(x, 1)
+
+
 @pytest.mark.parametrize("dtype,dt", DTYPES, ids=DTYPE_IDS)
 def test_ternary_ops(dtype, dt):
     a, b, c = (_rand(40 + i, 4, 6, dtype=dtype) for i in range(3))
@@ -870,6 +946,14 @@ def test_index_select_and_embedding(index_dtype):
     for got, ref in zip(outs, want):
         _check(got, ref)
     assert torch.equal(weight, saved), "max_norm must not renormalize the weight input in place"
+
+
+def test_index_select_of_a_0d_index_keeps_the_dim():
+    """A 0-d index selects one row and keeps the dim (extent 1), as torch and nvFuser do."""
+    x, index = _rand(50, 8, 16), torch.tensor(2)
+    _, outs = _run(lambda fd, t, i: (fd.ops.index_select(t, i, 0), fd.ops.index_select(t, i, -1)), [x, index])
+    _check(outs[0], x.index_select(0, index))
+    _check(outs[1], x.index_select(1, index))
 
 
 def test_a_lookup_in_a_piece_of_the_vocabulary():
