@@ -467,30 +467,43 @@ def _divisors(m: int) -> list[int]:
     return small + [m // k for k in reversed(small) if k * k != m]
 
 
-def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...], query_rows: bool = False) -> Rule:
+def attention(free_inputs: tuple[int, ...], free_outputs: tuple[int, ...], query_rows: bool = False,
+              scores_from: int | None = None) -> Rule:
     """Attention (sdpfa_fwd/bwd) on [N*, H, S, E] tensors: the leading dims (batch and heads) of the
     operands at ``free_inputs`` and the outputs at ``free_outputs`` are free (a shard passes through
     with no communication); the head dim stays whole. Every query attends to every key, so the keys'
     sequence stays whole; with ``query_rows`` (the forward), the query's rows may be sharded, and the
     output's and logsumexp's rows with them, where no causal mask (aligned to the local rows' start)
-    and no dropout (drawn over the whole output) needs the global row. Other tensor operands and
-    outputs (philox seed and offset) stay replicated. No operand may be Partial: softmax is not linear."""
+    and no dropout (drawn over the whole output) needs the global row. The operands from ``scores_from``
+    on are [N*, H, Q, K] terms of the scores (sdpfa_fwd's bias and mask): their dims follow the query's
+    shard, a broadcast (extent 1) dim staying replicated, and their keys' dim stays whole. Other tensor
+    operands and outputs (philox seed and offset) stay replicated. No operand may be Partial: softmax is
+    not linear."""
     def rule(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
         ins, outs = _shapes(op, fusion)
         first = ins[free_inputs[0]]
+        terms = range(len(ins) if scores_from is None else scores_from, len(ins))
         tensors_in = tuple(None if s is None else REPLICATE for s in ins)
         cands = [Candidate(tensors_in, (REPLICATE,) * len(outs))]
+
+        def sharded(d: int, free: tuple[int, ...]):
+            """The operands' placements with dim ``d`` of those at ``free`` and of the terms that span it
+            sharded; None where a term's extent there is neither the query's nor 1."""
+            if any(ins[i][d] not in (1, first[d]) for i in terms):
+                return None
+            return tuple(Shard(d) if i in free or (i in terms and ins[i][d] != 1) else p
+                         for i, p in enumerate(tensors_in))
+
         for d in range(len(first) - 2):
-            if first[d] < 0 or first[d] % n:
+            if first[d] < 0 or first[d] % n or (ins_d := sharded(d, free_inputs)) is None:
                 continue
-            cands.append(Candidate(
-                tuple(Shard(d) if i in free_inputs else p for i, p in enumerate(tensors_in)),
-                tuple(Shard(d) if j in free_outputs else REPLICATE for j in range(len(outs)))))
+            cands.append(Candidate(ins_d, tuple(Shard(d) if j in free_outputs else REPLICATE
+                                                for j in range(len(outs)))))
         rows = len(first) - 2
         if query_rows and not op.attr("is_causal") and not op.attr("dropout_p") and first[rows] >= 0 \
-                and first[rows] % n == 0:
-            cands.append(Candidate((Shard(rows), *tensors_in[1:]),
-                                   (Shard(rows), Shard(len(outs[1]) - 1), *(REPLICATE,) * (len(outs) - 2))))
+                and first[rows] % n == 0 and (ins_rows := sharded(rows, (0,))) is not None:
+            cands.append(Candidate(ins_rows, (Shard(rows), Shard(len(outs[1]) - 1),
+                                              *(REPLICATE,) * (len(outs) - 2))))
         return cands
     return rule
 

@@ -2379,30 +2379,51 @@ def _no_dropout_rng(device, seed: int = 0):
     return seeds, torch.zeros((), dtype=torch.uint64, device=device)
 
 
-def _sdpfa_fwd(q, k, v, dropout_p=0.0, is_causal=False, scale=None):
+def _score_terms(terms, q, k) -> torch.Tensor | None:
+    """sdpfa_fwd's bias and mask (0 where True, -inf elsewhere) summed in the query's dtype, as nvFuser sums them:
+    a [B, H, Q, K] tensor for the 4-d operands (materialized, as nvFuser's); None without them."""
+    if not terms:
+        return None
+    shape = (*q.shape[:-1], k.shape[-2])
+    out = sum(torch.where(t, 0.0, float("-inf")) if t.dtype == torch.bool else t for t in terms).to(q.dtype)
+    return out.expand(shape).reshape(math.prod(shape[:-3]), *shape[-3:])
+
+
+def _sdpfa_fwd(q, k, v, *terms, dropout_p=0.0, is_causal=False, scale=None):
+    """``terms``: the bias and mask, which run aten's CPU flash kernel or the math path (as torch's
+    ``F.scaled_dot_product_attention`` with that ``attn_mask``)."""
     lead = q.shape[:-3]
     q4, k4, v4 = _as_4d(q, k, v)
+    bias = _score_terms(terms, q, k)
     fresh = take_seed() if dropout_p else 0  # taken on every path (fresh_seed), used by the math path's mask
-    if _cudnn_attention(q, k, v, dropout_p):
+    if bias is None and _cudnn_attention(q, k, v, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, is_causal, False,
                                                                       scale=scale)[:2]
         lse = lse.reshape(q4.shape[:-1])  # cuDNN's is [B, H, S, 1]; sdpfa_fwd returns [N*, H, S], as nvFuser
         seed, offset = _no_dropout_rng(q.device)
-    elif _aten_flash(q, k, v):
+    elif bias is None and _aten_flash(q, k, v):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q4, k4, v4, dropout_p, is_causal, scale=scale)
     else:
         seed, offset = _no_dropout_rng(q.device, fresh)
-        if _cpu_flash(q, k, v, dropout_p):
+        if _cpu_flash(q, k, v, dropout_p) and not (bias is not None and is_causal):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal,
-                                                                                  scale=scale)
+                                                                                  attn_mask=bias, scale=scale)
         else:
-            s = _logits(q4, k4, is_causal, scale)
-            lse = torch.logsumexp(s, -1)
-            p = torch.exp(s - lse.unsqueeze(-1))
-            drop = _dropout_scale(p.shape, dropout_p, seed, q.device)
-            out = torch.matmul(p if drop is None else p * drop, v4.to(p.dtype)).to(q.dtype)
+            out, lse = _math_attention(q4, k4, v4, bias, dropout_p, is_causal, scale, seed)
     return out.reshape(*lead, *out.shape[1:]), lse.float().reshape(*lead, *lse.shape[1:]), seed, offset
+
+
+def _math_attention(q4, k4, v4, bias, dropout_p: float, is_causal: bool, scale, seed):
+    """(output, logsumexp) in float32 or wider, ``bias`` (or None) added to the scores; a row that attends to no
+    key (all masked) gives zeros, as torch's."""
+    s = _logits(q4, k4, is_causal, scale)
+    if bias is not None:
+        s = s + bias
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    drop = _dropout_scale(p.shape, dropout_p, seed, q4.device)
+    return torch.matmul(p if drop is None else p * drop, v4.to(p.dtype)).to(q4.dtype), lse
 
 
 def _sdpfa_bwd(grad_out, q, k, v, out, lse, philox_seed, philox_offset, dropout_p=0.0, is_causal=False, scale=None):
@@ -2454,8 +2475,13 @@ def _check_qkv(q: TensorType, k: TensorType, v: TensorType) -> None:
 
 
 def _sdpfa_fwd_infer(args, attrs):
-    q, k, v = args
+    q, k, v, *terms = args
     _check_qkv(q, k, v)
+    scores = (*q.shape[:-1], k.shape[-2])
+    for t in terms:
+        if t.ndim != q.ndim or any(e not in (1, -1, s) and s >= 0 for e, s in zip(t.shape, scores)):
+            _bad(f"bias and mask must have the query's {q.ndim} dims and broadcast to the scores "
+                 f"{list(scores)} (each extent that or 1), got {t}")
     return [TensorType((*q.shape[:-1], v.shape[-1]), q.dtype), TensorType(q.shape[:-1], DataType.Float),
             TensorType((2,), DataType.UInt64), TensorType((), DataType.UInt64)]
 
@@ -2477,13 +2503,12 @@ def _sdpfa_bwd_infer(args, attrs):
 
 
 def _sdpa_attrs(op: str, dropout_p, is_causal, scale) -> dict:
-    """The scalar arguments as attributes; a TensorView among them is nvFuser's optional bias or mask
-    given positionally, which tp_fusion does not take."""
+    """The scalar arguments as attributes."""
     from tp_fusion.fusion_definition import TensorView
 
-    if any(isinstance(a, TensorView) for a in (dropout_p, is_causal, scale)):
-        _fail(op, "dropout_p, is_causal and scale are numbers or define_scalars, got a TensorView: nvFuser's "
-                  "optional bias and mask operands are not supported (pass the scalars by keyword)")
+    if any(isinstance(a, TensorView) and a.is_tensor() for a in (dropout_p, is_causal, scale)):
+        _fail(op, "dropout_p, is_causal and scale are numbers or define_scalars, got a TensorView (sdpfa_fwd "
+                  "takes its bias and mask before them)")
     dropout = 0.0 if dropout_p is None else _number(op, dropout_p, "dropout_p")
     if _is_number(dropout) and not 0 <= dropout < 1:
         _fail(op, f"dropout_p must lie in [0, 1), got {dropout}")
@@ -2503,18 +2528,40 @@ def _flops_attention(gemms: int, query: int) -> Flops:
     return flops
 
 
-def _sdpfa_fwd_front(rec, query, key, value, dropout_p=None, is_causal=None, scale=None):
+def _sdpfa_fwd_front(rec, query, key, value, bias=None, mask=None, dropout_p=None, is_causal=None, scale=None):
     """nvFuser's ``sdpfa_fwd``: scaled dot-product attention of [N*, H, S, E] operands ->
     (output [N*, H, Q, Ev], logsumexp f32[N*, H, Q], philox_seed u64[2], philox_offset u64[]).
 
-    ``dropout_p`` (default 0), ``is_causal`` (default False) and ``scale`` (default 1/sqrt(E)) are
-    numbers or define_scalars; nvFuser's optional ``bias`` and ``mask`` are not supported (pass the
-    scalars by keyword). Batch and head dims may be sharded and stay sharded with no communication;
-    the sequence and head dims are gathered first. Pass the seed and offset to ``sdpfa_bwd``: with
-    dropout, it redraws the same mask from them.
+    ``bias`` (the query's dtype) is added to the scores, ``mask`` (Bool) keeps those where it is True
+    (-inf elsewhere; a row with none gives zeros, as torch's); each has the query's dims and broadcasts
+    to [N*, H, Q, K]. ``dropout_p`` (default 0), ``is_causal`` (default False) and ``scale`` (default
+    1/sqrt(E)) are numbers or define_scalars. nvFuser's older order ``(query, key, value, dropout_p,
+    is_causal, scale)`` is taken where a number comes 4th or 5th; ``(q, k, v, None, None, x)`` is read
+    in the current order (x is dropout_p). Batch and head dims may be sharded and stay sharded with no
+    communication (a bias's or mask's with them, where not broadcast); the sequence and head dims are
+    gathered first. Pass the seed and offset to ``sdpfa_bwd``: with dropout, it redraws the same mask
+    from them.
     """
+    from tp_fusion.fusion_definition import TensorView
+
+    if any(a is not None and not (isinstance(a, TensorView) and a.is_tensor()) for a in (bias, mask)):
+        dropout_p, is_causal, scale = _older_sdpa_order(bias, mask, dropout_p, is_causal, scale)
+        bias = mask = None
     q, k, v = rec.tv(query, "query"), rec.tv(key, "key"), rec.tv(value, "value")
-    return rec(q, k, v, **_sdpa_attrs("sdpfa_fwd", dropout_p, is_causal, scale))
+    terms = [rec.tv(t, what) for t, what in ((bias, "bias"), (mask, "mask")) if t is not None]
+    if bias is not None and bias.dtype != q.dtype:
+        _fail("sdpfa_fwd", f"bias T{bias.name} {bias._ir.type_str()} must have the query's dtype {q.dtype!r}")
+    if mask is not None and mask.dtype != DataType.Bool:
+        _fail("sdpfa_fwd", f"mask T{mask.name} {mask._ir.type_str()} must be a Bool tensor")
+    return rec(q, k, v, *terms, **_sdpa_attrs("sdpfa_fwd", dropout_p, is_causal, scale))
+
+
+def _older_sdpa_order(fourth, fifth, sixth, is_causal, scale) -> tuple:
+    """(dropout_p, is_causal, scale) of a call in nvFuser's older order, (q, k, v, dropout_p, is_causal, scale),
+    whose 4th to 6th arguments landed in the current order's bias, mask and dropout_p."""
+    if (fifth is not None and is_causal is not None) or (sixth is not None and scale is not None):
+        _fail("sdpfa_fwd", "is_causal or scale given twice (by position in nvFuser's older order and by keyword)")
+    return fourth, is_causal if fifth is None else fifth, scale if sixth is None else sixth
 
 
 def _sdpfa_bwd_front(rec, grad_output, query, key, value, output, logsumexp, dropout_p, is_causal, philox_seed,
@@ -2538,7 +2585,7 @@ def _draws_dropout(ins, attrs: dict) -> bool:
 
 # As nvFuser (and aten's flash kernels): the output takes the query's layout, each gradient its operand's.
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
-         rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1), query_rows=True),
+         rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1), query_rows=True, scores_from=3),
          flops=_flops_attention(2, query=0),
          num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
          uncapturable=_draws_dropout, fresh_seed=_with_dropout)
@@ -2551,7 +2598,8 @@ register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE
 def _sdpa_front(rec, query, key, value, is_causal: bool = False, scale: float | None = None):
     """``F.scaled_dot_product_attention(query, key, value, is_causal=..., scale=...)``: the output of
     ``sdpfa_fwd`` without dropout."""
-    return _sdpfa_fwd_front(Recorder(rec._fd, "sdpfa_fwd"), query, key, value, 0.0, is_causal, scale)[0]
+    return _sdpfa_fwd_front(Recorder(rec._fd, "sdpfa_fwd"), query, key, value, dropout_p=0.0, is_causal=is_causal,
+                            scale=scale)[0]
 
 
 SPELLINGS["scaled_dot_product_attention"] = _sdpa_front

@@ -194,8 +194,8 @@ def test_attention_errors():
             fd.ops.sdpfa_fwd(q, k_bad, k_bad)
         with pytest.raises(DefinitionError, match="one floating dtype"):
             fd.ops.sdpfa_fwd(q, q, half)
-        with pytest.raises(DefinitionError, match="bias and mask"):
-            fd.ops.sdpfa_fwd(q, q, q, q)  # nvFuser's positional bias
+        with pytest.raises(DefinitionError, match=r"bias and mask must .* broadcast to the scores \[2, 3, 8, 8\]"):
+            fd.ops.sdpfa_fwd(q, q, q, q)  # a bias of the query's shape, not the scores'
         with pytest.raises(DefinitionError, match=r"dropout_p must lie in \[0, 1\)"):
             fd.ops.sdpfa_fwd(q, q, q, dropout_p=1.0)
         out, lse, seed, offset = fd.ops.sdpfa_fwd(q, q, q)
@@ -203,6 +203,84 @@ def test_attention_errors():
             fd.ops.sdpfa_bwd(q, q, q, q, out, lse, 0.0, False, lse, offset, None)
         with pytest.raises(DefinitionError, match="logsumexp"):
             fd.ops.sdpfa_bwd(q, q, q, q, out, out, 0.0, False, seed, offset, None)
+
+
+def _masked_reference(q, k, v, bias, mask, is_causal=False, scale=None):
+    """torch's attention with nvFuser's bias + mask (0 where True, -inf elsewhere) as attn_mask, in q's dtype."""
+    terms = torch.zeros((), dtype=q.dtype) if bias is None else bias
+    if mask is not None:
+        terms = (terms + torch.where(mask, 0.0, float("-inf"))).to(q.dtype)
+    if is_causal:
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        terms = (terms + torch.where(causal, 0.0, float("-inf"))).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=terms, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sdpfa_fwd_bias_and_mask_match_torch(dtype, is_causal):
+    """nvFuser's bias and Bool mask, broadcast over batch or heads, in its current order by position and by
+    keyword: against torch's attention with their sum as attn_mask (a row with no key left gives zeros)."""
+    dt = DataType.from_torch(dtype)
+    q, k, v = _rand(1, 2, 3, 5, 8, dtype=dtype), _rand(2, 2, 3, 6, 8, dtype=dtype), _rand(3, 2, 3, 6, 8, dtype=dtype)
+    bias = _rand(4, 1, 3, 5, 6, dtype=dtype)
+    mask = torch.rand(2, 1, 5, 6, generator=torch.Generator().manual_seed(5)) > 0.4
+    mask[0, 0, 1] = False  # a row with no key
+    with FusionDefinition() as fd:
+        tq, tk, tv = (fd.define_tensor(list(t.shape), dtype=dt) for t in (q, k, v))
+        tb, tm = fd.define_tensor([1, 3, 5, 6], dtype=dt), fd.define_tensor([2, 1, 5, 6], dtype=DataType.Bool)
+        both, lse, _, _ = fd.ops.sdpfa_fwd(tq, tk, tv, tb, tm, 0.0, is_causal, 0.3)
+        for out in (both, lse, fd.ops.sdpfa_fwd(tq, tk, tv, bias=tb, is_causal=is_causal)[0],
+                    fd.ops.sdpfa_fwd(tq, tk, tv, None, tm, is_causal=is_causal)[0]):
+            fd.add_output(out)
+    both, lse, biased, masked = fd.execute([q, k, v, bias, mask])
+    tol = TOL[dtype]
+    torch.testing.assert_close(both, _masked_reference(q, k, v, bias, mask, is_causal, 0.3), **tol)
+    torch.testing.assert_close(biased, _masked_reference(q, k, v, bias, None, is_causal), **tol)
+    torch.testing.assert_close(masked, _masked_reference(q, k, v, None, mask, is_causal), **tol)
+    assert lse.shape == (2, 3, 5) and lse.dtype == torch.float32
+    assert not both[0, :, 1].any()
+
+
+def test_sdpfa_fwd_bias_and_mask_of_more_batch_dims():
+    """[b, i, h, j, e] operands (AlphaFold's triangle attention) with a bias [b, 1, h, j, k] and a mask
+    [b, i, 1, 1, k]: broadcast, then the batch dims flattened."""
+    q, k, v = (_rand(10 + i, 2, 3, 4, 5, 8) for i in range(3))
+    bias, mask = _rand(13, 2, 1, 4, 5, 5), torch.rand(2, 3, 1, 1, 5, generator=torch.Generator().manual_seed(6)) > 0.2
+    with FusionDefinition() as fd:
+        tq, tk, tv = (fd.define_tensor([2, 3, 4, 5, 8]) for _ in range(3))
+        tb, tm = fd.define_tensor([2, 1, 4, 5, 5]), fd.define_tensor([2, 3, 1, 1, 5], dtype=DataType.Bool)
+        fd.add_output(fd.ops.sdpfa_fwd(tq, tk, tv, bias=tb, mask=tm, is_causal=False)[0])
+    (out,) = fd.execute([q, k, v, bias, mask])
+    torch.testing.assert_close(out, _masked_reference(q, k, v, bias, mask))
+
+
+def test_sdpfa_fwd_older_positional_order():
+    """nvFuser's older order (q, k, v, dropout_p, is_causal, scale): a number 4th or 5th reads it so."""
+    q = _rand(20, 2, 3, 8, 16)
+    with FusionDefinition() as fd:
+        t = fd.define_tensor([2, 3, 8, 16])
+        for out in (fd.ops.sdpfa_fwd(t, t, t, 0.0, True, 0.3)[0], fd.ops.sdpfa_fwd(t, t, t, None, True, scale=0.3)[0],
+                    fd.ops.sdpfa_fwd(t, t, t, 0.0, is_causal=True, scale=0.3)[0]):
+            fd.add_output(out)
+        with pytest.raises(DefinitionError, match="is_causal or scale given twice"):
+            fd.ops.sdpfa_fwd(t, t, t, 0.0, True, 0.3, scale=0.3)
+    want = F.scaled_dot_product_attention(q, q, q, is_causal=True, scale=0.3)
+    for got in fd.execute([q]):
+        torch.testing.assert_close(got, want)
+
+
+def test_sdpfa_fwd_bias_and_mask_errors():
+    with FusionDefinition() as fd:
+        q = fd.define_tensor([2, 3, 8, 16])
+        with pytest.raises(DefinitionError, match=r"bias T\d+ bf16\[2, 3, 8, 8\] must have the query's dtype"):
+            fd.ops.sdpfa_fwd(q, q, q, bias=fd.define_tensor([2, 3, 8, 8], dtype=DataType.BFloat16))
+        with pytest.raises(DefinitionError, match="mask T\\d+ f32\\[2, 3, 8, 8\\] must be a Bool tensor"):
+            fd.ops.sdpfa_fwd(q, q, q, mask=fd.define_tensor([2, 3, 8, 8]))
+        with pytest.raises(DefinitionError, match="bias and mask must have the query's 4 dims"):
+            fd.ops.sdpfa_fwd(q, q, q, mask=fd.define_tensor([8, 8], dtype=DataType.Bool))
+        with pytest.raises(DefinitionError, match="got a TensorView"):
+            fd.ops.sdpfa_fwd(q, q, q, None, None, q)
 
 
 # --- sharding ---------------------------------------------------------------------------------------
@@ -252,6 +330,42 @@ def test_unannotated_attention_follows_sharded_heads():
     plan = fd.compile([[2, 8, 4, 48]], rank=1)
     assert plan.collectives() == []
     assert plan.output_shardings()[0].axis_sharded_on(ParallelType.mesh_x) == 2
+
+
+def _attention_with_bias_plan(q_dim: int, bias_shape, mask_shape, q_rows_only: bool = False):
+    """q, k, v [2, 4, 8, 16]: q's dim ``q_dim`` sharded over 2 ranks (k and v's too unless ``q_rows_only``), a
+    bias and a Bool mask of these shapes unannotated. Returns the plan and the dims on which sdpfa_fwd gets the
+    bias and the mask sharded (-1: replicated)."""
+    mesh = DeviceMesh(range(2))
+    with FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor([2, 4, 8, 16]) for _ in range(3))
+        bias, mask = fd.define_tensor(bias_shape), fd.define_tensor(mask_shape, dtype=DataType.Bool)
+        fd.add_output(fd.ops.sdpfa_fwd(q, k, v, bias, mask)[0])
+        for t in (q, k, v):
+            t.set_device_mesh(mesh)
+            if t is q or not q_rows_only:
+                t.outer_split(q_dim, 2)
+                t.axis(q_dim).parallelize(ParallelType.mesh_x)
+    plan = fd.compile([[2, 4, 8, 16]] * 3 + [bias_shape, mask_shape], rank=0)
+    op = next(op for op in plan.fusion.ops if op.kind == "sdpfa_fwd")
+    return plan, [plan.fusion.tensor(t).sharding.axis_sharded_on(ParallelType.mesh_x) for t in op.inputs[3:]]
+
+
+@pytest.mark.parametrize("q_dim", [0, 1])
+def test_bias_and_mask_follow_sharded_heads(q_dim):
+    """A bias and a mask spanning the sharded batch or heads dim are sharded with it, a broadcast dim (extent
+    1) of theirs stays replicated: no collective."""
+    plan, terms = _attention_with_bias_plan(q_dim, [2, 4, 8, 8], [2, 1, 8, 8])
+    assert plan.collectives() == []
+    assert plan.output_shardings()[0].axis_sharded_on(ParallelType.mesh_x) == q_dim
+    assert terms == [q_dim, q_dim if q_dim == 0 else -1]
+
+
+def test_bias_and_mask_follow_sharded_query_rows():
+    plan, terms = _attention_with_bias_plan(2, [1, 1, 8, 8], [2, 4, 1, 8], q_rows_only=True)
+    assert plan.collectives() == []
+    assert plan.output_shardings()[0].axis_sharded_on(ParallelType.mesh_x) == 2
+    assert terms == [2, -1]
 
 
 # --- random numbers -------------------------------------------------------------------------------------
