@@ -1078,6 +1078,24 @@ def _indexed_case(mesh, x_shape, x_dims, idx_full, idx_dims, body, reference, co
     return Case(fd, [x, idx], [_rand(60, x_shape), idx_full], lambda a, i: [reference(a, i)], collectives)
 
 
+def attention_bias_mask_case(mesh, q_dims: dict, kv_dims: dict, bias_shape, mask_shape) -> Case:
+    """sdpfa_fwd of q, k, v [2, 4, 8, 4] sharded as ``q_dims`` and ``kv_dims`` with a bias and a Bool mask of these
+    shapes, unannotated: the plan shards them as q where they span q's sharded dim (locally sliced, no collective)."""
+    with FusionDefinition() as fd:
+        q, k, v = (fd.define_tensor([2, 4, 8, 4], dtype=F64) for _ in range(3))
+        bias, mask = fd.define_tensor(bias_shape, dtype=F64), fd.define_tensor(mask_shape, dtype=DataType.Bool)
+        fd.add_output(fd.ops.sdpfa_fwd(q, k, v, bias, mask)[0])
+        shard(q, mesh, q_dims)
+        for t in (k, v):
+            shard(t, mesh, kv_dims)
+    full = [_rand(70 + i, (2, 4, 8, 4)) for i in range(3)]
+    full += [_rand(73, bias_shape), torch.rand(mask_shape, generator=torch.Generator().manual_seed(74)) > 0.3]
+
+    def reference(q, k, v, b, m):
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=b + torch.where(m, 0.0, float("-inf")))]
+    return Case(fd, [q, k, v, bias, mask], full, reference, [])
+
+
 _INDEX = torch.tensor([5, 0, 3, 3, 1, 2, 0, 4])
 _TOKENS = torch.tensor([[7, 1, 0], [9, 9, 2], [3, 4, 5], [0, 8, 6]])
 _ALONG = torch.tensor([[5, 0, 3], [1, 1, 2], [0, 4, 5], [2, 3, 1], [4, 4, 0], [3, 5, 1], [0, 2, 5], [1, 0, 4]])
@@ -1217,6 +1235,28 @@ CASES_OPS: dict[str, Callable[[DeviceMesh], Case]] = {
                                               lambda t: t.select(1, -1), []),
     "expand_sharded": lambda m: _unary_case(
         m, [8, 1], {0: X}, None, lambda fd, x: fd.ops.expand(x, [2, 8, 3]), lambda t: t.expand(2, 8, 3), []),
+    "squeeze_expanded_sharded": lambda m: _unary_case(  # the expanded dim dropped: the broadcast without it
+        m, [8, 1], {0: X}, None, lambda fd, x: fd.ops.squeeze(fd.ops.expand(x, [8, 3]), [1], squeeze_expanded=True),
+        lambda t: t.squeeze(1), []),
+    "logical_right_shift_sharded": lambda m: _unary_case(
+        m, [8, 4], {0: X}, None, lambda fd, x: fd.ops.logical_right_shift(fd.ops.cast(fd.ops.mul(x, 1e3), DataType.Int),
+                                                                           3),
+        lambda t: ((t * 1e3).long() >> 3) & (2 ** 61 - 1), []),
+    "welford_other_dim": lambda m: _unary_case(  # avg + var_sum / n
+        m, [8, 4], {0: X}, None, lambda fd, x: (lambda a, s, n: fd.ops.add(a, fd.ops.div(s, n)))(*fd.ops.welford(x, 1)),
+        lambda t: t.mean(1) + t.var(1, correction=0), []),
+    "welford_sharded_dim": lambda m: _unary_case(  # the reduced dim gathered first
+        m, [4, 8], {1: X}, None, lambda fd, x: fd.ops.div(*fd.ops.welford(x, 1)[1:]),
+        lambda t: t.var(1, correction=0), ["allgather"]),
+    "index_select_0d_index": lambda m: _indexed_case(
+        m, [6, 8], {1: X}, torch.tensor(3), {}, lambda fd, x, i: fd.ops.index_select(x, i, 0),
+        lambda a, i: a.index_select(0, i), []),
+    # nvFuser's bias and mask follow a shard of the heads (a broadcast dim of theirs stays replicated) or of the
+    # query's rows: locally sliced, no collective
+    "sdpfa_bias_mask_heads_sharded": lambda m: attention_bias_mask_case(
+        m, {1: X}, {1: X}, [2, 4, 8, 8], [2, 1, 8, 8]),
+    "sdpfa_bias_mask_query_rows_sharded": lambda m: attention_bias_mask_case(
+        m, {2: X}, {}, [1, 4, 8, 8], [2, 1, 8, 1]),
 }
 CASES_1D |= CASES_OPS
 
