@@ -37,7 +37,8 @@ def sharded(fusion: Fusion) -> None:
 
 
 def resharded(fusion: Fusion) -> None:
-    """insert_reshardings: every op but a resharding gets exactly what its recorded strategy says."""
+    """insert_reshardings: every op but a resharding gets exactly what its recorded strategy says; an output
+    aliased to an input has its sharding."""
     sharded(fusion)
     if not fusion.has_meshes:
         return
@@ -52,6 +53,9 @@ def resharded(fusion: Fusion) -> None:
             assert fusion.tensor(o).sharding == got, f"{op}: produces {got}, T{o} is {fusion.tensor(o).sharding}"
     for o in fusion.outputs:
         assert not fusion.tensor(o).sharding.has_partial, f"output T{o} is Partial"
+    for p, i in fusion.aliases:
+        o = fusion.outputs[p]
+        assert fusion.tensor(o).sharding == fusion.tensor(i).sharding, f"output T{o} is sharded otherwise than T{i}"
 
 
 def lowered(fusion: Fusion) -> None:

@@ -17,7 +17,8 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
     every change of sharding is a ``set`` of its own (one per tensor and target, reused; a pending sum
     summed once is sliced from that copy for another target); no fusion output is Partial (an output
     the user scheduled with a pending sum is summed by a ``set``, as nvFuser's device-parallel
-    reduction axis finishes its reduction) and comes back in the output's memory layout.
+    reduction axis finishes its reduction) and comes back in the output's memory layout; an output aliased
+    to an input (written into it in place) is resharded to that input's sharding.
 
     A linear whose contraction is sharded and that has a bias is split into a linear without bias
     (Partial), the resharding of that result, and an add of the bias: the bias is added once. (A
@@ -112,7 +113,10 @@ def insert_reshardings(fusion: Fusion) -> Fusion:
                 after.append(Op("set", (tmp,), (o,)))
         ops.append(op.replace(inputs=args, outputs=tuple(outs)))
         ops.extend(after)
-    outputs = tuple(reshard(o, tensors[o].sharding.materialized()) for o in fusion.outputs)
+    # An output written into an input in place (Fusion.aliases) ends in that input's sharding.
+    into = dict(fusion.aliases)
+    outputs = tuple(reshard(o, tensors[into[p]].sharding if p in into else tensors[o].sharding.materialized())
+                    for p, o in enumerate(fusion.outputs))
     for o, summed in zip(fusion.outputs, outputs):  # the summed copy returned keeps the output's layout
         if summed != o and tensors[summed].stride_order is None:
             tensors[summed] = tensors[summed].replace(stride_order=tensors[o].stride_order)

@@ -23,6 +23,7 @@ from tp_fusion.errors import (
     UnevenShardError,
     UnknownOpError,
     UnsupportedPlacementError,
+    ValidationError,
 )
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
 from tp_fusion.mesh import DeviceMesh
@@ -35,7 +36,7 @@ __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
     "LaunchArgumentError", "LaunchError", "LoweringError", "ParallelType", "Sharding", "ShardingError",
     "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
-    "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
+    "ValidationError", "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
 ]
 
 

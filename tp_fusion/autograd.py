@@ -57,6 +57,11 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     which of them are differentiable. A gradient whose local shape or sharding is not its input's
     raises a ``ShardingError`` in backward. See the module docstring for the conventions.
     """
+    for fd, which in ((forward, "forward"), (backward, "backward")):
+        if fd.fusion.aliases:
+            raise DefinitionError(f"autograd.function {name}: the {which} fusion writes an output into its input in "
+                                  "place (add_output(tv, alias_input=)), which autograd cannot track; add that "
+                                  "output plainly and update the tensor outside the Function")
     n_in, n_out = len(forward.fusion.inputs), len(forward.fusion.outputs)
     saved_inputs = _indices(saved_inputs, n_in, "saved_inputs", "input")
     saved_outputs = _indices(saved_outputs, n_out, "saved_outputs", "output")

@@ -283,6 +283,16 @@ def _bound(t: Tensor, shape: tuple[int, ...], producer: Op | None) -> Tensor:
     return t.replace(shape=shape, loop=loop, sharding=sharding)
 
 
+def check_aliases(fusion: Fusion) -> None:
+    """An output aliased to an input (written into it in place) has the input's shape, symbolic extents
+    bound (``add_output`` checked the defined ones)."""
+    for p, i in fusion.aliases:
+        out, inp = fusion.tensor(fusion.outputs[p]), fusion.tensor(i)
+        if out.shape != inp.shape:
+            raise InputError(f"execute: output {p} (T{out.name}) is aliased to input T{i} (written into it in place), "
+                             f"but the inputs' sizes make it {list(out.shape)} and T{i} {list(inp.shape)}")
+
+
 def resolve_layouts(fusion: Fusion) -> Fusion:
     """Each op output's memory layout (``Tensor.stride_order``): the one the user fixed
     (``set_allocation_domain``), else the one its op gives from its operands' (``OpDef.out_layout``),
@@ -305,6 +315,7 @@ def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], ran
     attributes read, by name). Raises the library's errors for anything that does not fit; never
     communicates."""
     concrete = resolve_layouts(concretize(fusion, input_shapes, scalars))
+    check_aliases(concrete)
     for t in concrete.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")

@@ -305,7 +305,7 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     plan = fd.plan
     default_mesh = next(iter(torch_meshes.items()), None)
     result = []
-    for name, out, sharding in zip(plan.fusion.outputs, outputs, fd.output_shardings()):
+    for name, out, sharding in zip(plan.returned(), outputs, fd.output_shardings()):
         if sharding.mesh is None:  # no mesh: the same full value on every rank
             if default_mesh is None:
                 raise InputError("execute_with_dtensors: no input is a DTensor; use fd.execute")

@@ -33,6 +33,11 @@ class ExecutionError(TPFusionError, RuntimeError):
     """A rank failed while running a plan; says which rank and in which segment."""
 
 
+class ValidationError(TPFusionError, AssertionError):
+    """``fd.validate``: an output that differs from its reference beyond the tolerance (the message names the
+    output and the largest difference)."""
+
+
 class UnsupportedPlacementError(LoweringError):
     """A DTensor placement that cannot annotate a fusion input (Partial, strided, one dim on two mesh axes)."""
 

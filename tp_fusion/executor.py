@@ -113,7 +113,8 @@ class Executor:
                                  "interleave otherwise)")
         try:
             with _as_declared():
-                return self._run(inputs)
+                outputs, program = self._run(inputs)
+            return _write_aliases(self.fusion, program, inputs, outputs), program
         finally:
             _executing.release()
 
@@ -217,6 +218,32 @@ def _device_of(inputs: list) -> torch.device:
     if dist.is_initialized() and dist.backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _write_aliases(fusion: Fusion, program: Program, inputs: list, outputs: list) -> list[torch.Tensor]:
+    """What ``execute`` returns: ``outputs`` (one per output of ``fusion``) less the aliased ones, which are
+    written into their inputs in place first (``add_output(tv, alias_input=)``; the plan gave them the
+    inputs' shardings). As in nvFuser, a plain output of an aliased tensor or of its input is then that
+    input itself, where the plan gives it the input's sharding. Runs in the caller's mode (not
+    ``_as_declared``'s), so that an inference tensor is written in inference mode."""
+    if not fusion.aliases:
+        return outputs
+    position = {name: k for k, name in enumerate(fusion.inputs)}
+    holds = {}  # tensor of the definition -> (the input now holding its value, that input's name)
+    with torch.no_grad():
+        for p, i in fusion.aliases:
+            x = inputs[position[i]]
+            x.copy_(outputs[p])
+            holds[fusion.outputs[p]] = holds[i] = (x, i)
+    lowered, aliased = program.fusion, dict(fusion.aliases)
+    returned = []
+    for p, (name, out) in enumerate(zip(fusion.outputs, outputs)):
+        if p in aliased:
+            continue
+        x, i = holds.get(name, (out, None))
+        same = i is not None and lowered.tensor(lowered.outputs[p]).sharding == lowered.tensor(i).sharding
+        returned.append(x if same else out)
+    return returned
 
 
 def _exchange_extents(fusion: Fusion, inputs: list, view: _InputView) -> tuple[tuple[int, ...], ...]:

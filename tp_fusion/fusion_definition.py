@@ -460,6 +460,7 @@ class FusionDefinition:
         self._layouts: dict[int, Layout] = {}  # input name -> declared layout (define_tensor)
         self._scalars: set[int] = set()  # the 0-d tensors that stand for scalars (Scalar handles): inputs, ops on them
         self._size_scalars: dict[SymbolicSize, int] = {}  # symbolic sizes that arithmetic took, as Scalars
+        self._aliases: dict[int, int] = {}  # output position -> the input it is written into (add_output)
         self.ops = _OpsNamespace(self)
         self._plan = None
         self._executor = None
@@ -490,7 +491,8 @@ class FusionDefinition:
         inputs = FusionInputs(self._inputs)
         inputs._fd, inputs.layouts = self, dict(self._layouts)
         inputs.scalars = frozenset(self._scalars.intersection(self._inputs))
-        return Fusion(tuple(self._tensors), tuple(self._ops), inputs, tuple(self._outputs))
+        return Fusion(tuple(self._tensors), tuple(self._ops), inputs, tuple(self._outputs),
+                      aliases=tuple(self._aliases.items()))
 
     def __str__(self) -> str:
         return str(self.fusion)
@@ -615,13 +617,41 @@ class FusionDefinition:
             raise DefinitionError(f"define_vector: size must be an int >= 0, got {size!r}")
         return [self.define_scalar(None, dtype) for _ in range(n[0])]
 
-    def add_output(self, tv: TensorView) -> None:
-        """Make ``tv`` an output: ``execute`` returns this rank's local shard of it, in order of calls."""
+    def add_output(self, tv: TensorView, alias_input: TensorView | None = None) -> None:
+        """Make ``tv`` an output: ``execute`` returns this rank's local shard of it, in order of calls.
+
+        With ``alias_input`` (an input of this fusion, of ``tv``'s shape and dtype), as nvFuser's: ``execute``
+        writes ``tv``'s value into that input in place (each rank its shard, in the input's sharding: the
+        plan reshards ``tv`` to it) and does not return it. ``tv`` may also be added plainly; as in nvFuser,
+        a plain output of ``tv`` or of the input then comes back as the input tensor itself (holding the
+        new values), where the plan gives it the input's sharding.
+        """
         self._check_open("add_output")
         if not isinstance(tv, TensorView) or tv._fd is not self:
             raise DefinitionError(f"add_output: expected a TensorView of this fusion, got {tv!r}")
+        if alias_input is not None:
+            self._check_alias(tv, alias_input)
+            self._aliases[len(self._outputs)] = alias_input.name
         self._outputs.append(tv.name)
         self._changed()
+
+    def _check_alias(self, tv: TensorView, alias_input) -> None:
+        """``add_output(tv, alias_input)`` is an in-place write that ``execute`` can make: into an input of
+        this fusion of ``tv``'s shape and dtype, that no other output is written into."""
+        where = f"add_output(T{tv.name}, alias_input)"
+        if not isinstance(alias_input, TensorView) or alias_input._fd is not self or \
+                alias_input.name not in self._inputs:
+            got = repr(alias_input) if isinstance(alias_input, TensorView) else _ops.describe_value(alias_input)
+            raise DefinitionError(f"{where}: alias_input must be an input of this fusion (a define_tensor), which "
+                                  f"the output is written into in place; got {got}")
+        out, inp = self._tensors[tv.name], self._tensors[alias_input.name]
+        if out.shape != inp.shape or out.dtype != inp.dtype:
+            raise DefinitionError(f"{where}: the output {out.type_str()} is written into the input in place, so it "
+                                  f"must have the input's shape and dtype, {inp.type_str()}")
+        for p, i in self._aliases.items():
+            if i == alias_input.name or self._outputs[p] == tv.name:
+                raise DefinitionError(f"{where}: output T{self._outputs[p]} is already aliased to input T{i}; an "
+                                      "input takes one aliased output, and an output is aliased to one input")
 
     def _record(self, kind: str, inputs: Sequence[Operand], **attrs) -> TensorView | tuple:
         """Append op ``kind`` on ``inputs`` (TensorViews or numbers); shapes and dtypes are inferred
@@ -714,22 +744,44 @@ class FusionDefinition:
         Every rank of the default process group calls it, for the same fusions in the same order.
         Forward only: it runs under ``torch.no_grad``, accepts inputs that require grad and returns
         outputs that do not (``tp_fusion.autograd.function`` trains); it computes in the declared dtypes, autocast
-        or not, in or out of inference mode. Inputs are never modified. The first
+        or not, in or out of inference mode. Inputs are never modified, except inputs that an output is aliased
+        to (``add_output(tv, alias_input=)``): those are written in place. The first
         call for a new input signature compiles (and, on GPUs, times the fused segments); ``fd.plan``
         is then the program it runs. A single tensor stands for the list of it.
         """
         from tp_fusion.executor import Executor
 
         self._check_outputs("execute")
-        # A single tensor is the list of it, not its rows; anything else that is no iterable is checked
-        # with the inputs, so that every rank raises alike.
-        inputs = list(inputs) if isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor) else [inputs]
-        if self._scalars:  # a list among the inputs stands for its elements (numbers for a define_vector)
-            inputs = [v for x in inputs for v in (x if isinstance(x, (list, tuple)) else [x])]
+        inputs = self._input_list(inputs)
         if self._executor is None:
             self._executor = Executor(self.fusion, self._serial)
         outputs, self._plan = self._executor.run(inputs)
         return outputs
+
+    def _input_list(self, inputs) -> list:
+        """``inputs`` as execute takes them: a single tensor is the list of it, not its rows (anything else that
+        is no iterable is checked with the inputs, so that every rank raises alike); a list among them stands
+        for its elements (numbers for a ``define_vector``)."""
+        inputs = list(inputs) if isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor) else [inputs]
+        if self._scalars:
+            inputs = [v for x in inputs for v in (x if isinstance(x, (list, tuple)) else [x])]
+        return inputs
+
+    def validate(self, inputs: Sequence[torch.Tensor], reference_outputs: Sequence[torch.Tensor] | None = None, *,
+                 atol: float | None = None, rtol: float | None = None) -> list[torch.Tensor]:
+        """nvFuser's ``validate``: ``execute(inputs)``, then each returned output compared with its reference;
+        returns the outputs. ``reference_outputs`` holds one tensor per returned output, its GLOBAL value
+        (each rank compares its shard); without them the references are computed by evaluating the
+        definition's ops one by one on the inputs, whole and unsharded (``tp_fusion.validate.reference``),
+        which needs the inputs whole: a fusion with meshes under a process group of several ranks must be
+        given references. Tolerances are nvFuser's, by dtype and by how many elements a value sums up;
+        ``atol``/``rtol`` override them. A mismatch raises ``ValidationError`` (an AssertionError) naming
+        the output and the largest difference.
+        """
+        from tp_fusion.validate import validate
+
+        self._check_outputs("validate")
+        return validate(self, inputs, reference_outputs, atol, rtol)
 
     def compile(self, input_shapes: Sequence[Sequence[int]], rank: int = 0, device: str | torch.device = "cpu"):
         """The plan ``execute`` would run on ``rank`` for inputs of these GLOBAL shapes, without any

@@ -215,6 +215,9 @@ class Fusion:
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     segments: tuple[Segment, ...] | None = None
+    # (output position, input name): that output is written into that input in place, and not returned
+    # (``add_output(tv, alias_input=)``); positions, as passes may rename the outputs
+    aliases: tuple[tuple[int, int], ...] = ()
     _producers: dict = field(default=None, compare=False, repr=False)
     _consumers: dict = field(default=None, compare=False, repr=False)
 
@@ -258,4 +261,5 @@ class Fusion:
         for op in self.ops:
             outs = " ".join(f"{self.tensors[o].type_str()}{self.tensors[o].sharding_str()}" for o in op.outputs)
             lines.append(f"  {op} : {outs}")
+        lines += [f"  output {p} (T{self.outputs[p]}) aliased to input T{i}" for p, i in self.aliases]
         return "\n".join(lines)

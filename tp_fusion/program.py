@@ -118,9 +118,15 @@ class Program:
         """The collectives the plan runs, in order (fused segments name theirs)."""
         return [name for seg in self.segments for name in seg.collectives]
 
+    def returned(self) -> list[int]:
+        """The outputs ``execute`` returns, in order: the fusion's, less those aliased to an input (written
+        into it in place)."""
+        aliased = dict(self.fusion.aliases)
+        return [o for p, o in enumerate(self.fusion.outputs) if p not in aliased]
+
     def output_shardings(self) -> list:
-        """One Sharding per output; ``Sharding.unsharded()`` for an output without a mesh."""
-        return [self.fusion.tensor(o).sharding or Sharding.unsharded() for o in self.fusion.outputs]
+        """One Sharding per returned output; ``Sharding.unsharded()`` for an output without a mesh."""
+        return [self.fusion.tensor(o).sharding or Sharding.unsharded() for o in self.returned()]
 
     def summary(self):
         """Per segment: bytes sent/received per rank, FLOPs, fused or not (see ``tp_fusion.summary``)."""
@@ -156,7 +162,8 @@ class Program:
     def __str__(self) -> str:
         f = self.fusion
         lines = [f"Plan: {len(self.segments)} segment(s); inputs [{', '.join(f'T{i}' for i in f.inputs)}], "
-                 f"outputs [{', '.join(f'T{o}' for o in f.outputs)}]"]
+                 f"outputs [{', '.join(f'T{o}' for o in self.returned())}]"
+                 + "".join(f", T{f.outputs[p]} written into input T{i}" for p, i in f.aliases)]
         for i, seg in enumerate(self.segments):
             head = f"  segment {i}: {seg.kind}"
             if seg.fused is not None:
