@@ -13,6 +13,7 @@ __version__ = "0.2.0"
 
 from tp_fusion.errors import (
     DefinitionError,
+    EmptyFusionError,
     ExecutionError,
     InputError,
     LaunchArgumentError,
@@ -33,7 +34,7 @@ from tp_fusion.types import DataType, ParallelType
 # Partial, Replicate and Shard are importable by name (tp_fusion.Shard) but not exported by ``import *``,
 # where they would shadow torch.distributed.tensor's placements of the same names.
 __all__ = [
-    "DataType", "DefinitionError", "DeviceMesh", "ExecutionError", "FusionDefinition", "InputError",
+    "DataType", "DefinitionError", "DeviceMesh", "EmptyFusionError", "ExecutionError", "FusionDefinition", "InputError",
     "LaunchArgumentError", "LaunchError", "LoweringError", "ParallelType", "Sharding", "ShardingError",
     "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
     "ValidationError", "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",

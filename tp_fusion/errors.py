@@ -12,6 +12,10 @@ class DefinitionError(TPFusionError, ValueError):
     """An op recorded with operands whose shapes, dtypes or arguments do not fit."""
 
 
+class EmptyFusionError(DefinitionError, NotImplementedError):
+    """``execute``, ``compile`` or ``validate`` of a fusion without outputs (nvFuser raises a NotImplementedError)."""
+
+
 class UnknownOpError(DefinitionError, AttributeError):
     """``fd.ops.<name>`` for an op that does not exist; the message lists the ops there are."""
 

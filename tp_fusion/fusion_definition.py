@@ -16,7 +16,7 @@ import torch
 
 from tp_fusion import loop as loops
 from tp_fusion import ops as _ops
-from tp_fusion.errors import DefinitionError, InputError, ShardingError, UnknownOpError
+from tp_fusion.errors import DefinitionError, EmptyFusionError, InputError, ShardingError, UnknownOpError
 from tp_fusion.ir import Const, Fusion, LoopAxis, Op, SymbolicSize, Tensor, freeze
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.sharding.sharding import Sharding
@@ -589,7 +589,10 @@ class FusionDefinition:
         """A constant operand ``value`` (a Python number, or a numpy scalar: the number it holds), converted
         to ``dtype`` when given (None or ``DataType.Null``: kept as it is). Without a value, nvFuser's
         symbolic scalar: an input of ``dtype`` (default Double) that ``execute`` takes as a number, in
-        order with the other inputs (a ``Scalar``)."""
+        order with the other inputs (a ``Scalar``); ``define_scalar(DataType.Int)`` is one of that dtype, as in
+        nvFuser."""
+        if isinstance(value, DataType) and dtype is None:
+            value, dtype = None, value
         if value is None:
             dtype = DataType.Double if dtype in (None, DataType.Null) else _ops.tensor_dtype("define_scalar", dtype)
             tv = self._new_tensor((), dtype)
@@ -827,10 +830,12 @@ class FusionDefinition:
 
     def _check_outputs(self, what: str) -> None:
         """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not
-        an empty list that a caller unpacks far from the cause."""
+        an empty list that a caller unpacks far from the cause. (The texts start as nvFuser's.)"""
         if not self._outputs:
-            raise DefinitionError(f"{what}: the fusion has no outputs; record its ops and mark its results with "
-                                  "fd.add_output(tv) inside `with FusionDefinition() as fd:`")
+            state = "Fusion is empty!" if self._closed or self._tensors else "Fusion does not exist!"
+            raise EmptyFusionError(f"{what}: {state} The fusion has no outputs; record its ops and mark its results "
+                                   "with fd.add_output(tv) inside `with FusionDefinition() as fd: ...` to define a "
+                                   "fusion")
 
     def output_shardings(self) -> list:
         """One Sharding per output, from the plan of the last ``execute``."""

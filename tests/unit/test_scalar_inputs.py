@@ -81,7 +81,7 @@ def test_seeds_indices_and_scatter_values_from_scalars():
     with FusionDefinition() as fd:
         x = fd.define_tensor([8, 16])
         index = fd.define_tensor([8, 16], dtype=DataType.Int)
-        seed = fd.define_scalar(None, dtype=DataType.Int)
+        seed = fd.define_scalar(DataType.Int)  # nvFuser's spelling of a scalar input of a dtype
         row = fd.define_scalar(None, dtype=DataType.Int)
         src = fd.define_scalar(None, dtype=DataType.Double)
         fd.add_output(fd.ops.uniform(0.0, 1.0, [8, 16], rng_seed=seed, rng_offset=0))
