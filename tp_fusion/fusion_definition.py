@@ -832,10 +832,11 @@ class FusionDefinition:
         """A fusion without outputs computes nothing: an error at its first use (alike on every rank), not
         an empty list that a caller unpacks far from the cause. (The texts start as nvFuser's.)"""
         if not self._outputs:
-            state = "Fusion is empty!" if self._closed or self._tensors else "Fusion does not exist!"
-            raise EmptyFusionError(f"{what}: {state} The fusion has no outputs; record its ops and mark its results "
-                                   "with fd.add_output(tv) inside `with FusionDefinition() as fd: ...` to define a "
-                                   "fusion")
+            if not (self._closed or self._tensors):
+                raise EmptyFusionError(f"{what}: Fusion does not exist! Use `with FusionDefinition() as fd: ...` to "
+                                       "define a fusion. Record its ops and mark its results with fd.add_output(tv)")
+            raise EmptyFusionError(f"{what}: Fusion is empty! It has no outputs; record its ops and mark its results "
+                                   "with fd.add_output(tv) inside `with FusionDefinition() as fd:`")
 
     def output_shardings(self) -> list:
         """One Sharding per output, from the plan of the last ``execute``."""
