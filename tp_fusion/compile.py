@@ -91,7 +91,6 @@ def _unparallelized_split(t: Tensor, dim: int) -> str:
             f"T{t.name}.axis({pieces[0]}).parallelize(ParallelType.mesh_x)")
 
 
-
 def _described(x) -> str:
     return f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
 

@@ -41,6 +41,7 @@ from tp_fusion.compile import (
 )
 from tp_fusion.errors import DefinitionError, ExecutionError, InputError, TPFusionError
 from tp_fusion.ir import Fusion
+from tp_fusion.ops import python_scalar
 from tp_fusion.program import Program
 from tp_fusion.runtime import dist, faults, symm, tuning
 from tp_fusion.runtime.runner import Runner
@@ -81,17 +82,22 @@ def _signature(inputs: Sequence, view: _InputView) -> tuple:
     the plan they find."""
     if len(inputs) != len(view.held):
         return (len(inputs),)
-    shapes = tuple(None if not h else (tuple(x.shape), x.dtype, x.device, x.layout, dist.is_dtensor(x))
-                   if isinstance(x, torch.Tensor) else type(x) for x, h in zip(inputs, view.held))
-    return shapes + tuple(_value(inputs[i]) for i in view.bound)
+    return tuple(None if not h else (tuple(x.shape), x.dtype, x.device, x.layout, dist.is_dtensor(x))
+                 if isinstance(x, torch.Tensor) else type(x) for x, h in zip(inputs, view.held))
 
 
-def _value(x):
-    """A scalar input's value (a list for a vector); None where it is no tensor (execute refuses it)."""
-    if not isinstance(x, torch.Tensor) or dist.is_dtensor(x):
-        return None
-    value = x.tolist()
-    return tuple(value) if isinstance(value, list) else value
+def _bound_values(fusion: Fusion, inputs: list, view: _InputView) -> dict[int, object]:
+    """The values of the scalar inputs that the plan is built for, by name, read off what execute was given
+    (a number is read without touching a device; a 0-d tensor is read with ``item``, None if no 0-d tensor:
+    execute refuses it)."""
+    if len(inputs) != len(view.held):
+        return {}
+    values = {}
+    for i in view.bound:
+        x = python_scalar(inputs[i])
+        values[fusion.inputs[i]] = x if not isinstance(x, torch.Tensor) else x.item() \
+            if x.dim() == 0 and not dist.is_dtensor(x) else None
+    return values
 
 
 class Executor:
@@ -124,17 +130,18 @@ class Executor:
         multi = self._sharded and world is not None and dist.world_size() > 1
         every_call = multi and agrees_every_call(dist.backend())
         rank, size = dist.rank(), dist.world_size() if dist.is_initialized() else 1
-        inputs = numbers_as_tensors(self.fusion, inputs, _device_of(inputs))
         view = self._views.get((rank, size))
         if view is None:
             view = self._views[rank, size] = _input_view(self.fusion, rank, size)
+        scalars = _bound_values(self.fusion, inputs, view)
+        inputs = numbers_as_tensors(self.fusion, inputs, _device_of(inputs))
         extents = ()
         if multi and view.exchanged:
             # The exchange is a collective that only such fusions run: first make sure that every rank
             # executes this fusion, so that a peer executing another one is told so instead of waiting.
             _agree(None, self._identity, (self._identity, "before exchanging its symbolic extents"))
             extents = _exchange_extents(self.fusion, inputs, view)
-        sig = (_signature(inputs, view), extents)
+        sig = (_signature(inputs, view), extents, tuple(scalars.values()))
         cached = self._cache.get(sig)
         if cached is not None and cached[1].world != world:
             self._cache.clear()  # the process group these were built under is gone
@@ -142,7 +149,7 @@ class Executor:
         error, refused = None, {}
         try:
             if cached is None:
-                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)), view)
+                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)), scalars)
             else:
                 program, runner, fingerprint, detail = cached
                 refused = _unkeyed_refusals(self.fusion, inputs, view, rank)
@@ -160,7 +167,7 @@ class Executor:
             if rebuild and cached is not None:
                 # A peer builds this plan (its definition was changed and changed back, say): building is
                 # collective (process groups, tuning), so this rank builds it again alongside.
-                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)), view)
+                program, fingerprint, detail = self._compile(inputs, dict(zip(view.exchanged, extents)), scalars)
                 cached = None
         deferred = None
         if error is not None:
@@ -189,10 +196,11 @@ class Executor:
         return outputs, program
 
     def _compile(self, inputs: list, known: dict[int, tuple[int, ...]],
-                 view: _InputView) -> tuple[Program, int, tuple[int, str]]:
+                 scalars: dict[int, object]) -> tuple[Program, int, tuple[int, str]]:
         """This rank's program for these inputs, its fingerprint, and (the fusion's fingerprint, a
         description of the shapes and bound scalars): what the agreement reports when the ranks differ.
-        ``known``: the exchanged global shapes of inputs this rank may hold no part of."""
+        ``known``: the exchanged global shapes of inputs this rank may hold no part of; ``scalars``: the
+        values of the scalar inputs that the plan is built for."""
         rank = dist.rank()
         if dist.is_initialized():
             check_mesh_sizes(self.fusion, dist.world_size())
@@ -201,7 +209,6 @@ class Executor:
         shapes = [known[i] if i in known and -1 in shape else shape for i, shape in enumerate(shapes)]
         device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
         _check_backend(self.fusion, inputs)
-        scalars = {self.fusion.inputs[i]: _value(inputs[i]) for i in view.bound}
         program = compile_program(self.fusion, shapes, rank, device, scalars)
         described = ", ".join(f"T{n} {list(s)}" for n, s in zip(self.fusion.inputs, shapes))
         described += "".join(f", T{n} = {v}" for n, v in scalars.items())

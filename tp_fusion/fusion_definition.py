@@ -766,7 +766,7 @@ class FusionDefinition:
         is no iterable is checked with the inputs, so that every rank raises alike); a list among them stands
         for its elements (numbers for a ``define_vector``)."""
         inputs = list(inputs) if isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor) else [inputs]
-        if self._scalars:
+        if self._scalars.intersection(self._inputs):
             inputs = [v for x in inputs for v in (x if isinstance(x, (list, tuple)) else [x])]
         return inputs
 
