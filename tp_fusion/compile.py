@@ -21,6 +21,7 @@ from tp_fusion.ir import Fusion, Op, ScalarRef, Tensor, resolve_symbols, symbols
 from tp_fusion.ops import OPS, opdef, operand_types, python_scalar, with_stride_order
 from tp_fusion.passes import run_pipeline
 from tp_fusion.program import Program, build_program
+from tp_fusion.runtime import dist
 from tp_fusion.runtime.dist import is_dtensor
 from tp_fusion.types import DataType
 
@@ -100,27 +101,37 @@ def scalar_inputs(fusion: Fusion) -> frozenset[int]:
     return getattr(fusion.inputs, "scalars", frozenset())
 
 
-def numbers_as_tensors(fusion: Fusion, inputs: list, device: torch.device) -> list:
-    """``inputs`` with each number given for a scalar input as the 0-d tensor of its dtype on ``device`` that
-    the plan takes. A value of another kind is left as it is, for ``global_input_shapes`` to refuse (on
-    every rank alike)."""
+def numbers_as_tensors(fusion: Fusion, inputs: list) -> list:
+    """``inputs`` with each number given for a scalar input as the 0-d tensor of its dtype that the plan takes,
+    on the inputs' device (``_device_of``). A value of another kind is left as it is, for
+    ``global_input_shapes`` to refuse (on every rank alike)."""
     scalars = scalar_inputs(fusion)
     if not scalars:
         return inputs
-    out = list(inputs)
+    out, device = list(inputs), _device_of(inputs)
     for i, (name, x) in enumerate(zip(fusion.inputs, inputs)):
-        dtype = fusion.tensor(name).dtype.torch
-        if name in scalars and _fits(python_scalar(x), dtype):
-            out[i] = torch.tensor(python_scalar(x), dtype=dtype, device=device)
+        if name in scalars and fits_scalar(python_scalar(x), fusion.tensor(name).dtype):
+            out[i] = torch.tensor(python_scalar(x), dtype=fusion.tensor(name).dtype.torch, device=device)
     return out
 
 
-def _fits(value, dtype: torch.dtype) -> bool:
+def _device_of(inputs: list) -> torch.device:
+    """Where scalar inputs' tensors go: the first tensor input's device; without one, the current CUDA device
+    under NCCL, else the CPU."""
+    tensor = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    if tensor is not None:
+        return tensor.device
+    if dist.is_initialized() and dist.backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def fits_scalar(value, dtype: DataType) -> bool:
     """Whether ``value`` is a Python number of ``dtype``'s kind: a bool for bool, an int (or a bool) for the
     integers, any number for the floats."""
-    if dtype == torch.bool:
+    if dtype == DataType.Bool:
         return isinstance(value, bool)
-    return isinstance(value, int) or (dtype.is_floating_point and isinstance(value, float))
+    return isinstance(value, int) or (dtype.is_floating and isinstance(value, float))
 
 
 def bound_scalar_inputs(fusion: Fusion) -> frozenset[int]:
@@ -148,10 +159,7 @@ def _scalar_evaluator(fusion: Fusion, scalars: dict, shape_of):
     def tensor(name: int) -> torch.Tensor:
         if name not in values:
             op = fusion.producer(name)
-            if op is None:
-                if name not in scalars:
-                    raise InputError(f"compile: the plan depends on the value of scalar input T{name} (an op takes "
-                                     "it as an attribute); give its value in its place")
+            if op is None:  # a scalar input: execute and compile give the values of those attributes read
                 values[name] = torch.tensor(scalars[name], dtype=fusion.tensor(name).dtype.torch)
             else:
                 args = [tensor(a) if isinstance(a, int) else a.value for a in op.inputs]

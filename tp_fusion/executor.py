@@ -134,7 +134,7 @@ class Executor:
         if view is None:
             view = self._views[rank, size] = _input_view(self.fusion, rank, size)
         scalars = _bound_values(self.fusion, inputs, view)
-        inputs = numbers_as_tensors(self.fusion, inputs, _device_of(inputs))
+        inputs = numbers_as_tensors(self.fusion, inputs)
         extents = ()
         if multi and view.exchanged:
             # The exchange is a collective that only such fusions run: first make sure that every rank
@@ -216,17 +216,6 @@ class Executor:
         return program, _fingerprint(self._identity, tuple(map(tuple, shapes)), scalars), detail
 
 
-def _device_of(inputs: list) -> torch.device:
-    """Where scalar inputs' tensors go: the first tensor input's device; without one, the current CUDA device
-    under NCCL, else the CPU."""
-    tensor = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
-    if tensor is not None:
-        return tensor.device
-    if dist.is_initialized() and dist.backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _write_aliases(fusion: Fusion, program: Program, inputs: list, outputs: list) -> list[torch.Tensor]:
     """What ``execute`` returns: ``outputs`` (one per output of ``fusion``) less the aliased ones, which are
     written into their inputs in place first (``add_output(tv, alias_input=)``; the plan gave them the
@@ -242,12 +231,10 @@ def _write_aliases(fusion: Fusion, program: Program, inputs: list, outputs: list
             x = inputs[position[i]]
             x.copy_(outputs[p])
             holds[fusion.outputs[p]] = holds[i] = (x, i)
-    lowered, aliased = program.fusion, dict(fusion.aliases)
-    returned = []
-    for p, (name, out) in enumerate(zip(fusion.outputs, outputs)):
-        if p in aliased:
-            continue
-        x, i = holds.get(name, (out, None))
+    lowered, returned = program.fusion, []
+    for p in fusion.returned:
+        out = outputs[p]
+        x, i = holds.get(fusion.outputs[p], (out, None))
         same = i is not None and lowered.tensor(lowered.outputs[p]).sharding == lowered.tensor(i).sharding
         returned.append(x if same else out)
     return returned

@@ -795,7 +795,7 @@ class FusionDefinition:
         >>> plan = fd.compile([[4096, 1024], [4096, 1024], [4096], [1024, 4096]], rank=0)
         >>> print(plan); print(plan.collectives())
         """
-        from tp_fusion.compile import compile_program
+        from tp_fusion.compile import compile_program, fits_scalar
 
         self._check_outputs("compile")
         if not isinstance(input_shapes, Sequence) or len(input_shapes) != len(self._inputs):
@@ -808,8 +808,9 @@ class FusionDefinition:
         for name, given in zip(self._inputs, input_shapes):
             if name in self._scalars:  # a scalar input: its value
                 value = _ops.python_scalar(given)
-                if not isinstance(value, (int, float, bool)):
-                    raise InputError(f"compile: input T{name} is a scalar; give its value (a number), got {given!r}")
+                if not fits_scalar(value, self._tensors[name].dtype):
+                    raise InputError(f"compile: input T{name} is a scalar; give its value (a number of its kind, "
+                                     f"{self._tensors[name].dtype.torch}), got {given!r}")
                 shapes.append(())
                 scalars[name] = value
                 continue
@@ -886,8 +887,9 @@ class _OpsNamespace:
 
 def _method(name: str, front):
     def method(self, *args, **kwargs):
-        args, kwargs = map(_ops.python_scalar, args), {k: _ops.python_scalar(v) for k, v in kwargs.items()}
-        return front(_ops.Recorder(self._fd, name), *args, **kwargs)
+        rec = _ops.Recorder(self._fd, name)
+        args, kwargs = [rec.argument(a) for a in args], {k: rec.argument(v) for k, v in kwargs.items()}
+        return front(rec, *args, **kwargs)
     sig = _ops.front_signature(front)
     method.__signature__ = sig.replace(parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
                                                    *sig.parameters.values()])

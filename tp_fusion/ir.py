@@ -231,6 +231,12 @@ class Fusion:
         return self.tensors[name]
 
     @property
+    def returned(self) -> tuple[int, ...]:
+        """The positions of the outputs ``execute`` returns: all but those aliased to an input."""
+        aliased = {p for p, _ in self.aliases}
+        return tuple(p for p in range(len(self.outputs)) if p not in aliased)
+
+    @property
     def has_meshes(self) -> bool:
         return any(t.sharding is not None for t in self.tensors)
 

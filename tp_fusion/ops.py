@@ -336,9 +336,13 @@ class Recorder:
     def other(self, kind: str, *operands, **attrs):
         return self._fd._record(kind, operands, **attrs)
 
-    def scalar_of(self, size: SymbolicSize):
-        """The ``Scalar`` of a symbolic size's value, for arithmetic on it."""
-        return self._fd._size_scalar(size)
+    def argument(self, value):
+        """An argument of ``fd.ops.<op>`` as the front end takes it: a numpy scalar as its Python number, a
+        symbolic size (``fd.ops.size``) given alone as the ``Scalar`` of its value (an operand or a number that
+        compiling binds); a list keeps its sizes, as extents."""
+        if isinstance(value, SymbolicSize):
+            return self._fd._size_scalar(value)
+        return python_scalar(value)
 
     def tv(self, x, what: str = "operand"):
         from tp_fusion.fusion_definition import TensorView
@@ -510,8 +514,6 @@ def _folded(kind: str, operands, typed: bool = False, **attrs) -> Const:
 
 def _unary_front(name: str):
     def front(rec, x):
-        if isinstance(x, SymbolicSize):
-            x = rec.scalar_of(x)
         return _folded(name, [x]) if _is_scalar(x) else rec(rec.tv(x, "x"))
     front.__doc__ = f"``torch.{name}(x)``, elementwise; on a scalar (a number or ``define_scalar``), a scalar."
     return front
@@ -522,7 +524,6 @@ def _pointwise_operands(rec, *operands, **attrs):
     a scalar (``_folded``)."""
     from tp_fusion.fusion_definition import TensorView
 
-    operands = [rec.scalar_of(a) if isinstance(a, SymbolicSize) else a for a in operands]
     if any(isinstance(a, TensorView) for a in operands):
         return rec(*operands, **attrs)
     if not all(map(_is_scalar, operands)):
@@ -644,8 +645,6 @@ def _cast(x, dtype):
 
 def _cast_front(rec, x, dtype):
     """``x`` converted to ``dtype`` (a DataType); a number or define_scalar, a define_scalar of ``dtype``."""
-    if isinstance(x, SymbolicSize):
-        x = rec.scalar_of(x)
     if _is_scalar(x):
         return _folded("cast", [x], typed=True, dtype=rec.dtype(dtype))
     return rec(rec.tv(x, "x"), dtype=rec.dtype(dtype))
@@ -1865,16 +1864,14 @@ def _embedding_front(rec, input, weight, padding_idx=None, max_norm=None, norm_t
     _integer_indices("embedding_fwd", idx, "input")
     if w.ndim != 2:
         _fail("embedding_fwd", f"weight T{w.name} {w._ir.type_str()} must be 2-D [num_embeddings, embedding_dim]")
-    def number(value, what, kind=(int, float)):
-        return None if value is None else _number("embedding_fwd", value, what, kind)
+    def number(value, what, kind=(int, float), cast=float):
+        return None if value is None else _number("embedding_fwd", value, what, kind, cast=cast)
     max_norm, norm_type = number(max_norm, "max_norm"), number(norm_type, "norm_type")
-    pad, v = number(padding_idx, "padding_idx", (int,)), w.shape[0]
+    pad, v = number(padding_idx, "padding_idx", (int,), None), w.shape[0]
     if pad is not None and v >= 0 and _is_number(pad) and not -v <= pad < v:
         _fail("embedding_fwd", f"padding_idx {pad} is out of range for weight T{w.name} {w._ir.type_str()} "
                                f"({v} embeddings)")
-    return rec(idx, w, padding_idx=pad,
-               max_norm=max_norm if max_norm is None or not _is_number(max_norm) else float(max_norm),
-               norm_type=2.0 if norm_type is None else float(norm_type) if _is_number(norm_type) else norm_type)
+    return rec(idx, w, padding_idx=pad, max_norm=max_norm, norm_type=2.0 if norm_type is None else norm_type)
 
 
 register("embedding_fwd", impl=_embedding,
@@ -2200,10 +2197,10 @@ def _normal(mean, std, shape, dtype, rng_seed=None, rng_offset=None, device="cpu
     return x if (mean, std) == (0, 1) else x * std + mean
 
 
-def _number(op: str, value, what: str, kind=(int, float), symbolic: bool = True):
-    """A Python number from a number or a ``define_scalar``; where ``symbolic``, a symbolic ``Scalar`` of a
-    dtype of ``kind`` gives its ScalarRef (bound when the plan is built). A tensor or anything else is
-    refused."""
+def _number(op: str, value, what: str, kind=(int, float), symbolic: bool = True, cast: Callable | None = None):
+    """A Python number from a number or a ``define_scalar`` (converted by ``cast`` where given); where
+    ``symbolic``, a symbolic ``Scalar`` of a dtype of ``kind`` gives its ScalarRef (bound when the plan is
+    built). A tensor or anything else is refused."""
     value = _attribute(value)
     if isinstance(value, ScalarRef) and symbolic:
         category = bool if value.dtype == DataType.Bool else int if _is_integral(value) else float
@@ -2213,7 +2210,7 @@ def _number(op: str, value, what: str, kind=(int, float), symbolic: bool = True)
         got = f"a scalar of {value.dtype!r}{'' if symbolic else ' known only at execute'}" \
             if isinstance(value, ScalarRef) else repr(value)
         _fail(op, f"{what} must be {'an int' if kind == (int,) else 'a Python number'} or a define_scalar, got {got}")
-    return value
+    return value if cast is None else cast(value)
 
 
 def _is_number(value) -> bool:
@@ -2509,13 +2506,11 @@ def _sdpa_attrs(op: str, dropout_p, is_causal, scale) -> dict:
     if any(isinstance(a, TensorView) and a.is_tensor() for a in (dropout_p, is_causal, scale)):
         _fail(op, "dropout_p, is_causal and scale are numbers or define_scalars, got a TensorView (sdpfa_fwd "
                   "takes its bias and mask before them)")
-    dropout = 0.0 if dropout_p is None else _number(op, dropout_p, "dropout_p")
+    dropout = 0.0 if dropout_p is None else _number(op, dropout_p, "dropout_p", cast=float)
     if _is_number(dropout) and not 0 <= dropout < 1:
         _fail(op, f"dropout_p must lie in [0, 1), got {dropout}")
-    causal = False if is_causal is None else _number(op, is_causal, "is_causal", (bool, int))
-    scale = None if scale is None else _number(op, scale, "scale")
-    dropout, causal, scale = (v if not _is_number(v) or v is None else cast(v)
-                              for v, cast in ((dropout, float), (causal, bool), (scale, float)))
+    causal = False if is_causal is None else _number(op, is_causal, "is_causal", (bool, int), cast=bool)
+    scale = None if scale is None else _number(op, scale, "scale", cast=float)
     return {"dropout_p": dropout, "is_causal": causal, "scale": scale}
 
 

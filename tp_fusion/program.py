@@ -121,8 +121,7 @@ class Program:
     def returned(self) -> list[int]:
         """The outputs ``execute`` returns, in order: the fusion's, less those aliased to an input (written
         into it in place)."""
-        aliased = dict(self.fusion.aliases)
-        return [o for p, o in enumerate(self.fusion.outputs) if p not in aliased]
+        return [self.fusion.outputs[p] for p in self.fusion.returned]
 
     def output_shardings(self) -> list:
         """One Sharding per returned output; ``Sharding.unsharded()`` for an output without a mesh."""

@@ -86,8 +86,8 @@ def reference(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tens
     op's aten implementation with its global attributes (a factory made on the inputs' device). Meshes
     and schedules are ignored, so ``inputs`` are the GLOBAL tensors. An unseeded random draw has no
     reference (it draws anew on every call): InputError."""
+    inputs = numbers_as_tensors(fusion, list(inputs))
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    inputs = numbers_as_tensors(fusion, list(inputs), device)
     whole = fusion.with_tensors({t.name: t.replace(sharding=None, loop=None, annotated=False)
                                  for t in fusion.tensors if t.sharding is not None or t.loop is not None})
     shapes = global_input_shapes(whole, inputs, 0)
@@ -120,8 +120,7 @@ def validate(fd, inputs: Sequence, reference_outputs: Sequence[torch.Tensor] | N
     """``fd.validate``: ``fd.execute(inputs)``, each returned output checked against its reference (see
     ``FusionDefinition.validate``); returns the outputs."""
     fusion = fd.fusion
-    aliased = dict(fusion.aliases)
-    returned = [(p, o) for p, o in enumerate(fusion.outputs) if p not in aliased]
+    returned = [(p, fusion.outputs[p]) for p in fusion.returned]
     inputs = fd._input_list(inputs)
     if reference_outputs is None:
         if fusion.has_meshes and dist.is_initialized() and dist.world_size() > 1:
