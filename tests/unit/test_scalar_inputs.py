@@ -137,6 +137,8 @@ def test_compile_takes_a_scalar_inputs_value_in_its_place():
     assert "reshape(T0, shape=[3, -1]) : f32[3, 8]" in str(plan)
     with pytest.raises(InputError, match="input T1 is a scalar; give its value"):
         fd.compile([[6, 4], [3]])
+    with pytest.raises(InputError, match=r"a number of its kind, torch.int64\), got 2.5"):  # as execute refuses it
+        fd.compile([[6, 4], 2.5])
 
 
 def test_a_scalar_where_a_number_must_be_known_now_is_refused():
