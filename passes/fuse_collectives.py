@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tp_fusion.sharding.reshard import Collective
 
-from tp_fusion.ir import Fusion, Op, Segment
+from tp_fusion.ir import Fusion, Op, Segment, symbols_of
 from tp_fusion.ops import OPS, Trait, is_plain_gemm, traits
 
 
@@ -41,13 +41,14 @@ def _gathers_rows(fusion: Fusion, ag: Op, gemm: Op) -> bool:
 def _epilogue(fusion: Fusion, ops: tuple[int, ...], result: int) -> list[int]:
     """The leading ``ops`` that a fused allgather+GEMM runs on its result ``result`` as its epilogue: unary
     pointwise ops, each the one reader of the one before, that keep the GEMM's dtype (the kernels write
-    the epilogue into the GEMM's output chunks; a cast to another dtype runs after the segment)."""
+    the epilogue into the GEMM's output chunks; a cast to another dtype runs after the segment; so does an op
+    whose attributes scalar inputs give per call)."""
     taken = []
     dtype = fusion.tensor(result).dtype
     for i in ops:
         op = fusion.ops[i]
         if not traits(op.kind) & Trait.EPILOGUE or op.inputs != (result,) or not _single_use(fusion, result) \
-                or fusion.tensor(op.outputs[0]).dtype != dtype:
+                or fusion.tensor(op.outputs[0]).dtype != dtype or symbols_of(op.attrs):
             break
         taken.append(i)
         result = op.outputs[0]

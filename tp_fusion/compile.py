@@ -9,8 +9,9 @@ communication. The executor calls both on every rank; ``FusionDefinition.compile
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -134,10 +135,17 @@ def fits_scalar(value, dtype: DataType) -> bool:
     return isinstance(value, int) or (dtype.is_floating and isinstance(value, float))
 
 
-def bound_scalar_inputs(fusion: Fusion) -> frozenset[int]:
-    """The scalar inputs whose values some op takes as an attribute (through ops on scalars too): a plan is
-    built for their values."""
-    todo = [ref.tensor for op in fusion.ops for ref in symbols_of(op.attrs)]
+def _attribute_refs(fusion: Fusion, per_call: bool) -> tuple[ScalarRef, ...]:
+    """The ScalarRefs the ops take as attributes: those read per call (in ``OpDef.value_attrs``) or those a
+    plan is built for (the others), in order, once each."""
+    refs = (ref for op in fusion.ops for k, v in op.attrs
+            if (k in opdef(op.kind).value_attrs) == per_call for ref in symbols_of(v))
+    return tuple(dict.fromkeys(refs))
+
+
+def _inputs_read(fusion: Fusion, refs: Sequence[ScalarRef]) -> frozenset[int]:
+    """The scalar inputs whose values ``refs`` depend on (through ops on scalars too)."""
+    todo = [ref.tensor for ref in refs]
     seen: set[int] = set()
     while todo:
         name = todo.pop()
@@ -149,6 +157,33 @@ def bound_scalar_inputs(fusion: Fusion) -> frozenset[int]:
             todo.extend(producer.tensor_inputs)
             todo.extend(ref.tensor for ref in symbols_of(producer.attrs))
     return frozenset(seen & set(fusion.inputs))
+
+
+def bound_scalar_inputs(fusion: Fusion) -> frozenset[int]:
+    """The scalar inputs whose values some op takes as an attribute that shapes the plan (an extent, an
+    index): a plan is built for their values."""
+    return _inputs_read(fusion, _attribute_refs(fusion, per_call=False))
+
+
+def per_call_scalar_inputs(fusion: Fusion) -> frozenset[int]:
+    """The scalar inputs whose values some op takes as a value attribute (``OpDef.value_attrs``): read at
+    every call."""
+    return _inputs_read(fusion, _attribute_refs(fusion, per_call=True))
+
+
+def per_call_numbers(fusion: Fusion) -> Callable[[dict], dict] | None:
+    """For a concrete fusion (``concretize``): ``numbers(scalars)``, the numbers of its value attributes
+    that scalar inputs give (``OpDef.value_attrs``), by ScalarRef, from the scalar inputs' values (by
+    name); computed at every call, so a new seed or fill value builds no new plan. None: no such
+    attribute."""
+    refs = _attribute_refs(fusion, per_call=True)
+    if not refs:
+        return None
+
+    def numbers(scalars: dict) -> dict:
+        value_of = _scalar_evaluator(fusion, scalars, lambda name: fusion.tensor(name).shape)
+        return {ref: value_of(ref) for ref in refs}
+    return numbers
 
 
 def _scalar_evaluator(fusion: Fusion, scalars: dict, shape_of):
@@ -245,11 +280,12 @@ def check_mesh_sizes(fusion: Fusion, world: int) -> None:
 
 
 def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars: dict | None = None) -> Fusion:
-    """The fusion with every symbol bound: shapes re-inferred from the inputs' sizes, the attributes that
-    scalars give (``ScalarRef``) from the values ``scalars`` of the scalar inputs (by name) that they read.
+    """The fusion with its symbols bound: shapes re-inferred from the inputs' sizes, the attributes that
+    scalars give (``ScalarRef``) from the values ``scalars`` of the scalar inputs (by name) that they read,
+    except value attributes (``OpDef.value_attrs``), which each call gives (``per_call_numbers``).
     A fusion without symbols whose inputs have the defined shapes is returned as it is."""
     if all(tuple(s) == fusion.tensor(n).shape for n, s in zip(fusion.inputs, input_shapes)) and \
-            not any(-1 in t.shape for t in fusion.tensors) and not any(symbols_of(op.attrs) for op in fusion.ops):
+            not any(-1 in t.shape for t in fusion.tensors) and not _attribute_refs(fusion, per_call=False):
         return fusion
     tensors = list(fusion.tensors)
     for name, shape in zip(fusion.inputs, input_shapes):
@@ -258,8 +294,10 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars:
     value_of = _scalar_evaluator(fusion, scalars or {}, shape_of)
     ops = []
     for op in fusion.ops:
+        per_call = opdef(op.kind).value_attrs
         try:
-            op = op.replace(attrs=resolve_symbols(op.attrs, shape_of, value_of))
+            op = op.replace(attrs=tuple((k, resolve_symbols(v, shape_of, _kept if k in per_call else value_of))
+                                        for k, v in op.attrs))
         except TPFusionError:
             raise
         except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -276,6 +314,11 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars:
         for o, out in zip(op.outputs, outs):
             tensors[o] = _bound(tensors[o], out.shape, op)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))
+
+
+def _kept(ref: ScalarRef) -> ScalarRef:
+    """A value attribute's ScalarRef, left for each call to give its number (``per_call_numbers``)."""
+    return ref
 
 
 def _bound(t: Tensor, shape: tuple[int, ...], producer: Op | None) -> Tensor:
@@ -330,4 +373,4 @@ def compile_program(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], ran
     for t in lowered.tensors:
         if t.sharding is not None:
             t.sharding.check_divides(t.shape, f"T{t.name} {t.type_str()}")
-    return build_program(lowered, rank, device)
+    return dataclasses.replace(build_program(lowered, rank, device), numbers=per_call_numbers(concrete))

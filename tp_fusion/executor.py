@@ -38,6 +38,7 @@ from tp_fusion.compile import (
     declared_layouts,
     global_input_shapes,
     numbers_as_tensors,
+    per_call_scalar_inputs,
 )
 from tp_fusion.errors import DefinitionError, ExecutionError, InputError, TPFusionError
 from tp_fusion.ir import Fusion
@@ -60,6 +61,7 @@ class _InputView:
     checked: tuple[int, ...]  # checked on every call, as the key leaves them out: unheld, or with a declared layout
     exchanged: tuple[int, ...]  # symbolic extents some rank cannot know (it holds no part): exchanged every call
     bound: tuple[int, ...]  # scalar inputs whose values the plan is built for (ops take them as attributes)
+    per_call: tuple[int, ...]  # scalar inputs that value attributes read (``OpDef.value_attrs``): every call
 
 
 def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
@@ -70,8 +72,9 @@ def _input_view(fusion: Fusion, rank: int, world: int) -> _InputView:
                     if not h or (name in layouts and layouts[name].constrains))
     exchanged = tuple(i for i, t in enumerate(tensors)
                       if -1 in t.shape and not all(t.held_by(r) for r in range(world)))
-    bound = bound_scalar_inputs(fusion)
-    return _InputView(held, checked, exchanged, tuple(i for i, name in enumerate(fusion.inputs) if name in bound))
+    bound, per_call = bound_scalar_inputs(fusion), per_call_scalar_inputs(fusion)
+    return _InputView(held, checked, exchanged, tuple(i for i, name in enumerate(fusion.inputs) if name in bound),
+                      tuple(i for i, name in enumerate(fusion.inputs) if name in per_call))
 
 
 def _signature(inputs: Sequence, view: _InputView) -> tuple:
@@ -86,14 +89,14 @@ def _signature(inputs: Sequence, view: _InputView) -> tuple:
                  if isinstance(x, torch.Tensor) else type(x) for x, h in zip(inputs, view.held))
 
 
-def _bound_values(fusion: Fusion, inputs: list, view: _InputView) -> dict[int, object]:
-    """The values of the scalar inputs that the plan is built for, by name, read off what execute was given
-    (a number is read without touching a device; a 0-d tensor is read with ``item``, None if no 0-d tensor:
-    execute refuses it)."""
-    if len(inputs) != len(view.held):
+def _scalar_values(fusion: Fusion, inputs: list, indices: tuple[int, ...]) -> dict[int, object]:
+    """The values of the scalar inputs at ``indices`` (those the plan is built for, or those read per call),
+    by name, read off what execute was given (a number is read without touching a device; a 0-d tensor is
+    read with ``item``, None if no 0-d tensor: execute refuses it)."""
+    if len(inputs) != len(fusion.inputs):
         return {}
     values = {}
-    for i in view.bound:
+    for i in indices:
         x = python_scalar(inputs[i])
         values[fusion.inputs[i]] = x if not isinstance(x, torch.Tensor) else x.item() \
             if x.dim() == 0 and not dist.is_dtensor(x) else None
@@ -133,7 +136,8 @@ class Executor:
         view = self._views.get((rank, size))
         if view is None:
             view = self._views[rank, size] = _input_view(self.fusion, rank, size)
-        scalars = _bound_values(self.fusion, inputs, view)
+        scalars = _scalar_values(self.fusion, inputs, view.bound)
+        read = _scalar_values(self.fusion, inputs, view.per_call)
         inputs = numbers_as_tensors(self.fusion, inputs)
         extents = ()
         if multi and view.exchanged:
@@ -184,11 +188,12 @@ class Executor:
             _progress.before_call(world, program.rank, symm.release_waits)
         if multi and not every_call:
             _lagged.check_and_launch(world, fingerprint)
+        numbers = program.numbers(read) if program.numbers is not None else None
         if cached is None:
             runner = Runner(program)  # creates process groups: after the agreement
-            program, runner = tuning.tune(program, runner, inputs)
+            program, runner = tuning.tune(program, runner, inputs, numbers)
             self._cache[sig] = (program, runner, fingerprint, detail)
-        outputs = runner.run(inputs)
+        outputs = runner.run(inputs, numbers)
         if guarded:
             _progress.after_call()
         if deferred is not None:

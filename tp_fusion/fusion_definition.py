@@ -303,9 +303,10 @@ class TensorView:
 class Scalar(TensorView):
     """A scalar known only at execute (nvFuser's symbolic scalar Val): an input that ``execute`` takes as a
     number (``define_scalar(None, dtype)``), or an op on such scalars. Ops take it as a 0-d tensor of its
-    dtype (torch promotes it as one: ``mul(f32_tensor, double_scalar)`` is float32), read at every call;
-    where they take a number instead (an extent, a fill value, a seed, an index), its value is bound when
-    the plan is built: a plan per value of the scalar inputs that attributes read."""
+    dtype (torch promotes it as one: ``mul(f32_tensor, double_scalar)`` is float32), read at every call.
+    Where they take a number instead, it is read at every call if it only sets values (a fill value, a
+    bound, a seed: ``OpDef.value_attrs``); otherwise (an extent, an index) its value is bound when the
+    plan is built: a plan per value of the scalar inputs that those attributes read."""
 
     def is_tensor(self) -> bool:
         """False: a scalar (nvFuser's Val method)."""

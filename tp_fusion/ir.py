@@ -116,7 +116,8 @@ class ScalarRef:
     """A number an op takes as an attribute (an extent, a fill value, a seed) given by a scalar known only at
     execute: the value of 0-d tensor ``tensor`` (a ``define_scalar(None, dtype)`` input, or an op on such
     scalars), as ``dtype`` (an extent is an Int, whatever the scalar's dtype; a whole number). Compiling
-    replaces it with the value, so a plan is built per value of the scalar inputs it depends on."""
+    replaces it with the value, so a plan is built per value of the scalar inputs it depends on; in a value
+    attribute (``OpDef.value_attrs``) it stays, and each call gives its number (``compile.per_call_numbers``)."""
 
     tensor: int
     dtype: DataType

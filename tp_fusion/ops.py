@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
-import itertools
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -102,6 +101,10 @@ class OpDef:
     # what propagation may run instead where the op would gather a dim it normalizes over (None: no such; a
     # recipe that writes nothing does not apply to that op, which stays whole)
     decompose: Callable | None = None
+    # the attributes that set values only (a fill value, a bound, a seed), not shapes, dtypes, shardings or
+    # any choice of the plan: a scalar input given there is read at every call, so a new value builds no
+    # new plan (``compile.per_call_numbers``); the other attributes a scalar input gives are bound per plan
+    value_attrs: frozenset[str] = frozenset()
 
     def has(self, trait: Trait) -> bool:
         return bool(self.traits & trait)
@@ -730,7 +733,7 @@ def _threshold_front(rec, x, threshold, value):
 for _name, _impl, _front in (("lerp", _lerp, _lerp_front), ("addcmul", _addcmul, _addcmul_front),
                              ("clamp", _clamp, _clamp_front), ("threshold", _threshold, _threshold_front)):
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE, rule=rules.pointwise(),
-             flops=_flops_output, front=_front)
+             flops=_flops_output, front=_front, value_attrs=frozenset({"value", "min", "max", "threshold"}))
 
 
 def _set_front(rec, x):
@@ -2130,7 +2133,8 @@ def _full_localize(attrs: dict, s: Localize) -> dict:
 
 
 register("full", impl=_full, infer=lambda args, attrs: [TensorType(_known(attrs["shape"]), attrs["dtype"])],
-         traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front)
+         traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front,
+         value_attrs=frozenset({"fill_value"}))
 
 
 def _iota(length, start, step, dtype, device="cpu"):
@@ -2158,15 +2162,23 @@ register("iota", impl=_iota, infer=lambda args, attrs: [TensorType((attrs["lengt
 
 # --- random numbers -------------------------------------------------------------------------------
 
-# Seeds of the draws given no rng_seed: every rank runs the same fusions in the same order and takes one
-# seed per call of each such op (``OpDef.fresh_seed``), also where the op does not run, so every rank
-# takes the same seeds from it.
-_UNSEEDED_DRAWS = itertools.count()
+# The draws given no rng_seed follow torch's seed, as nvFuser's do: the k-th unseeded draw since torch was
+# seeded (``torch.manual_seed``) is the draw of (``torch.initial_seed()``, offset k), so seeding torch makes
+# them reproducible, and a new seed gives new draws. Every rank runs the same fusions in the same order and
+# takes one (seed, offset) per call of each such op (``OpDef.fresh_seed``), also where the op does not run,
+# so ranks seeded alike (torch's default, or the same ``manual_seed``) draw alike.
+_unseeded_draws = {"seed": None, "offset": 0}
 
 
-def take_seed() -> int:
-    """The next seed of the unseeded draws."""
-    return next(_UNSEEDED_DRAWS)
+def take_seed() -> tuple[int, int]:
+    """The (seed, offset) of the next unseeded draw: torch's seed and the number of unseeded draws since it
+    was set (seeding torch again with the same seed goes on counting: its draws are new ones, not repeats)."""
+    seed = torch.initial_seed()
+    if seed != _unseeded_draws["seed"]:
+        _unseeded_draws.update(seed=seed, offset=0)
+    offset = _unseeded_draws["offset"]
+    _unseeded_draws["offset"] += 1
+    return seed, offset
 
 
 def _unseeded(attrs: dict) -> bool:
@@ -2183,7 +2195,7 @@ def _generator(seed: int, offset: int, device) -> torch.Generator:
 def _draw(sample: Callable, shape, dtype, rng_seed, rng_offset, device) -> torch.Tensor:
     """``sample(shape)`` (torch.rand or torch.randn) from the generator of (rng_seed, rng_offset), or of a
     fresh seed when unseeded."""
-    seed, offset = (take_seed(), 0) if rng_seed is None else (rng_seed, rng_offset)
+    seed, offset = take_seed() if rng_seed is None else (rng_seed, rng_offset)
     return sample(shape, generator=_generator(seed, offset, device), dtype=dtype.torch, device=device)
 
 
@@ -2241,7 +2253,9 @@ def _uniform_front(rec, low=None, high=None, shape=None, *, minval=None, maxval=
     The draw is a function of (``rng_seed``, ``rng_offset``) alone: the same on every rank and in
     every run, so a backward fusion redraws a forward's dropout mask. A sharded result is the matching
     slice of the unsharded draw (each rank draws the whole tensor and keeps its slice). Without a
-    seed and offset (give both or neither), every execute draws anew, alike on every rank.
+    seed and offset (give both or neither), every execute draws anew from torch's seed (``take_seed``:
+    reproducible after ``torch.manual_seed``), alike on ranks seeded alike. A seed or offset given by a
+    scalar input is read at every call (no plan per seed).
     """
     low, high = (_either_name("uniform", *names) for names in ((low, "low", minval, "minval"),
                                                                 (high, "high", maxval, "maxval")))
@@ -2271,7 +2285,8 @@ def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtyp
 for _name, _impl, _front in (("uniform", _uniform, _uniform_front), ("normal", _normal, _normal_front)):
     register(_name, impl=_impl, infer=lambda args, attrs: [TensorType(_known(attrs["shape"]), attrs["dtype"])],
              traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
-             front=_front, uncapturable=lambda ins, attrs: True, fresh_seed=_unseeded)
+             front=_front, uncapturable=lambda ins, attrs: True, fresh_seed=_unseeded,
+             value_attrs=frozenset({"rng_seed", "rng_offset", "minval", "maxval", "mean", "std"}))
 
 
 def _like_front(name: str, kind: str, front: Callable, what: str):
@@ -2367,12 +2382,12 @@ def _dropout_scale(shape, dropout_p: float, philox_seed, device):
     return keep / (1 - dropout_p)
 
 
-def _no_dropout_rng(device, seed: int = 0):
+def _no_dropout_rng(device, seed: int = 0, offset: int = 0):
     """The (philox seed u64[2], offset u64[]) outputs of a path that draws no mask from aten's generator:
-    ``seed`` seeds the math path's own dropout draw. Seed 0 takes no copy from the host (a CUDA graph
-    can capture it)."""
-    seeds = torch.zeros(2, dtype=torch.uint64, device=device) if seed == 0 else \
-        torch.tensor([seed, 0], dtype=torch.uint64, device=device)
+    (``seed``, ``offset``) seed the math path's own dropout draw. (0, 0) takes no copy from the host (a CUDA
+    graph can capture it)."""
+    seeds = torch.zeros(2, dtype=torch.uint64, device=device) if (seed, offset) == (0, 0) else \
+        torch.tensor([seed, offset], dtype=torch.uint64, device=device)
     return seeds, torch.zeros((), dtype=torch.uint64, device=device)
 
 
@@ -2392,7 +2407,7 @@ def _sdpfa_fwd(q, k, v, *terms, dropout_p=0.0, is_causal=False, scale=None):
     lead = q.shape[:-3]
     q4, k4, v4 = _as_4d(q, k, v)
     bias = _score_terms(terms, q, k)
-    fresh = take_seed() if dropout_p else 0  # taken on every path (fresh_seed), used by the math path's mask
+    fresh = take_seed() if dropout_p else (0, 0)  # taken on every path (fresh_seed), used by the math path's mask
     if bias is None and _cudnn_attention(q, k, v, dropout_p):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, is_causal, False,
                                                                       scale=scale)[:2]
@@ -2402,7 +2417,7 @@ def _sdpfa_fwd(q, k, v, *terms, dropout_p=0.0, is_causal=False, scale=None):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q4, k4, v4, dropout_p, is_causal, scale=scale)
     else:
-        seed, offset = _no_dropout_rng(q.device, fresh)
+        seed, offset = _no_dropout_rng(q.device, *fresh)
         if _cpu_flash(q, k, v, dropout_p) and not (bias is not None and is_causal):
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, is_causal,
                                                                                   attn_mask=bias, scale=scale)

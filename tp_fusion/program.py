@@ -11,7 +11,7 @@ Nothing here runs anything: ``tp_fusion.runtime.runner`` does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +103,8 @@ class Program:
     overlapped: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # communication segment
     #   index -> (issued after segment, awaited before segment): collectives run asynchronously so that the
     #   segments in between overlap them (``schedule_collectives``); -1 is the start, len(segments) the end
+    numbers: Callable[[dict], dict] | None = None  # the numbers of the value attributes that scalar inputs give,
+    #   from their values (``compile.per_call_numbers``): execute computes them at every call; None: none
 
     def groups(self) -> list[tuple[int, ...]]:
         """Every process group the program uses on any rank, in order (created alike on every rank)."""

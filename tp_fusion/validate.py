@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tp_fusion.compile import concretize, global_input_shapes, numbers_as_tensors, scalar_inputs
+from tp_fusion.compile import concretize, global_input_shapes, numbers_as_tensors, per_call_numbers, scalar_inputs
 from tp_fusion.errors import InputError, ValidationError
-from tp_fusion.ir import Fusion, Op
+from tp_fusion.ir import Fusion, Op, resolve_symbols
 from tp_fusion.ops import Localize, Trait, opdef
 from tp_fusion.passes import remove_unused
 from tp_fusion.runtime import dist
@@ -92,13 +92,16 @@ def reference(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tens
                                  for t in fusion.tensors if t.sharding is not None or t.loop is not None})
     shapes = global_input_shapes(whole, inputs, 0)
     scalars = {name: x.item() for name, x in zip(fusion.inputs, inputs) if name in scalar_inputs(fusion)}
-    concrete = remove_unused(concretize(whole, shapes, scalars))
+    concrete = concretize(whole, shapes, scalars)
+    per_call = per_call_numbers(concrete)
+    numbers = {} if per_call is None else per_call(scalars)
+    concrete = remove_unused(concrete)
     env = dict(zip(concrete.inputs, inputs))
     last_use = {a: k for k, op in enumerate(concrete.ops) for a in op.tensor_inputs}
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         for k, op in enumerate(concrete.ops):
             od = opdef(op.kind)
-            attrs = dict(op.attrs)
+            attrs = {k: resolve_symbols(v, None, numbers.__getitem__) for k, v in op.attrs}
             if od.fresh_seed is not None and od.fresh_seed(attrs):
                 raise InputError(f"validate: {op} draws unseeded random numbers, anew on every call, so it has no "
                                  "reference; give it rng_seed and rng_offset, or pass reference_outputs")

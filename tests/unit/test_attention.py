@@ -399,6 +399,26 @@ def test_uniform_range_dtype_and_unseeded_draws():
     assert not torch.equal(first, second)  # each execute draws anew without a seed
 
 
+def test_unseeded_draws_follow_torchs_seed():
+    """nvFuser's test_deterministic_random: after ``torch.manual_seed(s)``, the k-th unseeded draw is the draw
+    seeded (s, offset k); a new torch seed gives new draws."""
+    unseeded = _draw([5, 9])
+    with FusionDefinition() as seeded:
+        seed, offset = (seeded.define_scalar(None, dtype=DataType.Int) for _ in range(2))
+        seeded.add_output(seeded.ops.uniform(0.0, 1.0, [5, 9], rng_seed=seed, rng_offset=offset))
+    state = torch.get_rng_state()
+    try:
+        draws = {}
+        for s in (1234, 2**62 + 5):
+            torch.manual_seed(s)
+            draws[s] = [unseeded.execute([])[0] for _ in range(3)]
+            for k, draw in enumerate(draws[s]):
+                torch.testing.assert_close(draw, seeded.execute([s, k])[0], rtol=0, atol=0)
+        assert not torch.equal(draws[1234][0], draws[2**62 + 5][0])
+    finally:
+        torch.set_rng_state(state)
+
+
 def test_uniform_bounds_by_either_name():
     """API.md's names (low, high) and nvFuser's (minval, maxval) give the same draw; one of each pair."""
     def draw(**bounds):

@@ -79,7 +79,8 @@ def test_a_plan_whose_graphs_are_gone_runs_eagerly_on_their_mailboxes(monkeypatc
         fd.add_output(fd.ops.mul(x, x))
     runner = Runner(fd.compile([[4, 8]]))
     scopes = []
-    monkeypatch.setattr(runner, "run_eager", lambda inputs: scopes.append(symm._owner[-1] if symm._owner else None))
+    monkeypatch.setattr(runner, "run_eager",
+                        lambda inputs, numbers: scopes.append(symm._owner[-1] if symm._owner else None))
 
     class Released:
         alive = False

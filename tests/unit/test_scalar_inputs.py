@@ -1,6 +1,7 @@
 """Scalar inputs (nvFuser's ``define_scalar(None, dtype)`` and ``define_vector``): numbers that ``execute`` takes
-in order with the tensors. Ops take a scalar as a 0-d tensor, read at every call; where they take a number
-(an extent, a fill value, a seed, an index), its value is bound when the plan is built, a plan per value."""
+in order with the tensors. Ops take a scalar as a 0-d tensor, read at every call. Where they take a number that
+only sets values (a fill value, a bound, a seed: ``OpDef.value_attrs``), it is read at every call too; where the
+number shapes the plan (an extent, an index), its value is bound when the plan is built, a plan per value."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_an_operand_scalar_is_read_at_every_call_without_a_new_plan():
     assert _plans(fd) == 1
 
 
-def test_scalars_where_ops_take_numbers_are_bound_per_value():
+def test_extents_from_scalars_are_bound_per_value_and_a_fill_value_is_read_per_call():
     with FusionDefinition() as fd:
         rows = fd.define_scalar(None, dtype=DataType.Int)
         cols = fd.define_scalar(None, dtype=DataType.Int)
@@ -44,7 +45,41 @@ def test_scalars_where_ops_take_numbers_are_bound_per_value():
         y_full = torch.randn(shape)
         (out,) = fd.execute([*shape, value, y_full])
         torch.testing.assert_close(out, y_full + value)
-    assert _plans(fd) == 3
+    assert _plans(fd) == 2  # one per shape: the fill value builds no plan
+
+
+def test_seeds_bounds_and_fill_values_from_scalars_are_read_at_every_call():
+    """A training loop's seed changes every step: the draw follows it with no new plan, as do the other value
+    attributes (a clamp's bounds, a normal's mean, a fill value computed from a scalar)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 16])
+        seed = fd.define_scalar(None, dtype=DataType.Int)
+        offset = fd.define_scalar(None, dtype=DataType.Int)
+        low = fd.define_scalar(None, dtype=DataType.Double)
+        keep = fd.ops.uniform(0.0, 1.0, [8, 16], rng_seed=seed, rng_offset=offset)
+        fd.add_output(keep)
+        fd.add_output(fd.ops.normal(low, 2.0, [4], rng_seed=seed, rng_offset=offset))
+        fd.add_output(fd.ops.clamp(x, min=low, max=fd.ops.add(low, 1.0)))
+        fd.add_output(fd.ops.add(x, fd.ops.full([8, 16], fd.ops.mul(low, 2.0), DataType.Float)))
+    assert "shape=[8, 16], dtype=DataType.Float, rng_seed=T1.item(), rng_offset=T2.item()" in str(fd)
+    x_full = torch.randn(8, 16)
+    draws = []
+    for step, value in enumerate((-0.5, 0.25, -0.5)):
+        with FusionDefinition() as constant:  # the same draws with the numbers written in
+            constant.add_output(constant.ops.uniform(0.0, 1.0, [8, 16], rng_seed=100 + step, rng_offset=step * 4))
+            constant.add_output(constant.ops.normal(value, 2.0, [4], rng_seed=100 + step, rng_offset=step * 4))
+        draw, normal, clamped, shifted = fd.execute([x_full, 100 + step, step * 4, value])
+        expected_draw, expected_normal = constant.execute([])
+        torch.testing.assert_close(draw, expected_draw, rtol=0, atol=0)
+        torch.testing.assert_close(normal, expected_normal, rtol=0, atol=0)
+        torch.testing.assert_close(clamped, x_full.clamp(value, value + 1.0))
+        torch.testing.assert_close(shifted, x_full + 2 * value)
+        draws.append(draw)
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])  # seeds 100, 101, 102
+    assert _plans(fd) == 1
+    fd.validate([x_full, 5, 8, 0.75])  # its reference reads them likewise
+    plan = fd.compile([[8, 16], 3, 0, 0.5])  # the plan keeps them as numbers of the call
+    assert "rng_seed=T1.item()" in str(plan) and "min=T3.item()" in str(plan)
 
 
 def test_a_vector_is_its_scalars_and_execute_takes_it_as_one_list():
@@ -176,3 +211,28 @@ def test_a_scalar_input_on_every_rank(multidevice_test):
         torch.testing.assert_close(out, multidevice_test.shard_tensor((full * value).reshape(4, c, -1), y))
         assert fd.plan.collectives() == []
     assert _plans(fd) == 2
+
+
+@pytest.mark.ranks(2)
+def test_a_seed_from_a_scalar_input_on_every_rank(multidevice_test):
+    """A sharded draw whose seed is a scalar input: each rank keeps its slice of the whole draw of that seed,
+    and a new seed builds no new plan."""
+    mesh = DeviceMesh(range(multidevice_test.size))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        seed = fd.define_scalar(None, dtype=DataType.Int)
+        noise = fd.ops.uniform(0.0, 1.0, [4, 6], rng_seed=seed, rng_offset=0)
+        y = fd.ops.add(x, noise)
+        fd.add_output(y)
+        for tv in (x, noise, y):
+            tv.set_device_mesh(mesh)
+            tv.outer_split(0, mesh.size)
+            tv.axis(0).parallelize(ParallelType.mesh_x)
+    full = torch.randn(4, 6)
+    for s in (3, 4):
+        with FusionDefinition() as whole:
+            whole.add_output(whole.ops.uniform(0.0, 1.0, [4, 6], rng_seed=s, rng_offset=0))
+        (expected,) = whole.execute([])
+        (out,) = fd.execute([multidevice_test.shard_tensor(full, x), s])
+        torch.testing.assert_close(out, multidevice_test.shard_tensor(full + expected, y))
+    assert _plans(fd) == 1

@@ -117,13 +117,13 @@ def test_a_segment_faster_sequential_alone_runs_fused_where_the_plan_is_faster_s
         def __init__(self, program):
             self.program = program
 
-        def run_eager(self, inputs):
+        def run_eager(self, inputs, numbers):
             return fused_ms if self.program.segments[i].fused.mode == FUSED else 2.0
 
     monkeypatch.setattr(tuning, "Runner", Timed)
     monkeypatch.setattr(tuning, "time_ms", lambda fn, iters, warmup: fn())
     monkeypatch.setattr(tuning, "slowest", lambda values, pg, device: values)  # one rank, no GPU
-    chosen, runner = tuning._fused_if_faster_in_plan(alone, Timed(alone), [i], [])
+    chosen, runner = tuning._fused_if_faster_in_plan(alone, Timed(alone), [i], [], None)
     assert chosen.segments[i].fused.mode == want and runner.program is chosen
     assert chosen.notes == (f"whole plan: segment(s) {i} sequential 2.000 ms, fused {fused_ms:.3f} ms -> {want}",)
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from tp_fusion.ir import symbols_of
 from tp_fusion.ops import OPS, Trait, traits
 from tp_fusion.program import Compute
 
@@ -43,11 +44,12 @@ def mode() -> str:
 
 def fusible(step) -> bool:
     """Whether a step may join a region: a local pointwise/reduction/view op (no factory, GEMM,
-    attention or collective)."""
+    attention or collective) whose attributes are fixed in the plan."""
     if not isinstance(step, Compute) or not step.runs_here:
         return False
     t = traits(step.op.kind)
-    return bool(t & FUSIBLE) and not t & (Trait.FACTORY | Trait.COLLECTIVE | Trait.LOCAL_RESHARD)
+    return bool(t & FUSIBLE) and not t & (Trait.FACTORY | Trait.COLLECTIVE | Trait.LOCAL_RESHARD) \
+        and not symbols_of(step.attrs)  # a number read per call would be compiled in as a constant
 
 
 def split(steps: tuple, fusible_step: Callable = fusible) -> list[tuple[bool, list]]:

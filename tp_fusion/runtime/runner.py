@@ -16,6 +16,7 @@ import torch
 from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
+from tp_fusion.ir import resolve_symbols, symbols_of
 from tp_fusion.ops import OPS, is_tanh_gelu, take_seed, with_stride_order
 from tp_fusion.program import (
     FUSED,
@@ -95,7 +96,7 @@ class Runner:
                 if result is not None:
                     env[out] = result
             return run_step
-        kind, attrs, outs = s.op.kind, dict(s.attrs), s.op.outputs
+        kind, attrs, outs = s.op.kind, _attrs_per_call(dict(s.attrs)), s.op.outputs
         operands = [(a, False) if isinstance(a, int) else (a.value, True) for a in s.op.inputs]
 
         def args(env):
@@ -105,33 +106,36 @@ class Runner:
             (out,) = outs
 
             def run_one(env):
-                env[out] = OPS[kind].impl(*args(env), **attrs)
+                env[out] = OPS[kind].impl(*args(env), **attrs(env))
             return run_one
 
         def run_many(env):
-            for o, r in zip(outs, OPS[kind].impl(*args(env), **attrs)):
+            for o, r in zip(outs, OPS[kind].impl(*args(env), **attrs(env))):
                 env[o] = r
         return run_many
 
     # --- running ---------------------------------------------------------------------------------
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's outputs (replayed from a CUDA graph where the program says so)."""
+    def run(self, inputs: list[torch.Tensor], numbers: dict | None = None) -> list[torch.Tensor]:
+        """This rank's outputs (replayed from a CUDA graph where the program says so). ``numbers``: this
+        call's numbers of the value attributes that scalar inputs give (``Program.numbers``)."""
         with torch.no_grad():
             if self.graph is None:
-                return self.run_eager(inputs)
-            if self.graph.alive:
+                return self.run_eager(inputs, numbers)
+            if self.graph.alive:  # (a program with such numbers is not captured: a replay would keep them)
                 return self.graph.replay(inputs)
             # Released (before the process group goes) or not capturable again on this rank: eagerly, on
             # the graphs' own mailboxes, which the peers' replays use and keep the phases of.
             with self.graph.mailboxes:
-                return self.run_eager(inputs)
+                return self.run_eager(inputs, numbers)
 
-    def run_eager(self, inputs: list[torch.Tensor], report_faults: bool = True) -> list[torch.Tensor]:
+    def run_eager(self, inputs: list[torch.Tensor], numbers: dict | None = None,
+                  report_faults: bool = True) -> list[torch.Tensor]:
         """This rank's outputs, launched op by op. ``report_faults=False`` (tuning's graph capture)
         lets an error through as it is, without telling the peers or aborting the process group."""
         program = self.program
         env: Env = dict(zip(program.fusion.inputs, inputs))
+        env.update(numbers or {})  # keyed by their ScalarRef, read by ``_attrs_per_call``
         # Under a CUDA-graph capture every collective runs in program order on the captured stream
         # (asynchronous collectives were not tried inside a capture).
         overlapping = bool(self._async) and not (program.device.type == "cuda"
@@ -212,6 +216,14 @@ def _readers(program: Program) -> dict[int, set[int]]:
     for o, _ in program.outputs:
         readers.setdefault(o, set()).add(-1)
     return readers
+
+
+def _attrs_per_call(attrs: dict) -> Callable[[Env], dict]:
+    """``attrs(env)``: a step's attributes on a call, those that scalar inputs give per call
+    (``OpDef.value_attrs``) read from the numbers ``run_eager`` put in ``env``."""
+    if not symbols_of(tuple(attrs.values())):
+        return lambda env: attrs
+    return lambda env: {k: resolve_symbols(v, None, env.__getitem__) for k, v in attrs.items()}
 
 
 def _nothing(x) -> None:

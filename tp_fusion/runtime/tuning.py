@@ -255,10 +255,11 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
 
 def _graphable(program: Program) -> bool:
     """The same answer on every rank: CUDA with NCCL, every mesh spanning the whole world, and every op
-    capturable (``OpDef.uncapturable``: no random draw, no kernel that reads device values on the host)."""
+    capturable (``OpDef.uncapturable``: no random draw, no kernel that reads device values on the host), and
+    no attribute read per call (``Program.numbers``: a replay would keep the captured call's)."""
     world = set(range(dist.world_size()))
     fusion = program.fusion
-    return (_measures(program) and graphs.enabled()
+    return (_measures(program) and graphs.enabled() and program.numbers is None
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in fusion.tensors)
             and all(opdef(op.kind).capturable(operand_types(op, fusion.tensor), dict(op.attrs)) for op in fusion.ops))
 
@@ -332,7 +333,7 @@ def _graph_candidates(tuned: Program, runner: Runner, fused: list[int], timed_se
 
 
 def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[int],
-                             inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
+                             inputs: list[torch.Tensor], numbers: dict | None) -> tuple[Program, Runner]:
     """Fused segments that timed faster ``sequential`` on their own (``candidates``, this rank's) are run
     ``fused`` where the whole plan runs faster so. Timed alone, back to back, a fused kernel can lose to
     the collective where its GEMM is shorter than its transfers; within the plan, the sequential
@@ -346,7 +347,7 @@ def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[
     alternative = program.with_choices({i: FUSED for i in candidates}, cuda_graph=False, notes=program.notes)
     runners = {SEQUENTIAL: runner, FUSED: Runner(alternative)}
     with torch.no_grad():
-        ms = _fastest({mode: lambda env, r=r: r.run_eager(inputs) for mode, r in runners.items()}, {}, None,
+        ms = _fastest({mode: lambda env, r=r: r.run_eager(inputs, numbers) for mode, r in runners.items()}, {}, None,
                       program.device)
     mode = FUSED if ms[FUSED] < ms[SEQUENTIAL] else SEQUENTIAL
     which = ", ".join(str(i) for i in candidates) or "none on this rank"
@@ -362,21 +363,23 @@ def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
     return steady_ms(lambda: runner.run_eager(inputs), TIMED_ITERS, WARMUP, MIN_MS, None, inputs[0].device)
 
 
-def tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
+def tune(program: Program, runner: Runner, inputs: list[torch.Tensor], numbers: dict | None = None
+         ) -> tuple[Program, Runner]:
     """The program with its measured choices recorded, and a runner for it (collective: every rank
-    of the world calls it for the same program)."""
+    of the world calls it for the same program). ``numbers``: the call's, as ``Runner.run`` takes them."""
     global _tuned_at
     if not _measures(program):
-        return _tune(program, runner, inputs)
+        return _tune(program, runner, inputs, numbers)
     (idle_s,) = slowest([time.monotonic() - _tuned_at], None, program.device)  # alike on every rank
     if idle_s > SETTLE_AFTER_IDLE_S:
         _settle_gpus(program.device)
-    tuned = _tune(program, runner, inputs)
+    tuned = _tune(program, runner, inputs, numbers)
     _tuned_at = time.monotonic()
     return tuned
 
 
-def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple[Program, Runner]:
+def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor], numbers: dict | None
+          ) -> tuple[Program, Runner]:
     """``tune``'s choices, the GPUs settled."""
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
@@ -394,7 +397,7 @@ def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor]) -> tuple
                                  gelu_apart=frozenset(apart | compute_apart), kernels=kernels)
     runner = Runner(tuned)
     if _measures(program):
-        tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs)
+        tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs, numbers)
     if not _graphable(tuned):
         return tuned, runner
     with torch.no_grad():
