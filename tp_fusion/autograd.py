@@ -15,7 +15,10 @@ What each fusion sees:
   differentiable when its dtype is floating point (masks and philox seeds are not); a gradient that
   nothing produced comes as zeros;
 - the backward fusion's outputs are the gradients of the forward inputs in ``grad_inputs`` (default:
-  every input), in that order; the other inputs get no gradient.
+  every tensor input), in that order; the other inputs get no gradient;
+- a scalar input (``define_scalar(None, dtype)``: a dropout's seed, say) is a number in ``apply``; it
+  may be saved for the backward fusion (a scalar input there too) and has no gradient. A seed or offset
+  read this way builds no new plan when it changes.
 
 ``outputs`` (default: all) picks the forward outputs that ``apply`` returns; the others (layer-norm
 statistics, attention's logsumexp) are only kept for ``saved_outputs``.
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tp_fusion.compile import as_declared
+from tp_fusion.compile import as_declared, scalar_inputs
 from tp_fusion.errors import DefinitionError, ShardingError
 from tp_fusion.fusion_definition import FusionDefinition
 from tp_fusion.runtime.dist import is_dtensor
@@ -51,7 +54,7 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     ``saved_inputs`` / ``saved_outputs``: indices of the forward inputs / outputs handed to the
     backward fusion first; ``outputs``: the forward outputs ``apply`` returns (default all);
     ``grad_inputs``: the forward inputs the backward fusion's outputs are the gradients of (default
-    all). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
+    every tensor input; a scalar input has none). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
     here (a ``DefinitionError`` says which), and so are the dtypes and global shapes of the backward
     fusion's gradient inputs against their forward outputs'; dtypes of the returned outputs decide
     which of them are differentiable. A gradient whose local shape or sharding is not its input's
@@ -66,7 +69,13 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     saved_inputs = _indices(saved_inputs, n_in, "saved_inputs", "input")
     saved_outputs = _indices(saved_outputs, n_out, "saved_outputs", "output")
     outputs = _indices(range(n_out) if outputs is None else outputs, n_out, "outputs", "output")
-    grad_inputs = _indices(range(n_in) if grad_inputs is None else grad_inputs, n_in, "grad_inputs", "input")
+    numbers = [i for i, name in enumerate(forward.fusion.inputs) if name in scalar_inputs(forward.fusion)]
+    grad_inputs = _indices([i for i in range(n_in) if i not in numbers] if grad_inputs is None else grad_inputs, n_in,
+                           "grad_inputs", "input")
+    if set(grad_inputs) & set(numbers):
+        raise DefinitionError(f"autograd.function {name}: grad_inputs {list(grad_inputs)} names forward input(s) "
+                              f"{sorted(set(grad_inputs) & set(numbers))}, scalar inputs (numbers), which have no "
+                              "gradient; leave them out of grad_inputs")
     if not outputs:
         raise DefinitionError(f"autograd.function {name}: outputs is empty; return at least one forward output")
     fwd = forward.fusion
@@ -166,9 +175,11 @@ class _FusionFunction(torch.autograd.Function):
         outs = _run(spec.forward, list(inputs))  # checks the inputs (their number too) on every rank alike
         returned = [outs[i] for i in spec.outputs]
         ctx.mark_non_differentiable(*[outs[i] for i in spec.outputs if i not in spec.differentiable])
-        ctx.save_for_backward(*[inputs[i] for i in spec.saved_inputs], *[outs[i] for i in spec.saved_outputs])
+        saved = [*[inputs[i] for i in spec.saved_inputs], *[outs[i] for i in spec.saved_outputs]]
+        ctx.save_for_backward(*[x if isinstance(x, torch.Tensor) else None for x in saved])
+        ctx.saved_numbers = {k: x for k, x in enumerate(saved) if not isinstance(x, torch.Tensor)}  # scalar inputs
         ctx.output_meta = [_Meta(outs[i]) for i in spec.differentiable]
-        ctx.input_meta = [_Meta(x) for x in inputs]
+        ctx.input_meta = [_Meta(x) if isinstance(x, torch.Tensor) else None for x in inputs]
         plan = spec.forward.plan  # the sharding and global shape each input had: its gradient must have them too
         ctx.input_shardings = [plan.fusion.tensor(name).sharding for name in plan.fusion.inputs]
         ctx.input_global_shapes = [plan.fusion.tensor(name).shape for name in plan.fusion.inputs]
@@ -176,7 +187,8 @@ class _FusionFunction(torch.autograd.Function):
         # (torch gives each the layout of its output); a DTensor's, the backward annotates from it
         out_shardings = plan.output_shardings()
         ctx.backward_input_shardings = (
-            [None if ctx.input_meta[i].mesh is not None else ctx.input_shardings[i] for i in spec.saved_inputs]
+            [None if ctx.input_meta[i] is None or ctx.input_meta[i].mesh is not None else ctx.input_shardings[i]
+             for i in spec.saved_inputs]
             + [None if is_dtensor(outs[i]) else out_shardings[i] for i in (*spec.saved_outputs, *spec.differentiable)])
         return returned[0] if len(returned) == 1 else tuple(returned)
 
@@ -184,7 +196,7 @@ class _FusionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         spec = _spec_of(ctx)
         by_output = dict(zip(spec.outputs, grads))
-        saved = ctx.saved_tensors
+        saved = [ctx.saved_numbers.get(k, t) for k, t in enumerate(ctx.saved_tensors)]
         # torch makes the incoming gradients (y.sum() gives a stride-0 one): lay them out as declared
         out_grads = [as_declared(spec.backward.fusion, len(saved) + j, meta.redistribute(by_output[i]))
                      for j, (i, meta) in enumerate(zip(spec.differentiable, ctx.output_meta))]
@@ -229,7 +241,7 @@ class _FusionFunction(torch.autograd.Function):
                     f"other elements than its shard of the input; give that backward output the sharding of "
                     f"forward input {i}{_reduction_axes(spec.backward.fusion, k)}")
             input_grads[i] = grad.to(inp.dtype) if grad.dtype != inp.dtype else grad
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (*saved, *grads) if t is not None):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*ctx.saved_tensors, *grads) if t is not None):
             return _raising_if_differentiated(spec.name, input_grads)  # create_graph=True
         return tuple(input_grads)
 

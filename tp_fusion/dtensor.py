@@ -41,6 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tp_fusion.compile import scalar_inputs
 from tp_fusion.errors import InputError, ShardingError, TPFusionError, UnevenShardError, UnsupportedPlacementError
 from tp_fusion.executor import raise_reported, report_of
 from tp_fusion.fusion_definition import FusionDefinition, TensorView
@@ -267,7 +268,7 @@ def _read_inputs(fd: FusionDefinition, inputs: list, local: list, shardings: lis
             shardings.append(sharding)
             torch_meshes.setdefault(sharding.mesh, x.device_mesh)
             local.append(x.to_local())
-        elif isinstance(x, torch.Tensor):
+        elif isinstance(x, torch.Tensor) or name in scalar_inputs(fd.fusion):  # (execute checks a scalar's value)
             shardings.append(None)
             local.append(x)
         else:
@@ -279,13 +280,14 @@ def execute_with_dtensors(fd: FusionDefinition, dtensors: Sequence) -> list:
     as ``fd.execute`` takes it); returns one DTensor per output.
 
     Each DTensor input annotates its fusion input with its mesh and placements (see the module
-    docstring for what this does to ``fd``); plain tensors are passed through as local inputs.
+    docstring for what this does to ``fd``); plain tensors are passed through as local inputs, and so
+    are the numbers given for scalar inputs.
     Outputs are DTensors on the torch mesh of the inputs (a new torch DeviceMesh if an output's
     mesh is none of theirs) with the placements in ``fd.output_shardings()``, the global shape and
     contiguous global strides.
     """
     api = _dtensor_api()
-    inputs = [dtensors] if isinstance(dtensors, torch.Tensor) else list(dtensors)
+    inputs = fd._input_list(dtensors)
     local: list = []
     shardings: list[Sharding | None] = []
     torch_meshes: dict[DeviceMesh, object] = {}

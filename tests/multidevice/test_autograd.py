@@ -280,6 +280,50 @@ def test_dtensor_bias_gradient_is_a_local_sum_and_the_plans_are_reused(multidevi
     assert bwd.plan.collectives() == [] and len(plans) == 1
 
 
+def _dropout() -> tuple[FusionDefinition, FusionDefinition]:
+    """Dropout (p = 0.5, scaled by 2) as forward and backward fusions that redraw one mask from a seed given as a
+    scalar input: ``forward(x, seed)``, ``backward(seed, grad_y)``."""
+    fds = []
+    for tensor in ("x", "grad_y"):
+        with FusionDefinition() as fd:
+            first = fd.define_tensor([T, H], dtype=F64) if tensor == "x" else None
+            seed = fd.define_scalar(None, dtype=DataType.Int)
+            second = fd.define_tensor([T, H], dtype=F64) if tensor == "grad_y" else None
+            keep = fd.ops.lt(fd.ops.uniform(0.0, 1.0, [T, H], dtype=F64, rng_seed=seed, rng_offset=0), 0.5)
+            fd.add_output(fd.ops.mul(fd.ops.mul(first if tensor == "x" else second, keep), 2.0))
+        fds.append(fd)
+    return fds[0], fds[1]
+
+
+@pytest.mark.ranks(2)
+def test_a_dropout_seed_is_a_scalar_input_of_both_fusions(multidevice_test):
+    """A training step's seed (a number) goes to the forward and is saved for the backward, which redraws the
+    same mask; new seeds build no new plans, on local tensors and on a sharded DTensor alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (multidevice_test.size,))
+    x_full = torch.randn(T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for as_dtensor in (False, True):  # (a DTensor annotates the fusions it runs: a pair of fusions each)
+        fwd, bwd = _dropout()
+        dropout = tp_fusion.autograd.function(fwd, bwd, saved_inputs=[1])  # grad_inputs: the tensor inputs
+        masks = []
+        for seed in (11, 12, 13):
+            x = distribute_tensor(x_full, mesh, [Shard(0)]) if as_dtensor else x_full.clone()
+            x.requires_grad_()
+            y = dropout.apply(x, seed)
+            (y * 3).sum().backward()
+            y_full, grad = (t.full_tensor() if as_dtensor else t for t in (y, x.grad))
+            kept = y_full != 0
+            torch.testing.assert_close(y_full, x_full * kept * 2)
+            torch.testing.assert_close(grad, kept.double() * 6)
+            masks.append(kept)
+        assert not torch.equal(masks[0], masks[1]) and 0 < int(masks[0].sum()) < T * H
+        assert len(fwd._executor._cache) == len(bwd._executor._cache) == 1
+    with pytest.raises(DefinitionError, match=r"grad_inputs \[0, 1\] names forward input\(s\) \[1\], scalar inputs"):
+        tp_fusion.autograd.function(fwd, bwd, saved_inputs=[1], grad_inputs=[0, 1])
+
+
 def test_without_mesh_matches_torch_autograd():
     """No mesh: one process, no process group; x gets no gradient when grad_inputs leaves it out."""
     x, *weights, target = _full(1)
