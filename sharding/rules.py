@@ -355,6 +355,22 @@ def _embedding_spec(op: Op, fusion: Fusion) -> LabelSpec:
                      partial_sets=(frozenset({1}),) if linear else ())
 
 
+def index_put_accumulate(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
+    """acc[v, *h] with value[j, *h] added at row index[j]: h passes a Shard through; a sharded v has each rank
+    add into the rows it holds (``ops._index_put_accumulate``); acc and value may be Partial together (the op
+    is linear in them); sharded rows j sum into a Partial acc, which must then be Partial too (each rank
+    adds its rows to its part of acc: a replicated acc would be counted on every rank)."""
+    (acc, _, _), _ = _shapes(op, fusion)
+    rows, v, h = -1, -2, tuple(range(1, len(acc)))
+    spec = LabelSpec(((v, *h), (rows,), (rows, *h)), ((v, *h),), whole=frozenset({rows}),
+                     partial_sets=(frozenset({0, 2}),))
+    extents = _extents(spec, op, fusion)
+    cands = label_candidates(spec, extents, n)
+    if extents[rows] % n == 0:
+        cands.append(Candidate((PARTIAL_SUM, Shard(0), Shard(0)), (PARTIAL_SUM,)))
+    return cands
+
+
 def _factory_spec(op: Op, fusion: Fusion) -> LabelSpec:
     _, (out,) = _shapes(op, fusion)
     return LabelSpec((), (tuple(range(len(out))),))

@@ -54,9 +54,10 @@ def function(forward: FusionDefinition, backward: FusionDefinition, *, saved_inp
     ``saved_inputs`` / ``saved_outputs``: indices of the forward inputs / outputs handed to the
     backward fusion first; ``outputs``: the forward outputs ``apply`` returns (default all);
     ``grad_inputs``: the forward inputs the backward fusion's outputs are the gradients of (default
-    every tensor input; a scalar input has none). Call it as ``F.apply(*inputs)``. The counts of both fusions' inputs and outputs are checked
-    here (a ``DefinitionError`` says which), and so are the dtypes and global shapes of the backward
-    fusion's gradient inputs against their forward outputs'; dtypes of the returned outputs decide
+    every tensor input; a scalar input has none). Call it as ``F.apply(*inputs)``. The counts of both
+    fusions' inputs and outputs are checked here (a ``DefinitionError`` says which), and so are the dtypes
+    and global shapes of the backward fusion's gradient inputs against their forward outputs'; dtypes of
+    the returned outputs decide
     which of them are differentiable. A gradient whose local shape or sharding is not its input's
     raises a ``ShardingError`` in backward. See the module docstring for the conventions.
     """

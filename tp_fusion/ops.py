@@ -1780,6 +1780,47 @@ register("scatter_along", impl=lambda x, index, src, dim: torch.scatter(x, dim, 
 SPELLINGS["scatter"] = _scatter_front
 
 
+def _index_put_accumulate(acc, index, value, rows_local=None):
+    """``torch.index_put(acc, [index], value, accumulate=True)``; with ``rows_local`` (acc holds some rows) the
+    rows held here get their sums, the values of the other rows go to the other ranks' shards."""
+    if rows_local is None:
+        return torch.index_put(acc, (index,), value, accumulate=True)
+    rows = rows_local.shape[0]
+    wrapped = torch.where(index < 0, index + rows, index)  # a negative index counts from the end, as in torch
+    bad = (wrapped < 0) | (wrapped >= rows)  # reaches index_put as it is, which refuses it as it would unsharded
+    local = torch.where(bad, index, rows_local[wrapped.clamp(0, rows - 1)])
+    elsewhere = (local < 0) & ~bad  # another rank's row: add zeros to row 0 (no data-dependent shapes)
+    zeros = elsewhere.view(-1, *[1] * (value.ndim - 1))
+    return torch.index_put(acc, (local.masked_fill(elsewhere, 0),), value.masked_fill(zeros, 0), accumulate=True)
+
+
+def _index_put_accumulate_infer(args, attrs):
+    acc, index, value = args
+    if index.ndim != 1 or value.ndim != acc.ndim or \
+            any(0 <= a != v >= 0 for a, v in zip((index.shape[0], *acc.shape[1:]), value.shape)):
+        _bad(f"value {value} must be [len(index), *acc.shape[1:]] for index {index} (1-d) and acc {acc}")
+    if value.dtype != acc.dtype:
+        _bad(f"value {value} must have the dtype of acc {acc}")
+    return [acc]
+
+
+def _index_put_accumulate_front(rec, acc, index, value):
+    """nvFuser's ``index_put_accumulate(acc, index, value)``, torch's ``index_put(acc, [index], value,
+    accumulate=True)``: ``acc`` with ``value[j]`` added to row ``index[j]`` for each j (repeated rows sum), an
+    embedding's backward (acc ``[v, h]`` zeros, index the token ids ``[n]``, value their gradients ``[n, h]``).
+    h may be sharded; so may v (each rank adds into the rows it holds, as a vocab-parallel embedding's
+    backward); sharded tokens n sum on every rank into a partial acc (a reduce_scatter onto vocabulary
+    shards, or an allreduce, finishes it)."""
+    acc, index, value = rec.tv(acc, "acc"), rec.tv(index, "index"), rec.tv(value, "value")
+    _integer_indices("index_put_accumulate", index, "index")
+    return rec(acc, index, value)
+
+
+register("index_put_accumulate", impl=_index_put_accumulate, infer=_index_put_accumulate_infer,
+         traits=Trait.NONE, rule=rules.index_put_accumulate, flops=lambda ins, outs: math.prod(ins[2]),
+         localize=lambda attrs, s: {**attrs, **_held_rows(s, 0, 0)}, front=_index_put_accumulate_front)
+
+
 def _topk_front(rec, arg, k, dim: int = -1, largest: bool = True, sorted: bool = False):
     """nvFuser's ``topk(arg, k, dim=-1, largest=True, sorted=False)`` -> (values, indices), torch's
     ``torch.topk``: the ``k`` largest (or smallest) elements along ``dim``; unsorted, their order is

@@ -476,6 +476,22 @@ def sp_embedding_gradient_case(mesh) -> Case:
     return Case(fd, [ids, grad_h], full, lambda i, g: [F.one_hot(i, v).double().T @ g], ["allgather"] * 2)
 
 
+def index_put_embedding_gradient_case(mesh, ids_dims: dict, grad_dims: dict, out_dims: dict,
+                                      collectives: list[str]) -> Case:
+    """An embedding's weight gradient as nvFuser writes it, index_put_accumulate(zeros [V, H], ids, grad_h),
+    with repeated ids and a negative one (counting from the end, as in torch)."""
+    t, h, v = 8, 4, 32
+    with FusionDefinition() as fd:
+        ids, grad_h = fd.define_tensor([t], dtype=DataType.Int), fd.define_tensor([t, h], dtype=F64)
+        grad_e = fd.ops.index_put_accumulate(fd.ops.full([v, h], 0.0, F64), ids, grad_h)
+        fd.add_output(grad_e)
+        for tv, dims in ((ids, ids_dims), (grad_h, grad_dims), (grad_e, out_dims)):
+            shard(tv, mesh, dims)
+    full = [torch.tensor([3, 31, 0, 8, 8, 12, -1, 17]), _rand(107, (t, h))]
+    return Case(fd, [ids, grad_h], full,
+                lambda i, g: [torch.zeros(v, h, dtype=torch.float64).index_put((i,), g, accumulate=True)], collectives)
+
+
 def tied_embedding_gradient_case(mesh) -> Case:
     """The TP backward of a tied embedding and LM head (one [V, H] weight on vocabulary shards): the
     embedding's gradient one_hot(ids)^T @ grad_h, grad_h = grad_logits @ W a pending sum, plus the head's
@@ -931,6 +947,14 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "sp_cross_entropy_backward_gathers_the_targets": sp_cross_entropy_backward_case,
     "sp_embedding_gradient_gathers_the_tokens": sp_embedding_gradient_case,
     "tied_embedding_gradient_sums_grad_h": tied_embedding_gradient_case,
+    # index_put_accumulate from token shards: onto vocabulary shards, ids and grad_h are gathered and each rank
+    # adds the rows it holds; replicated, each rank sums its tokens into a partial table (one allreduce); a
+    # hidden shard of grad_h passes through
+    "index_put_accumulate_onto_vocabulary_shards": lambda m: index_put_embedding_gradient_case(
+        m, {0: X}, {0: X}, {0: X}, ["allgather", "allgather"]),
+    "index_put_accumulate_partial_table": lambda m: index_put_embedding_gradient_case(
+        m, {0: X}, {0: X}, {}, ["allreduce"]),
+    "index_put_accumulate_hidden_shards": lambda m: index_put_embedding_gradient_case(m, {}, {1: X}, {1: X}, []),
     "sp_attention_with_one_kv_head_gathers_x_once": sp_attention_with_one_kv_head_case,
     "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,

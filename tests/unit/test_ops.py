@@ -995,6 +995,26 @@ def test_scatter_from_a_src_of_symbolic_extents():
     _check(fd.execute([x, index, src])[0], torch.scatter(x, 1, index, src))
 
 
+@pytest.mark.parametrize("index_dtype", [DataType.Int, DataType.Int32])
+def test_index_put_accumulate_as_nvfuser_tests_it(index_dtype):
+    """nvFuser's opinfo: acc [vocab, hidden] plus value [seq, hidden] at rows index [seq] (repeats sum)."""
+    acc, value = _rand(55, 64, 12), _rand(56, 30, 12)
+    index = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(0), dtype=index_dtype.torch)
+    with FusionDefinition() as fd:
+        a, i, v = fd.define_tensor([64, 12]), fd.define_tensor([30], dtype=index_dtype), fd.define_tensor([30, 12])
+        fd.add_output(fd.ops.index_put_accumulate(a, i, v))
+    _check(fd.execute([acc, index, value])[0], torch.index_put(acc, [index], value, accumulate=True))
+    with FusionDefinition() as bad:
+        a, i, v = bad.define_tensor([64, 12]), bad.define_tensor([30], dtype=DataType.Int), bad.define_tensor([30, 8])
+        with pytest.raises(DefinitionError,
+                           match=r"T2 f32\[30, 8\]: value f32\[30, 8\] must be \[len\(index\), \*acc.shape"):
+            bad.ops.index_put_accumulate(a, i, v)
+        with pytest.raises(DefinitionError, match="index T0 f32.* must be an Int or Int32 tensor"):
+            bad.ops.index_put_accumulate(a, a, v)
+        with pytest.raises(DefinitionError, match="must have the dtype of acc"):
+            bad.ops.index_put_accumulate(a, i, bad.ops.cast(bad.ops.pad(v, [0, 4]), DataType.Double))
+
+
 @pytest.mark.parametrize("build,match", [
     (lambda fd, t, i: fd.ops.take_along_axis(t, i, 0), r"take_along_axis: dim 1 of index T1 i64\[2, 3\] must equal "
                                                         r"that of arg T0 f32\[4, 6\] \(only dim 0 may differ\)"),
