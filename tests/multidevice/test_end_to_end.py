@@ -477,17 +477,19 @@ def sp_embedding_gradient_case(mesh) -> Case:
 
 
 def index_put_embedding_gradient_case(mesh, ids_dims: dict, grad_dims: dict, out_dims: dict,
-                                      collectives: list[str]) -> Case:
+                                      collectives: list[str], t: int = 8, v: int = 32) -> Case:
     """An embedding's weight gradient as nvFuser writes it, index_put_accumulate(zeros [V, H], ids, grad_h),
-    with repeated ids and a negative one (counting from the end, as in torch)."""
-    t, h, v = 8, 4, 32
+    with repeated ids and negative ones (counting from the end, as in torch)."""
+    h = 4
     with FusionDefinition() as fd:
         ids, grad_h = fd.define_tensor([t], dtype=DataType.Int), fd.define_tensor([t, h], dtype=F64)
         grad_e = fd.ops.index_put_accumulate(fd.ops.full([v, h], 0.0, F64), ids, grad_h)
         fd.add_output(grad_e)
         for tv, dims in ((ids, ids_dims), (grad_h, grad_dims), (grad_e, out_dims)):
             shard(tv, mesh, dims)
-    full = [torch.tensor([3, 31, 0, 8, 8, 12, -1, 17]), _rand(107, (t, h))]
+    ids_full = torch.tensor([3, 31, 0, 8, 8, 12, -1, 17]) if t == 8 else \
+        torch.randint(-v, v, (t,), generator=torch.Generator().manual_seed(t))
+    full = [ids_full, _rand(107, (t, h))]
     return Case(fd, [ids, grad_h], full,
                 lambda i, g: [torch.zeros(v, h, dtype=torch.float64).index_put((i,), g, accumulate=True)], collectives)
 
@@ -955,6 +957,9 @@ CASES_1D: dict[str, Callable[[DeviceMesh], Case]] = {
     "index_put_accumulate_partial_table": lambda m: index_put_embedding_gradient_case(
         m, {0: X}, {0: X}, {}, ["allreduce"]),
     "index_put_accumulate_hidden_shards": lambda m: index_put_embedding_gradient_case(m, {}, {1: X}, {1: X}, []),
+    # a table smaller than the tokens' gradients: each rank sums its tokens into a partial table, reduce_scattered
+    "index_put_accumulate_small_table_reduce_scatters": lambda m: index_put_embedding_gradient_case(
+        m, {0: X}, {0: X}, {0: X}, ["reduce_scatter"], t=64, v=8),
     "sp_attention_with_one_kv_head_gathers_x_once": sp_attention_with_one_kv_head_case,
     "replicated_weight_reads_the_gathered_input": replicated_weight_reads_the_gathered_input_case,
     "per_token_scales_gather_the_tensor_once": per_token_scales_of_one_tensor_case,
