@@ -129,10 +129,10 @@ def _device_of(inputs: list) -> torch.device:
 
 def fits_scalar(value, dtype: DataType) -> bool:
     """Whether ``value`` is a Python number of ``dtype``'s kind: a bool for bool, an int (or a bool) for the
-    integers, any number for the floats."""
+    integers, any real number for the floats, any number for the complex."""
     if dtype == DataType.Bool:
         return isinstance(value, bool)
-    return isinstance(value, int) or (dtype.is_floating and isinstance(value, float))
+    return isinstance(value, (int, dtype.python_type)) or (dtype.is_complex and isinstance(value, float))
 
 
 def _attribute_refs(fusion: Fusion, per_call: bool) -> tuple[ScalarRef, ...]:

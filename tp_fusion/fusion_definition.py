@@ -316,7 +316,7 @@ class Scalar(TensorView):
         return f"Scalar(T{self.name}: {self.dtype.short})"
 
 
-Operand = TensorView | Const | int | float | bool
+Operand = TensorView | Const | int | float | bool | complex
 
 
 def _count(n: int, what: str) -> str:
@@ -588,8 +588,10 @@ class FusionDefinition:
 
     def define_scalar(self, value=None, dtype: DataType | None = None) -> Const | Scalar:
         """A constant operand ``value`` (a Python number, or a numpy scalar: the number it holds), converted
-        to ``dtype`` when given (None or ``DataType.Null``: kept as it is). Without a value, nvFuser's
-        symbolic scalar: an input of ``dtype`` (default Double) that ``execute`` takes as a number, in
+        to ``dtype`` when given (None or ``DataType.Null``: the value kept as it is, of the dtype nvFuser gives
+        its kind: a bool is Bool, an int Int, a float Double, a complex ComplexDouble). Ops take it as the
+        number, as torch does; a dtype decided by scalars alone (``where(c, s0, s1)``) is theirs. Without a
+        value, nvFuser's symbolic scalar: an input of ``dtype`` (default Double) that ``execute`` takes as a number, in
         order with the other inputs (a ``Scalar``); ``define_scalar(DataType.Int)`` is one of that dtype, as in
         nvFuser."""
         if isinstance(value, DataType) and dtype is None:
@@ -601,12 +603,17 @@ class FusionDefinition:
             self._scalars.add(tv.name)
             return self._view(tv.name)
         value = _ops.python_scalar(value)
-        if not isinstance(value, (int, float, bool)):
+        if not isinstance(value, _ops.NUMBER):
             raise DefinitionError(f"define_scalar: value must be a Python number (or None: a scalar input), got "
                                   f"{value!r}")
-        dtype = None if dtype in (None, DataType.Null) else _ops.data_type("define_scalar", dtype)
-        if dtype is not None:
-            value = {DataType.Bool: bool, DataType.Int: int, DataType.Int32: int}.get(dtype, float)(value)
+        if dtype in (None, DataType.Null):
+            dtype = DataType.of_number(value)
+        else:
+            dtype = _ops.data_type("define_scalar", dtype)
+            if isinstance(value, complex) and not dtype.is_complex:
+                raise DefinitionError(f"define_scalar: {value!r} is complex; {dtype!r} holds no complex number (give "
+                                      "DataType.ComplexFloat or DataType.ComplexDouble, or pass value.real)")
+            value = dtype.python_type(value)
             if dtype in (DataType.Int, DataType.Int32) and not torch.iinfo(dtype.torch).min <= value <= \
                     torch.iinfo(dtype.torch).max:
                 raise DefinitionError(f"define_scalar: {value} does not fit in {dtype.torch}")
@@ -669,7 +676,7 @@ class FusionDefinition:
                 args.append(x.name)
             elif isinstance(x, Const):
                 args.append(x)
-            elif isinstance(x, (int, float, bool)):
+            elif isinstance(x, _ops.NUMBER):
                 args.append(Const(x))
             else:
                 raise DefinitionError(f"{kind}: unsupported operand {_ops.describe_value(x)}; pass a TensorView or a "

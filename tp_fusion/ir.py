@@ -87,7 +87,7 @@ class Tensor:
 class Const:
     """A scalar operand (a Python number or a ``define_scalar``)."""
 
-    value: float | int | bool
+    value: float | int | bool | complex
     dtype: DataType | None = None
 
     def is_tensor(self) -> bool:

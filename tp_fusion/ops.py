@@ -65,7 +65,8 @@ class TensorType:
         return f"{self.dtype.short}[{', '.join('?' if e < 0 else str(e) for e in self.shape)}]"
 
 
-Operand = TensorType | int | float | bool  # what inference sees: a tensor's type, or a scalar value
+Operand = TensorType | int | float | bool | complex  # what inference sees: a tensor's type, or a scalar value
+NUMBER = (int, float, bool, complex)  # the Python numbers that ops take as operands (and define_scalar as values)
 Infer = Callable[[list[Operand], dict], list[TensorType]]
 Flops = Callable[[list[tuple[int, ...]], list[tuple[int, ...]]], int]  # (local in shapes, local out shapes)
 
@@ -252,7 +253,7 @@ def _torch_dtype(impl: Callable, args: list[Operand], attrs: dict) -> list[DataT
 def _probe_attribute(value):
     """A number of a ScalarRef's type standing for it where torch decides a dtype (its value is bound later)."""
     if isinstance(value, ScalarRef):
-        return {DataType.Bool: True, DataType.Int: 1, DataType.Int32: 1}.get(value.dtype, 1.0)
+        return value.dtype.python_type(1)
     return value
 
 
@@ -277,11 +278,15 @@ def _dtype_of(impl, key, args, attrs) -> tuple[DataType, ...]:
 
 
 def _same_dtype(args: list[Operand]) -> DataType:
-    """GEMMs and normalizations take operands of one dtype (torch raises at run time otherwise)."""
+    """GEMMs and normalizations take operands of one real dtype (torch raises at run time otherwise; tp_fusion's
+    GEMM kernels and decompositions are real)."""
     dtypes = {a.dtype for a in _tensors(args)}
     if len(dtypes) > 1:
         _bad(f"operands {', '.join(map(str, _tensors(args)))} have different dtypes; torch needs one "
                   "dtype here: cast them first")
+    if any(dt.is_complex for dt in dtypes):
+        _bad(f"operands {', '.join(map(str, _tensors(args)))} are complex; tp_fusion's GEMMs and normalizations take "
+             "real dtypes only (compute on fd.ops.real and fd.ops.imag)")
     return dtypes.pop()
 
 
@@ -497,16 +502,22 @@ def _binary(fn):
 
 
 def _is_scalar(x) -> bool:
-    return isinstance(x, (Const, int, float, bool))
+    return isinstance(x, (Const, *NUMBER))
+
+
+def _scalar_dtype(x: Const | int | float | bool | complex) -> DataType:
+    """The dtype of nvFuser's scalar Val: a define_scalar's, else the number's as Python computes
+    (``DataType.of_number``: a float is a Double, a complex a ComplexDouble)."""
+    x = x if isinstance(x, Const) else Const(x)
+    return x.dtype if x.dtype is not None else DataType.of_number(x.value)
 
 
 def _folded(kind: str, operands, typed: bool = False, **attrs) -> Const:
     """nvFuser's arithmetic on scalar Vals (numbers and define_scalars), done now: op ``kind`` on 0-d tensors of
-    the operands (a define_scalar's dtype, else a float as float64, as Python computes). The result is typed
-    where an operand is (torch's promotion of 0-d tensors), or ``typed``."""
+    the operands (of ``_scalar_dtype``). The result is typed where an operand is (torch's promotion of 0-d
+    tensors), or ``typed``."""
     values = [a if isinstance(a, Const) else Const(a) for a in operands]
-    as_tensors = [torch.tensor(v.value, dtype=v.dtype.torch if v.dtype is not None else
-                               torch.float64 if isinstance(v.value, float) else None) for v in values]
+    as_tensors = [torch.tensor(v.value, dtype=_scalar_dtype(v).torch) for v in values]
     try:
         out = OPS[kind].impl(*as_tensors, **attrs)
     except (RuntimeError, TypeError) as e:
@@ -547,13 +558,20 @@ _UNARY = {name: getattr(torch, name) for name in (
     "acos", "acosh", "asin", "asinh", "atan", "atanh", "cos", "cosh", "sin", "sinh", "tan",
     "exp2", "expm1", "log10", "log1p", "log2", "erf", "erfc", "erfinv", "lgamma",
     "ceil", "floor", "frac", "round", "trunc", "sign", "signbit",
-    "isfinite", "isinf", "isnan", "isneginf", "isposinf", "logical_not", "bitwise_not")} | {"silu": F.silu}
+    "isfinite", "isinf", "isnan", "isneginf", "isposinf", "logical_not", "bitwise_not",
+    "real", "imag")} | {"silu": F.silu}
 _EPILOGUE = ("neg", "tanh", "sigmoid", "relu", "silu")  # cheap enough to run on a fused GEMM's output
+_VIEWS = ("real", "imag")  # torch's real and imag of a complex tensor are views of it
 for _name, _fn in _UNARY.items():
     register(_name, impl=_fn, infer=_pointwise_infer(_fn),
-             traits=Trait.POINTWISE | (Trait.EPILOGUE if _name in _EPILOGUE else Trait.NONE),
-             rule=rules.pointwise(rules.linear_in_first if _name == "neg" else None),
+             traits=Trait.POINTWISE | (Trait.EPILOGUE if _name in _EPILOGUE else Trait.NONE) |
+             (Trait.VIEW if _name in _VIEWS else Trait.NONE),
+             rule=rules.pointwise(rules.linear_in_first if _name in ("neg", *_VIEWS) else None),
              flops=_flops_output, front=_unary_front(_name))
+OPS["real"].front.__doc__ = ("``torch.real(x)``: the real part of a complex ``x``, of the matching real dtype "
+                             "(ComplexFloat -> Float, ComplexDouble -> Double); a real ``x`` itself.")
+OPS["imag"].front.__doc__ = ("``torch.imag(x)``: the imaginary part of a complex ``x``, of the matching real dtype "
+                             "(ComplexFloat -> Float, ComplexDouble -> Double); torch refuses a real ``x``.")
 
 
 def _logical_right_shift(x, shift):
@@ -658,7 +676,8 @@ def _cast_partial(op, fusion) -> tuple[frozenset[int], ...]:
     source's values: f32 -> f64, bf16 -> f32): a narrowing cast runs after the sum, so the sum is
     rounded once, as torch's is (summing bf16 partials of an f32 GEMM differed by up to an ulp)."""
     source, target = fusion.tensor(op.inputs[0]).dtype.torch, op.attr("dtype").torch
-    return (frozenset({0}),) if target.is_floating_point and torch.promote_types(source, target) == target else ()
+    lossless = (target.is_floating_point or target.is_complex) and torch.promote_types(source, target) == target
+    return (frozenset({0}),) if lossless else ()
 
 
 register("cast", impl=_cast, infer=lambda args, attrs: [TensorType(args[0].shape, attrs["dtype"])],
@@ -666,13 +685,22 @@ register("cast", impl=_cast, infer=lambda args, attrs: [TensorType(args[0].shape
          front=_cast_front)
 
 
-def _where(c, a, b):
+def _where(c, a, b, dtype=None):
+    if dtype is not None:  # a and b are both scalars, one at least a define_scalar: the result is of ``dtype``
+        a, b = (torch.tensor(v, dtype=dtype.torch, device=c.device) for v in (a, b))
     return torch.where(c, a, b)
 
 
 def _where_front(rec, cond, a, b):
-    """``torch.where(cond, a, b)``: ``a`` where ``cond`` holds, else ``b``; a or b may be a number."""
-    return rec(rec.tv(cond, "cond"), a, b)
+    """``torch.where(cond, a, b)``: ``a`` where ``cond`` holds, else ``b``; a or b may be a number. Where both
+    are scalars, a ``define_scalar`` counts as a 0-d tensor of its dtype, as nvFuser's scalars do (two
+    ``define_scalar(3.0)`` give a Double tensor, two ``3.0`` torch's Float)."""
+    cond = rec.tv(cond, "cond")
+    if _is_scalar(a) and _is_scalar(b) and any(isinstance(v, Const) for v in (a, b)):
+        as_torch = [torch.tensor(v.value, dtype=v.dtype.torch) if isinstance(v, Const) and v.dtype is not None
+                    else v.value if isinstance(v, Const) else v for v in (a, b)]
+        return rec(cond, a, b, dtype=DataType.from_torch(torch.result_type(*as_torch)))
+    return rec(cond, a, b)
 
 
 register("where", impl=_where, infer=_pointwise_infer(_where), traits=Trait.POINTWISE,
@@ -881,6 +909,8 @@ def _var_decomposed(op, b) -> None:
     correction, in float32 for a half-precision x: over a sharded dim, the mean and the sum of squares leave
     pending sums of a value per row (two passes over x, as torch's two-pass variance)."""
     (x,), dims, keepdim = op.inputs, op.attr("dims"), op.attr("keepdim")
+    if b.tensors[x].dtype.is_complex:  # the parts square x less its mean, not its magnitude: var stays whole
+        return
     count = math.prod(b.tensors[x].shape[d] for d in dims)
     mean, _, var = _two_pass_variance(b, _widened(b, x), dims, count - op.attr("correction"), keepdim)
     b.finish(var, op.outputs[0])
@@ -1834,8 +1864,15 @@ def _topk_front(rec, arg, k, dim: int = -1, largest: bool = True, sorted: bool =
     return rec(x, k=k, dim=d, largest=bool(largest), sorted=bool(sorted))
 
 
+def _ordered(x: TensorType) -> None:
+    """Sorting ops take an ordered dtype: complex numbers have no order (torch refuses them only at run time)."""
+    if x.dtype.is_complex:
+        _bad(f"{x} is complex; complex numbers have no order (sort fd.ops.abs, fd.ops.real or fd.ops.imag of it)")
+
+
 def _topk_infer(args, attrs):
     (x,), shape = args, list(args[0].shape)
+    _ordered(x)
     shape[attrs["dim"]] = attrs["k"]
     return [TensorType(tuple(shape), x.dtype), TensorType(tuple(shape), DataType.Int)]
 
@@ -1875,7 +1912,7 @@ def _argsort_front(rec, arg, dim: int = -1, descending: bool = False, stable: bo
 
 register("argsort", impl=lambda x, dim, descending, stable: torch.argsort(x, dim=dim, descending=descending,
                                                                           stable=stable),
-         infer=lambda args, attrs: [TensorType(args[0].shape, DataType.Int)], traits=Trait.NONE,
+         infer=lambda args, attrs: _ordered(args[0]) or [TensorType(args[0].shape, DataType.Int)], traits=Trait.NONE,
          rule=rules.along(lambda op, shape: (op.attr("dim"),)), front=_argsort_front)
 
 
@@ -2165,7 +2202,9 @@ def _full_front(rec, shape, fill_value, dtype: DataType):
     """A tensor of ``shape`` (concrete extents) filled with ``fill_value``, a number or a define_scalar
     (nvFuser's ``full``)."""
     shape = _concrete_extents("full", shape)
-    fill_value = _number("full", fill_value, "fill_value", (int, float, bool))
+    fill_value = _number("full", fill_value, "fill_value", NUMBER)
+    if isinstance(fill_value, complex) and not rec.dtype(dtype).is_complex:
+        _fail("full", f"fill_value {fill_value!r} is complex; dtype {dtype!r} holds no complex number")
     return rec(shape=shape, fill_value=fill_value, dtype=rec.dtype(dtype))
 
 
@@ -2191,6 +2230,8 @@ def _iota_front(rec, length, start=None, step=None, dtype: DataType = DataType.I
         _fail("iota", f"length {n} must be >= 0")
     start = 0 if start is None else _number("iota", start, "start")
     step = 1 if step is None else _number("iota", step, "step")
+    if rec.dtype(dtype).is_complex:
+        _fail("iota", f"dtype {dtype!r} is complex; iota makes real (integer or floating) sequences")
     if not rec.dtype(dtype).is_floating and not all(_is_integral(v) or (_is_number(v) and float(v).is_integer())
                                                     for v in (start, step)):
         _fail("iota", f"start {start} and step {step} must be whole numbers for dtype {dtype!r}")
@@ -2256,7 +2297,7 @@ def _number(op: str, value, what: str, kind=(int, float), symbolic: bool = True,
     built). A tensor or anything else is refused."""
     value = _attribute(value)
     if isinstance(value, ScalarRef) and symbolic:
-        category = bool if value.dtype == DataType.Bool else int if _is_integral(value) else float
+        category = value.dtype.python_type
         if category in kind or (category is int and float in kind):
             return value
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kind):

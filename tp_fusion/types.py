@@ -24,6 +24,8 @@ class DataType(enum.Enum):
     Int32 = "int32"
     UInt64 = "uint64"  # philox seeds and offsets of sdpfa_fwd/bwd, as in nvFuser
     Bool = "bool"
+    ComplexFloat = "complex64"
+    ComplexDouble = "complex128"
     Null = "null"  # nvFuser's "no dtype" (e.g. ``sum(..., dtype=DataType.Null)``): the same as None
 
     def __repr__(self) -> str:
@@ -51,6 +53,25 @@ class DataType(enum.Enum):
         """Whether it is a floating-point type."""
         return self in (DataType.Float, DataType.Double, DataType.Half, DataType.BFloat16)
 
+    @property
+    def is_complex(self) -> bool:
+        """Whether it is a complex type (``ComplexFloat``: two float32, ``ComplexDouble``: two float64)."""
+        return self in (DataType.ComplexFloat, DataType.ComplexDouble)
+
+    @property
+    def python_type(self) -> type:
+        """The Python type of a number of this dtype: ``bool``, ``int``, ``float`` or ``complex``."""
+        if self is DataType.Bool:
+            return bool
+        return complex if self.is_complex else float if self.is_floating else int
+
+    @staticmethod
+    def of_number(value) -> DataType:
+        """The dtype of a Python number as nvFuser's scalars take it (as Python computes): a bool is Bool, an int
+        Int, a float Double and a complex ComplexDouble."""
+        return {bool: DataType.Bool, int: DataType.Int, float: DataType.Double,
+                complex: DataType.ComplexDouble}[type(value)]
+
     @staticmethod
     def from_torch(dtype: torch.dtype) -> DataType:
         """The DataType of a torch dtype; a DefinitionError (a ValueError) if there is none."""
@@ -64,7 +85,7 @@ class DataType(enum.Enum):
 _SHORT = {
     DataType.Float: "f32", DataType.Double: "f64", DataType.Half: "f16", DataType.BFloat16: "bf16",
     DataType.Int: "i64", DataType.Int32: "i32", DataType.UInt64: "u64", DataType.Bool: "bool",
-    DataType.Null: "null",
+    DataType.ComplexFloat: "c64", DataType.ComplexDouble: "c128", DataType.Null: "null",
 }
 
 

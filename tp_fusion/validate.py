@@ -42,7 +42,7 @@ _SUM_TOLERANCES_HALF = (
 def tolerance(dtype: DataType, reduced: int) -> tuple[float, float]:
     """nvFuser's (atol, rtol) for an output of ``dtype`` whose values each sum up ``reduced`` elements:
     exact for integers and booleans; bfloat16 ten times half's where something was reduced."""
-    if not dtype.is_floating:
+    if not (dtype.is_floating or dtype.is_complex):
         return 0.0, 0.0
     table = _SUM_TOLERANCES_HALF if dtype in (DataType.Half, DataType.BFloat16) else _SUM_TOLERANCES_FLOAT
     if reduced <= 1:

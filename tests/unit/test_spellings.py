@@ -8,7 +8,7 @@ import torch
 import tp_fusion
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType
 from tp_fusion.errors import DefinitionError, InputError
-from tp_fusion.ir import SymbolicSize
+from tp_fusion.ir import Const, SymbolicSize
 
 
 def _add_fusion(**layout):
@@ -189,9 +189,10 @@ def test_null_dtype_means_no_dtype():
     assert DataType.from_torch(torch.float32) is DataType.Float
     with pytest.raises(DefinitionError, match="DataType.Null is no tensor dtype"):  # a TPFusionError and a ValueError
         _ = DataType.Null.torch
-    with pytest.raises(DefinitionError, match=r"torch dtype torch.complex64 has no tp_fusion DataType; the DataTypes "
-                                              r"are Float, Double, Half, BFloat16, Int, Int32, UInt64, Bool"):
-        DataType.from_torch(torch.complex64)
+    with pytest.raises(DefinitionError, match=r"torch dtype torch.uint8 has no tp_fusion DataType; the DataTypes "
+                                              r"are Float, Double, Half, BFloat16, Int, Int32, UInt64, Bool, "
+                                              r"ComplexFloat, ComplexDouble"):
+        DataType.from_torch(torch.uint8)
 
 
 def test_splits_chain_and_inner_split():
@@ -476,7 +477,8 @@ def test_scalar_arithmetic_folds_into_a_scalar():
         whole = fd.ops.cast(fd.define_scalar(3.7), DataType.Int)
         fd.add_output(fd.ops.mul(x, product))
         fd.add_output(fd.ops.full([2], fd.define_scalar(1.5, DataType.Double), DataType.Float))
-    assert (product.value, product.dtype) == (6.0, None) and fd.ops.add(2, 3).value == 5
+    # a define_scalar without a dtype is of its number's (nvFuser's: a float a Double); plain numbers stay untyped
+    assert (product.value, product.dtype) == (6.0, DataType.Double) and fd.ops.add(2, 3) == Const(5)
     assert (step.value, step.dtype) == (torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item(), DataType.Float)
     assert (whole.value, whole.dtype) == (3, DataType.Int)
     scaled, filled = fd.execute([torch.ones(3)])

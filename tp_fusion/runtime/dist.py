@@ -108,12 +108,25 @@ def group_rank(pg: ProcessGroup | None) -> int:
     return _dist.get_rank(pg)
 
 
+def _wire(t: torch.Tensor | None, op: str = "sum") -> torch.Tensor | None:
+    """``t`` as the collectives carry it: a complex tensor as its real view (``torch.view_as_real``: a trailing dim
+    of 2, the same memory, so a result written into it is written into ``t``), which torch does itself for some
+    collectives only and gloo and NCCL reduce correctly for a sum only."""
+    if t is None or not t.is_complex():
+        return t
+    if op != "sum":
+        raise ValueError(f"a {op} of complex tensors across devices is not supported (only sums are: a complex "
+                         f"{op} is not the {op} of the real and imaginary parts)")
+    return torch.view_as_real(t)
+
+
+# Every tensor given to torch.distributed below passes ``_wire`` (complex tensors travel as real views).
 # With ``async_op`` the collectives below return the work: ``work.wait()`` makes the current stream (on
 # the CPU: the host) wait for the result, which the caller must not read before.
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, async_op: bool = False):
     """``out`` = the group's ``inp``s concatenated along dim 0 (in group rank order)."""
-    return _all_gather_base(out, inp, group=pg, async_op=async_op)
+    return _all_gather_base(_wire(out), _wire(inp), group=pg, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None, op: str = "sum",
@@ -125,52 +138,53 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None
     ``async_op`` needs a contiguous ``out``."""
     red = _reduce_op(op)
     if out.is_contiguous():
-        return _reduce_scatter_base(out.view(-1), inp.reshape(-1), op=red, group=pg, async_op=async_op)
+        return _reduce_scatter_base(_wire(out.view(-1), op).view(-1), _wire(inp.reshape(-1), op).reshape(-1), op=red,
+                                    group=pg, async_op=async_op)
     if async_op:
         raise ValueError("reduce_scatter(async_op=True) needs a contiguous output")
     flat = out.new_empty(out.numel())
-    _reduce_scatter_base(flat, inp.reshape(-1), op=red, group=pg)
+    _reduce_scatter_base(_wire(flat, op).view(-1), _wire(inp.reshape(-1), op).reshape(-1), op=red, group=pg)
     out.copy_(flat.view(out.shape))
 
 
 def all_reduce(t: torch.Tensor, pg: ProcessGroup | None, op: str = "sum", async_op: bool = False):
-    return _dist.all_reduce(t, op=_reduce_op(op), group=pg, async_op=async_op)
+    return _dist.all_reduce(_wire(t, op), op=_reduce_op(op), group=pg, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: ProcessGroup | None) -> None:
     """Dim-0 chunk i of ``inp`` goes to group rank i; ``out`` stacks what each rank sent us."""
-    _dist.all_to_all_single(out, inp, group=pg)
+    _dist.all_to_all_single(_wire(out), _wire(inp), group=pg)
 
 
 def broadcast(t: torch.Tensor, src: int, pg: ProcessGroup | None) -> None:
     """``src`` is a global rank."""
-    _dist.broadcast(t, src=src, group=pg)
+    _dist.broadcast(_wire(t), src=src, group=pg)
 
 
 def gather(t: torch.Tensor, pieces: list[torch.Tensor] | None, dst: int, pg: ProcessGroup | None) -> None:
     """World rank ``dst`` receives every group rank's ``t`` into ``pieces`` (group rank order); the
     others pass None."""
-    _dist.gather(t, pieces, dst=dst, group=pg)
+    _dist.gather(_wire(t), pieces and [_wire(p) for p in pieces], dst=dst, group=pg)
 
 
 def reduce(t: torch.Tensor, dst: int, pg: ProcessGroup | None, op: str = "sum") -> None:
     """World rank ``dst``'s ``t`` becomes the ``op``-reduction (sum, max, min, prod) of the group's ``t``s."""
-    _dist.reduce(t, dst=dst, op=_reduce_op(op), group=pg)
+    _dist.reduce(_wire(t, op), dst=dst, op=_reduce_op(op), group=pg)
 
 
 def scatter(out: torch.Tensor, pieces: list[torch.Tensor] | None, src: int, pg: ProcessGroup | None) -> None:
     """Group rank i's ``out`` = world rank ``src``'s ``pieces[i]``; the others pass None."""
-    _dist.scatter(out, pieces, src=src, group=pg)
+    _dist.scatter(_wire(out), pieces and [_wire(p) for p in pieces], src=src, group=pg)
 
 
 def isend(t: torch.Tensor, dst: int, tag: int = 0, pg: ProcessGroup | None = None):
     """To world rank ``dst``, over ``pg`` (None: the world)."""
-    return _dist.isend(t, dst=dst, group=pg, tag=tag)
+    return _dist.isend(_wire(t), dst=dst, group=pg, tag=tag)
 
 
 def irecv(t: torch.Tensor, src: int | None, tag: int = 0, pg: ProcessGroup | None = None):
     """From world rank ``src``, or (``src=None``) from whichever rank of ``pg`` sends with ``tag``."""
-    return _dist.irecv(t, src=src, group=pg, tag=tag)
+    return _dist.irecv(_wire(t), src=src, group=pg, tag=tag)
 
 
 def barrier(pg: ProcessGroup | None = None) -> None:
