@@ -144,17 +144,19 @@ def reduction(pending: str | None) -> Rule:
     """Reductions over ``dims``. Where the reduction's result over the whole dim is the ``pending``
     reduction of its results over pieces (sum and mean: ``sum``; max, min, prod: their own op), a sharded
     reduced dim gives ``Partial(pending)``, and an input ``Partial(pending)`` stays so (the two reductions
-    commute). Otherwise (``pending`` None: var, var_mean) a reduced dim must stay unsharded."""
+    commute). Otherwise (``pending`` None: var, var_mean; or a prod of complex values, which the collectives
+    combine by sums only: ``runtime.dist._wire``) a reduced dim must stay unsharded."""
     def build(op: Op, fusion: Fusion) -> LabelSpec:
         (shape, *_), outs = _shapes(op, fusion)
+        pend = pending if pending == "sum" or not fusion.tensor(op.inputs[0]).dtype.is_complex else None
         dims, keepdim = op.attr("dims"), op.attr("keepdim")
         kept = tuple(None if d in dims else d for d in range(len(shape)))
         out = kept if keepdim else tuple(d for d in kept if d is not None)
         return LabelSpec((tuple(range(len(shape))),), (out,) * len(outs),
-                         summed=frozenset(dims) if pending else frozenset(),
-                         whole=frozenset() if pending else frozenset(dims),
-                         partial_sets=(frozenset({0}),) if pending else (),
-                         partial=Partial(pending or "sum"))
+                         summed=frozenset(dims) if pend else frozenset(),
+                         whole=frozenset() if pend else frozenset(dims),
+                         partial_sets=(frozenset({0}),) if pend else (),
+                         partial=Partial(pend or "sum"))
     return from_spec(build)
 
 

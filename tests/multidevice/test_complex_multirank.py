@@ -89,3 +89,21 @@ def test_complex_tensors_move_between_meshes(multidevice_test):
         (got,) = fd.execute([multidevice_test.shard_tensor(full, tv)])
         torch.testing.assert_close(got, multidevice_test.shard_tensor(ref(full), out_tv))
         assert fd.plan.collectives() == [collective], str(fd.plan)
+
+
+@pytest.mark.ranks(2)
+def test_a_complex_prod_over_the_sharded_dim_gathers_it(multidevice_test):
+    """The collectives combine complex values by sums only: a prod over a sharded dim gathers the dim (where a
+    real prod would leave a pending product)."""
+    n = multidevice_test.size
+    mesh = DeviceMesh(range(n))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4 * n, 3], dtype=DataType.ComplexDouble)
+        p = fd.ops.prod(x, [0])
+        fd.add_output(p)
+        shard(x, mesh, {0: X})
+        p.set_device_mesh(mesh)
+    full = _crand(6, 4 * n, 3)
+    (got,) = fd.execute([multidevice_test.shard_tensor(full, x)])
+    torch.testing.assert_close(got, full.prod(0))
+    assert fd.plan.collectives() == ["allgather"], str(fd.plan)
