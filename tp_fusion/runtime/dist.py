@@ -110,8 +110,9 @@ def group_rank(pg: ProcessGroup | None) -> int:
 
 def _wire(t: torch.Tensor | None, op: str = "sum") -> torch.Tensor | None:
     """``t`` as the collectives carry it: a complex tensor as its real view (``torch.view_as_real``: a trailing dim
-    of 2, the same memory, so a result written into it is written into ``t``), which torch does itself for some
-    collectives only and gloo and NCCL reduce correctly for a sum only."""
+    of 2, the same memory, so a result written into it is written into ``t``), as torch does itself for some
+    collectives only (gloo has no complex gather). A sum of the real views is the complex sum; a max, min or
+    prod of them would not be the complex one (``sharding.rules.reduction`` plans none): refused."""
     if t is None or not t.is_complex():
         return t
     if op != "sum":
