@@ -219,7 +219,11 @@ class Sharding:
         return out.flatten(dim, dim + len(view) - 1)
 
     def local_indices(self, rank: int, dim: int, n: int) -> torch.Tensor:
-        """The global indices along ``dim`` (of extent ``n``) of ``rank``'s piece."""
+        """The global indices along ``dim`` (of extent ``n``) of ``rank``'s piece; none for a rank outside the
+        mesh (it holds no piece: a lookup of a table sharded on one pipeline stage, localized on the ranks of
+        another, which run nothing of it)."""
+        if rank not in self.mesh:
+            return torch.arange(0)
         return self.local_piece(torch.arange(n).view((1,) * dim + (n,)), rank, dim).flatten()
 
     def loop_axes_str(self, shape: tuple[int, ...]) -> str:

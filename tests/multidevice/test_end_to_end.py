@@ -1715,7 +1715,26 @@ def pending_sum_to_next_stage_case(world: int) -> Case:
                 expected)
 
 
+def vocab_parallel_lookup_on_a_stage_case(world: int, how: str) -> Case:
+    """A vocabulary-parallel lookup (embedding, index_select) on the first pipeline stage: the ranks of the other
+    stage, outside the table's mesh, build their plan too (they failed to: the rows they hold were asked of a
+    mesh without them). Each rank of the stage looks up the rows it holds; one allreduce sums them."""
+    stage = DeviceMesh(range(world // 2))
+    with FusionDefinition() as fd:
+        w, idx = fd.define_tensor([8, 4], dtype=F64), fd.define_tensor([6], dtype=DataType.Int)
+        y = fd.ops.embedding_fwd(idx, w) if how == "embedding" else fd.ops.index_select(w, idx, 0)
+        fd.add_output(y)
+        shard(w, stage, {0: X})
+        shard(idx, stage)
+        shard(y, stage)
+    expected = [] if world == 2 else ["allreduce"]  # a stage of one device holds every row
+    return Case(fd, [w, idx], [_rand(75, (8, 4)), torch.tensor([0, 7, 3, 4, 1, 6])],
+                lambda w, i: [F.embedding(i, w)], expected)
+
+
 CASES_MESHES = {  # world >= 2: two disjoint meshes, or a mesh and one of its devices
+    "vocab_parallel_embedding_on_a_stage": lambda w: vocab_parallel_lookup_on_a_stage_case(w, "embedding"),
+    "vocab_parallel_index_select_on_a_stage": lambda w: vocab_parallel_lookup_on_a_stage_case(w, "index_select"),
     "pending_sum_to_next_stage_scattered": pending_sum_to_next_stage_case,
     "shards_read_on_another_mesh_leave_once": lambda w: read_on_other_meshes_case(w, "shards"),
     "pending_sum_read_on_another_mesh_summed_once": lambda w: read_on_other_meshes_case(w, "partial"),
