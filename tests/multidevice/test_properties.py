@@ -36,7 +36,10 @@ WIDE = ("broadcast", "softmax", "norm", "cast", "slice", "cat", "where", "unsque
 ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "exp": torch.exp}
 WIDE_EXTENTS = (*EXTENTS, 12, 16)
 SCALAR_BINARY = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
-WIDE_2D = ("var", "triu", "select", "topk")
+WIDE_2D = ("var", "triu", "select", "topk", "scan2", "native_norm")
+# scans beyond SCANS (wide): cumsum with an init, cumprod (a chunked scan over a sharded dim too), cummin
+WIDE_SCANS = {"cumsum": lambda t, dim: torch.cumsum(t, dim) + 0.5, "cumprod": torch.cumprod,
+              "cummin": lambda t, dim: torch.cummin(t, dim).values}
 
 
 class _Case:
@@ -104,7 +107,11 @@ class _Case:
 
     def _input(self, shape):
         declared = [-1 if self.symbolic and self.rng.random() < 0.5 else e for e in shape]
-        tv = self.fd.define_tensor(declared, dtype=DataType.Double)
+        order = None
+        if self.wide and len(shape) > 1 and self.rng.random() < 0.15:  # laid out otherwise than row-major
+            order = list(range(len(shape)))
+            self.rng.shuffle(order)
+        tv = self.fd.define_tensor(declared, dtype=DataType.Double, stride_order=order)
         full = torch.randn(shape, generator=self.gen, dtype=torch.float64)
         self.inputs.append((tv, full))
         self.shapes[tv.name] = tuple(shape)
@@ -125,6 +132,7 @@ class _Case:
             kinds += ["reduction", "matmul", "reshape", "scan"]
         if self.wide:
             kinds += [*WIDE, *(WIDE_2D if tv.ndim >= 2 else ()), *(("attention",) if tv.ndim >= 3 else ()),
+                      *(("grouped_mm",) if tv.ndim == 2 else ()),
                       *(("squeeze",) if 1 in ref.shape[1:] else ())]
         kind = rng.choice(kinds)
         if kind == "unary":
@@ -339,6 +347,28 @@ class _Case:
             if rng.random() < 0.6:
                 return ops.div(tv, ops.add(ops.abs(other), 1.0)), ref / (oref.abs() + 1.0)
             return ops.div(other, ops.add(ops.abs(tv), 1.0)), oref / (ref.abs() + 1.0)
+        if kind == "scan2":
+            name, dim = rng.choice(sorted(WIDE_SCANS)), rng.randrange(tv.ndim)
+            init = {"init": 0.5} if name == "cumsum" else {}
+            return getattr(ops, name)(tv, dim, **init), WIDE_SCANS[name](ref, dim)
+        if kind == "native_norm":  # native_layer_norm's y, mean or rstd over the last one or two dims
+            ns = list(ref.shape[-rng.randint(1, min(2, tv.ndim - 1)):])
+            params = [self._input(tuple(ns)) for _ in range(rng.choice((0, 1, 2)))]
+            outs = ops.native_layer_norm(tv, ns, *(p for p, _ in params), eps=1e-5)
+            refs = torch.native_layer_norm(ref, ns, *(r for _, r in params), *(None,) * (2 - len(params)), 1e-5)
+            which = rng.randrange(3)
+            return outs[which], refs[which]
+        if kind == "grouped_mm":  # tv [m, k] in g groups of rows by mat2 [g, k, n]: experts
+            m, k = ref.shape
+            g, n = rng.choice((2, 4)), rng.choice(self.extents)
+            w, wref = self._input((g, k, n))
+            ends = sorted(rng.randint(0, m) for _ in range(g - 1)) + [m]
+            offsets = self.fd.define_tensor([g], dtype=DataType.Int)
+            oref = torch.tensor(ends)
+            self.inputs.append((offsets, oref))
+            self.shapes[offsets.name] = (g,)
+            out = torch.cat([ref[a:b] @ wref[i] for i, (a, b) in enumerate(zip([0, *ends[:-1]], ends))])
+            return ops.grouped_mm(tv, w, offsets), out
         if kind == "var":
             dim, keep, correction = rng.randrange(tv.ndim), rng.random() < 0.3, rng.choice((0, 1))
             correction = min(correction, ref.shape[dim] - 1)  # not NaN for a dim of extent 1
