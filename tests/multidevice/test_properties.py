@@ -87,7 +87,9 @@ class _Case:
                     self._shard(tv)
         self.error_kind = None
         if invalid:
-            self.error_kind = rng.choice(("split", "shape", "dtype", "mesh", "count"))
+            self.error_kind = rng.choice(("split", "shape", "dtype", "mesh", "count", *(("extent",) if wide else ())))
+            if self.error_kind == "extent":
+                self._bad_parallel(rng.choice(vals)[0])
             if self.error_kind == "split":
                 self._bad_split(rng.choice(vals)[0])
             elif self.error_kind == "mesh":
@@ -428,6 +430,24 @@ class _Case:
             out.append(DeviceMesh(devs) if self.mesh.ndim == 2 else DeviceMesh([devs[:2], devs[2:]]))
         return self.rng.sample(out, self.rng.randint(1, 3))
 
+    def _bad_parallel(self, tv) -> None:
+        """A loop axis parallelized whose (concrete) extent is not the mesh axis size; "count" where none is."""
+        if tv.mesh is None:
+            tv.set_device_mesh(self.mesh)
+        loop, n = tv._loop(), tv.mesh.shape[-1]
+        bad = []
+        for i, ax in enumerate(loop):
+            if ax.ptype.is_device or ax.reduction:
+                continue
+            known = math.prod(a.extent for a in loop if a.dim == ax.dim and not a.reduction and a.extent >= 0)
+            extent = ax.extent if ax.extent >= 0 else self.shapes[tv.name][ax.dim] // known
+            if extent != n:
+                bad.append(i)
+        if not bad:
+            self.error_kind = "count"
+            return
+        tv.axis(self.rng.choice(bad)).parallelize(ParallelType.for_mesh_axis(tv.mesh.ndim - 1, tv.mesh.ndim))
+
     def _bad_split(self, tv) -> None:
         """A device split that cannot work: a factor that does not divide, or one not the mesh size."""
         if tv.mesh is None:
@@ -469,7 +489,9 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, invalid: bool,
     ``repeat``: also run it again (cached plan) and rebuilt (a new plan): bitwise-equal outputs."""
     try:
         case = _Case(seed, mesh, world, invalid, wide)
-        outs = case.fd.execute(case.local_inputs(rank))
+        xs = case.local_inputs(rank)
+        saved = [x.clone() for x in xs]
+        outs = case.fd.execute(xs)
     except TPFusionError as e:
         outcome = type(e).__name__
         assert invalid, f"seed {seed}: a valid case raised {outcome}: {e}"
@@ -477,6 +499,11 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, invalid: bool,
     text = f"seed {seed} on {mesh}\n{case.fd}\n{case.fd.plan}"
     assert not invalid or case.error_kind is None, f"seed {seed}: invalid ({case.error_kind}) ran\n{text}"
     assert len(outs) == len(case.refs), text
+    for i, (x, x0) in enumerate(zip(xs, saved)):
+        assert torch.equal(x, x0), f"input {i} was modified\n{text}"
+    held = {x.untyped_storage().data_ptr() for x in xs if x.numel()}
+    aliased = [i for i, o in enumerate(outs) if o.numel() and o.untyped_storage().data_ptr() in held]
+    assert not aliased, f"outputs {aliased} alias an input\n{text}"
     for i, (out, ref, sharding) in enumerate(zip(outs, case.refs, case.fd.output_shardings())):
         want = shard_tensor(ref, sharding, rank)
         torch.testing.assert_close(out, want, **case.tol, msg=lambda m, i=i: f"output {i}: {m}\n{text}")
