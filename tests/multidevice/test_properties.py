@@ -478,8 +478,15 @@ class _Case:
             x = xs[i]
             if self.error_kind == "dtype":
                 xs[i] = x.float()
-            else:
+            elif self.bad_input is None:
                 xs[i] = torch.zeros((x.shape[0] + 1, *x.shape[1:]) if x.dim() else (1,), dtype=x.dtype)
+            else:  # a defined extent one too large; where every extent is symbolic (a larger one is just another
+                #    size where no other rank holds the input to disagree), a dim too many
+                fixed = [d for d, e in enumerate(self.inputs[i][0].shape) if e >= 0]
+                shape = list(x.shape)
+                if fixed:
+                    shape[fixed[0]] += 1
+                xs[i] = torch.zeros(shape if fixed else [1, *shape], dtype=x.dtype)
         return xs
 
 
