@@ -289,7 +289,7 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars:
         return fusion
     tensors = list(fusion.tensors)
     for name, shape in zip(fusion.inputs, input_shapes):
-        tensors[name] = _bound(tensors[name], tuple(shape), None)
+        tensors[name] = _bound(tensors[name], tuple(shape), None, None)
     shape_of = lambda name: tensors[name].shape  # noqa: E731
     value_of = _scalar_evaluator(fusion, scalars or {}, shape_of)
     ops = []
@@ -312,7 +312,7 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars:
             raise InputError(f"execute: the inputs' sizes do not fit the fusion: {op.kind}: cannot apply to "
                              f"{described}: {e}") from None
         for o, out in zip(op.outputs, outs):
-            tensors[o] = _bound(tensors[o], out.shape, op)
+            tensors[o] = _bound(tensors[o], out.shape, op, shape_of)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))
 
 
@@ -321,13 +321,16 @@ def _kept(ref: ScalarRef) -> ScalarRef:
     return ref
 
 
-def _bound(t: Tensor, shape: tuple[int, ...], producer: Op | None) -> Tensor:
-    """``t`` (made by ``producer``; None: an input) with the extents ``shape``: its schedule's symbolic
-    pieces sized (a split of a symbolic extent could not be checked when it was scheduled: ShardingError now
-    if it does not fit), its sharding derived again from them."""
+def _bound(t: Tensor, shape: tuple[int, ...], producer: Op | None, shape_of) -> Tensor:
+    """``t`` (made by ``producer``, whose operands' bound shapes ``shape_of`` gives; None: an input) with the
+    extents ``shape``: its schedule's symbolic pieces sized, its reduction axes' too (a split of a symbolic
+    extent could not be checked when it was scheduled: ShardingError now if it does not fit), its sharding
+    derived again from them."""
     if t.loop is None:
         return t.replace(shape=shape)
-    loop = loops.bind(t.loop, shape, f"T{t.name} {t.type_str()}", " at execute")
+    reduced = () if producer is None else \
+        tuple(a.extent for a in loops.default_loop(shape, producer, shape_of) if a.reduction)
+    loop = loops.bind(t.loop, shape, f"T{t.name} {t.type_str()}", " at execute", reduced)
     sharding = t.sharding if t.sharding is None else loops.sharding(loop, t.sharding.mesh, f"T{t.name}",
                                                                     loops.pending_of(producer))
     return t.replace(shape=shape, loop=loop, sharding=sharding)

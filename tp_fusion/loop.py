@@ -111,22 +111,30 @@ def sharding(loop: Loop, mesh: DeviceMesh, what: str, pending: Partial = PARTIAL
     return Sharding(mesh, tuple(placements))
 
 
+def reduced_pieces(loop: Loop, r: int) -> list[int]:
+    """The positions in ``loop`` of the pieces of its ``r``-th reduction axis (reduced dim ``r``), outermost
+    first."""
+    return [i for i, a in enumerate(loop) if a.dim == r and a.reduction]
+
+
 def pieces(loop: Loop, dim: int) -> list[int]:
     """The positions in ``loop`` of logical dim ``dim``'s pieces, outermost first (past the reduction axes
     that a reduction keeps in place, such as a sum's ``r{T}``)."""
     return [i for i, a in enumerate(loop) if a.dim == dim and not a.reduction]
 
 
-def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str) -> Loop:
-    """``loop`` with the symbolic piece of each logical dim sized from ``shape`` (the concrete extents);
-    ShardingError where the schedule does not fit them. ``when`` says where they come from."""
+def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str, reduced: tuple[int, ...] = ()) -> Loop:
+    """``loop`` with the symbolic piece of each logical dim sized from ``shape`` (the concrete extents), and of
+    each reduction axis from ``reduced`` (the extents of the dims its producer reduced, in the order of its
+    ``r`` axes: ``default_loop``'s); ShardingError where the schedule does not fit them. ``when`` says where
+    they come from."""
     out = list(loop)
-    for d, n in enumerate(shape):
-        at = pieces(loop, d)
+    for d, n, at in [*((d, n, pieces(loop, d)) for d, n in enumerate(shape)),
+                     *((f"r{r} (reduced)", n, reduced_pieces(loop, r)) for r, n in enumerate(reduced))]:
         known = [loop[i].extent for i in at if loop[i].extent >= 0]
         k = math.prod(known)
         symbolic = [i for i in at if loop[i].extent < 0]
-        if n < 0 or (not symbolic and k == n):
+        if n < 0 or not at or (not symbolic and k == n):
             continue
         product = f" ({' x '.join(map(str, known))})" if len(known) > 1 else ""
         if not symbolic:

@@ -156,6 +156,21 @@ def _execute_errors(rank: int, world: int) -> None:
     _raises(ShardingError, r"T0 f32\[\?, 4\]: dim 0 is symbolic and bound to 4 at execute, but its schedule "
                            r"splits it by 3, which does not divide 4",
             lambda: fd_ser.execute([torch.ones(4, 4)]))
+    # ... and of a symbolic reduction axis (a linear's r{K}, sharded: a pending sum), as where K is defined
+    with FusionDefinition() as fd_red:
+        x, w = fd_red.define_tensor([4, -1]), fd_red.define_tensor([6, -1])
+        y = fd_red.ops.linear(x, w)
+        fd_red.add_output(y)
+        for tv in (x, w, y):
+            tv.set_device_mesh(mesh)
+        y.outer_split(2, world)
+        y.axis(2).parallelize(ParallelType.mesh_x)
+    k = 2 * world + 1
+    _raises(ShardingError, rf"T2 f32\[4, 6\]: dim r0 \(reduced\) is symbolic and bound to {k} at execute, but its "
+                           rf"schedule splits it by {world}, which does not divide {k}",
+            lambda: fd_red.execute([torch.ones(4, k), torch.ones(6, k)]))
+    (out,) = fd_red.execute([torch.ones(4, 2 * world), torch.ones(6, 2 * world)])
+    torch.testing.assert_close(out, torch.full((4, 6), 2.0 * world))
 
     # Ranks that build different fusions (e.g. a rank-dependent schedule).
     with FusionDefinition() as fd_div2:
