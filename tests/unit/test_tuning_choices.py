@@ -177,51 +177,6 @@ def test_each_fused_segment_runs_the_kernel_variant_measured_fastest(gpu_tuning,
     assert chosen.segments[index[Collective.ALLGATHER]].fused.tuning is None
 
 
-@pytest.mark.parametrize("ring_ms, runner_up", [(1.01, DEFAULT_TUNING), (1.05, None)])
-def test_a_fused_variant_close_to_the_fastest_alone_is_named_for_the_plan_timing(gpu_tuning, monkeypatch, ring_ms,
-                                                                                 runner_up):
-    """The default reduce_scatter kernel timed fastest alone (1 ms); the ring, within ``VARIANTS_CLOSE`` of it
-    (1.01 ms) or not (1.05 ms), is the runner-up that ``_variants_if_faster_in_plan`` times within the plan."""
-    program = _sp_mlp_program()
-    (i,) = [i for i, seg in enumerate(program.segments)
-            if seg.fused is not None and seg.fused.collective is Collective.REDUCE_SCATTER]
-    ring = Tuning(rs_reduce="ring", rs_subchunks=2)
-    monkeypatch.setattr(tuning, "_fastest", lambda runs, env, pg, device: {
-        key: {SEQUENTIAL: 2.0}.get(key[0], ring_ms if key[1] == ring else 1.0) for key in runs})
-    monkeypatch.setattr(tuning, "_random_env", lambda program, *names: {})
-    monkeypatch.setattr(tuning, "_fused", lambda f, program, gelu_in_gemm: None)
-    monkeypatch.setattr(tuning.symm, "driver", lambda: object())
-    monkeypatch.setattr(tuning.dist, "group", lambda ranks: None)
-    mode, knobs, _, _, _, got = tuning._choose_mode(i, program, ["host"])
-    assert (mode, knobs) == (FUSED, DEFAULT_TUNING) and got == (None if runner_up is None else ring)
-
-
-@pytest.mark.parametrize("runner_up_ms, keep", [(1.5, "runner-up"), (2.5, "as timed alone")])
-def test_a_close_runner_up_variant_runs_where_the_whole_plan_is_faster_so(monkeypatch, runner_up_ms, keep):
-    """Both plans (the fastest variant alone, the runner-up) are timed whole; the faster is kept, with a note."""
-    program = _sp_mlp_program()
-    (i,) = [i for i, seg in enumerate(program.segments)
-            if seg.fused is not None and seg.fused.collective is Collective.REDUCE_SCATTER]
-    ring = Tuning(rs_reduce="ring", rs_subchunks=2)
-    chosen_alone = program.with_choices({i: FUSED}, cuda_graph=False, notes=(), kernels={i: DEFAULT_TUNING})
-
-    class Timed:  # stands in for the Runner: "running" the plan returns its time in ms
-        def __init__(self, program):
-            self.program = program
-
-        def run_eager(self, inputs, numbers):
-            return runner_up_ms if self.program.segments[i].fused.tuning == ring else 2.0
-
-    monkeypatch.setattr(tuning, "Runner", Timed)
-    monkeypatch.setattr(tuning, "_fastest", lambda runs, env, pg, device: {k: fn(env) for k, fn in runs.items()})
-    monkeypatch.setattr(tuning, "slowest", lambda values, pg, device: values)  # one rank, no GPU
-    chosen, runner = tuning._variants_if_faster_in_plan(chosen_alone, Timed(chosen_alone), {i: ring}, [], None)
-    assert chosen.segments[i].fused.tuning == (ring if keep == "runner-up" else DEFAULT_TUNING)
-    assert runner.program is chosen and chosen.segments[i].fused.mode == FUSED
-    assert chosen.notes == (f"whole plan: segment(s) {i} fused (rs_reduce='ring', rs_subchunks=2) as timed alone "
-                            f"2.000 ms, runner-up {runner_up_ms:.3f} ms -> {keep}",)
-
-
 def test_the_runner_gives_a_fused_kernel_the_knobs_tuning_recorded(monkeypatch):
     program = _sp_mlp_program()
     (i,) = [i for i, seg in enumerate(program.segments)
@@ -251,8 +206,8 @@ def test_a_segment_left_sequential_keeps_its_fastest_fused_knobs_for_the_plan_ti
     monkeypatch.setattr(tuning, "_fused", lambda f, program, gelu_in_gemm: None)
     monkeypatch.setattr(tuning.symm, "driver", lambda: object())
     monkeypatch.setattr(tuning.dist, "group", lambda ranks: None)
-    mode, knobs, _, why, timed, runner_up = tuning._choose_mode(i, program, ["host"])
-    assert (mode, knobs, timed, runner_up) == (SEQUENTIAL, ring, True, None) and why.endswith("-> sequential")
+    mode, knobs, _, why, timed = tuning._choose_mode(i, program, ["host"])
+    assert (mode, knobs, timed) == (SEQUENTIAL, ring, True) and why.endswith("-> sequential")
 
 
 @pytest.mark.parametrize("knobs", [{"ag_gemm": "gathered"}, {"ag_streams": 3}, {"rs_reduce": "inplace"},

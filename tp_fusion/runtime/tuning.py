@@ -8,9 +8,8 @@
   (what actually runs), ``fused`` in each of its kernel variants (``KERNEL_VARIANTS``; the fastest
   is recorded as ``FusedGemm.tuning``), and the group takes the max over its ranks; a segment that timed faster
   ``sequential`` alone is timed ``fused`` within the whole plan too, and the faster plan is kept
-  (``_fused_if_faster_in_plan``), and so is a fused segment whose runner-up variant timed within
-  ``VARIANTS_CLOSE`` of the fastest alone (``_variants_if_faster_in_plan``); elsewhere (gloo, CPU)
-  ``fused``, so the decomposition is what CI exercises;
+  (``_fused_if_faster_in_plan``); elsewhere (gloo, CPU) ``fused``, so the decomposition is what CI
+  exercises;
 - for each linear+bias followed by a tanh-GELU (a fused segment's epilogue, or a pair in a compute
   segment, ``program.gelu_epilogues``): the GELU in the GEMM's cuBLASLt epilogue or as a pass apart,
   timed alike on CUDA under NCCL (the epilogue kernel is the slower one on some shapes);
@@ -69,10 +68,6 @@ KERNEL_VARIANTS = {  # the fused kernels' knobs timed per segment: each was the 
     Collective.REDUCE_SCATTER: (overlap.Tuning(), overlap.Tuning(rs_reduce="ring", rs_subchunks=2)),
     Collective.ALLREDUCE: (overlap.Tuning(),),
 }
-VARIANTS_CLOSE = 1.02  # fused variants that time within this of the fastest alone are timed again within the
-#                       whole plan (``_variants_if_faster_in_plan``): 2x H200, SP 16384x8192x28672, the reduce_scatter's
-#                       two variants timed 5.648 and 5.721 ms alone, yet the MLP ran 11.85 ms with the first and 11.38
-#                       with the second (docs/performance.md, round 33)
 GELU_APART_GAIN = 0.98  # a GELU leaves its GEMM's epilogue only if that measures at least 2% faster (noise)
 SMALL_PLAN_MS = 1.0  # a plan faster than this on the GPU is bound by Python's launches: graphs of it with its
 #                      fused segments all sequential and all fused are timed too; a larger plan with a fused
@@ -189,26 +184,24 @@ def _fastest(runs: dict, env: dict, pg, device) -> dict:
     return {key: min(r) for key, r in rounds.items()}
 
 
-def _choose_mode(i: int, program: Program, hosts: list[str]
-                 ) -> tuple[str, overlap.Tuning | None, bool, str, bool, overlap.Tuning | None]:
+def _choose_mode(i: int, program: Program, hosts: list[str]) -> tuple[str, overlap.Tuning | None, bool, str, bool]:
     """(mode, the fused kernel's knobs, whether a tanh-GELU epilogue runs apart from the GEMM, why, whether
-    timings chose it, the runner-up fused variant where it timed within ``VARIANTS_CLOSE`` of the fastest)
-    for fused segment ``i``, whose group's ranks are on ``hosts``. The knobs are those of the fastest fused
-    variant even where ``sequential`` won: ``_fused_if_faster_in_plan`` may yet run the segment fused;
-    ``_variants_if_faster_in_plan`` may yet run the runner-up."""
+    timings chose it) for fused segment ``i``, whose group's ranks are on ``hosts``. The knobs are those
+    of the fastest fused variant even where ``sequential`` won: ``_fused_if_faster_in_plan`` may yet run
+    the segment fused."""
     seg = program.segments[i]
     f = seg.fused
     if f.runs_here and len(hosts) > 1:
         why = (f"segment {i} {seg.note}: group {list(f.group)} spans hosts {', '.join(hosts)}; "
                f"symmetric memory needs one host -> {SEQUENTIAL} ({dist.backend()} collectives)")
-        return SEQUENTIAL, None, False, why, False, None
+        return SEQUENTIAL, None, False, why, False
     if f.collective is Collective.ALLREDUCE and math.prod(local_shape(program.fusion, f.x)[:-1]) % f.group_size:
-        return SEQUENTIAL, None, False, "", False, None  # rows that do not split over the ranks: nothing to pipeline
+        return SEQUENTIAL, None, False, "", False  # rows that do not split over the ranks: nothing to pipeline
     if not _measures(program) or not f.runs_here:
-        return FUSED, None, False, "", False, None
+        return FUSED, None, False, "", False
     if symm.driver() is None:
         return SEQUENTIAL, None, False, \
-            f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}", False, None
+            f"segment {i} {seg.note}: no symmetric-memory path on this machine -> {SEQUENTIAL}", False
     gelu_choices = (True, False) if _has_gelu_epilogue(f) else (True,)
     kernels = [(FUSED, t) for t in KERNEL_VARIANTS[f.collective]] + [(SEQUENTIAL, overlap.DEFAULT_TUNING)]
     runs = {(mode, t, in_gemm): _fused(dataclasses.replace(f, mode=mode, tuning=t), program, gelu_in_gemm=in_gemm)
@@ -216,15 +209,14 @@ def _choose_mode(i: int, program: Program, hosts: list[str]
     ms = _fastest(runs, _random_env(program, f.x, f.weight, f.bias, f.residual), dist.group(f.group), program.device)
     def best(mode, t):
         return min(ms[mode, t, g] for g in gelu_choices)
-    fastest_fused, *others = sorted(KERNEL_VARIANTS[f.collective], key=lambda t: best(FUSED, t))
-    runner_up = others[0] if others and best(FUSED, others[0]) <= best(FUSED, fastest_fused) * VARIANTS_CLOSE else None
+    fastest_fused = min(KERNEL_VARIANTS[f.collective], key=lambda t: best(FUSED, t))
     mode, t = (FUSED, fastest_fused) if best(FUSED, fastest_fused) <= best(*kernels[-1]) else kernels[-1]
     in_gemm = len(gelu_choices) == 1 or _keeps_gelu_in_gemm(ms[mode, t, True], ms[mode, t, False])
     timings = ", ".join(f"{_kernel_name(m, k)} {ms[m, k, True]:.3f} ms"
                         + (f" (GELU apart {ms[m, k, False]:.3f})" if len(gelu_choices) > 1 else "")
                         for m, k in kernels)
     why = f"segment {i} {seg.note}: {timings} -> {_kernel_name(mode, t)}" + ("" if in_gemm else ", GELU apart")
-    return mode, fastest_fused, not in_gemm, why, True, runner_up
+    return mode, fastest_fused, not in_gemm, why, True
 
 
 def _kernel_name(mode: str, t: overlap.Tuning) -> str:
@@ -347,46 +339,23 @@ def _fused_if_faster_in_plan(program: Program, runner: Runner, candidates: list[
     the collective where its GEMM is shorter than its transfers; within the plan, the sequential
     collective also waits for the slower rank at a point where nothing else runs (tp transformer layer
     8192x4096 on 2x H200: the out-projection's allreduce timed 0.441 ms sequential and 0.464 fused alone,
-    yet the layer ran 3.27 ms with it sequential and 3.05 with it fused)."""
+    yet the layer ran 3.27 ms with it sequential and 3.05 with it fused). Both plans are launched
+    eagerly and timed as segments are (``_fastest``, max over the world: collective over the world)."""
     (anywhere,) = slowest([float(bool(candidates))], None, program.device)
     if not anywhere:
         return program, runner
     alternative = program.with_choices({i: FUSED for i in candidates}, cuda_graph=False, notes=program.notes)
-    which = ", ".join(str(i) for i in candidates) or "none on this rank"
-    return _faster_in_plan(program, runner, alternative, inputs, numbers, f"segment(s) {which}", (SEQUENTIAL, FUSED))
-
-
-def _variants_if_faster_in_plan(program: Program, runner: Runner, close: dict[int, overlap.Tuning],
-                                inputs: list[torch.Tensor], numbers: dict | None) -> tuple[Program, Runner]:
-    """Fused segments whose runner-up kernel variant timed within ``VARIANTS_CLOSE`` of the fastest alone
-    (``close``: segment -> that variant, this rank's, where the segment runs fused) run it where the whole
-    plan runs faster so: alone, the variants' timings differ by less than what they do within the plan,
-    where the segment before them runs into them."""
-    close = {i: t for i, t in close.items() if program.segments[i].fused.mode == FUSED}
-    (anywhere,) = slowest([float(bool(close))], None, program.device)
-    if not anywhere:
-        return program, runner
-    alternative = program.with_choices({}, cuda_graph=False, notes=program.notes, kernels=close)
-    which = ", ".join(f"{i} {_kernel_name(FUSED, t)}" for i, t in close.items()) or "none on this rank"
-    return _faster_in_plan(program, runner, alternative, inputs, numbers, f"segment(s) {which}",
-                           ("as timed alone", "runner-up"))
-
-
-def _faster_in_plan(program: Program, runner: Runner, alternative: Program, inputs: list[torch.Tensor],
-                    numbers: dict | None, what: str, labels: tuple[str, str]) -> tuple[Program, Runner]:
-    """The faster of ``program`` (run by ``runner``) and ``alternative`` (the plan with other choices for
-    ``what``; ``labels`` name the two), both launched eagerly and timed as segments are (``_fastest``, max over
-    the world: collective over the world), with a note saying why."""
-    runners = {labels[0]: runner, labels[1]: Runner(alternative)}
+    runners = {SEQUENTIAL: runner, FUSED: Runner(alternative)}
     with torch.no_grad():
-        ms = _fastest({label: lambda env, r=r: r.run_eager(inputs, numbers) for label, r in runners.items()}, {},
-                      None, program.device)
-    keep = labels[1] if ms[labels[1]] < ms[labels[0]] else labels[0]
-    note = f"whole plan: {what} {labels[0]} {ms[labels[0]]:.3f} ms, {labels[1]} {ms[labels[1]]:.3f} ms -> {keep}"
-    chosen = (alternative if keep == labels[1] else program).with_choices({}, cuda_graph=False,
-                                                                           notes=(*program.notes, note))
-    runners[keep].program = chosen
-    return chosen, runners[keep]
+        ms = _fastest({mode: lambda env, r=r: r.run_eager(inputs, numbers) for mode, r in runners.items()}, {}, None,
+                      program.device)
+    mode = FUSED if ms[FUSED] < ms[SEQUENTIAL] else SEQUENTIAL
+    which = ", ".join(str(i) for i in candidates) or "none on this rank"
+    note = f"whole plan: segment(s) {which} sequential {ms[SEQUENTIAL]:.3f} ms, fused {ms[FUSED]:.3f} ms -> {mode}"
+    chosen = (alternative if mode == FUSED else program).with_choices({}, cuda_graph=False,
+                                                                       notes=(*program.notes, note))
+    runners[mode].program = chosen
+    return chosen, runners[mode]
 
 
 def _plan_ms(runner: Runner, inputs: list[torch.Tensor]) -> float:
@@ -414,11 +383,9 @@ def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor], numbers:
     """``tune``'s choices, the GPUs settled."""
     fused = [i for i, seg in enumerate(program.segments) if seg.fused is not None]
     hosts = symm.hosts_spanned([program.segments[i].fused.group for i in fused]) if fused else []
-    modes, kernels, apart, notes, timed_sequential, close = {}, {}, set(), [], [], {}
+    modes, kernels, apart, notes, timed_sequential = {}, {}, set(), [], []
     for i, seg_hosts in zip(fused, hosts):
-        modes[i], kernels[i], gelu_apart, note, timed, runner_up = _choose_mode(i, program, seg_hosts)
-        if runner_up is not None:
-            close[i] = runner_up
+        modes[i], kernels[i], gelu_apart, note, timed = _choose_mode(i, program, seg_hosts)
         if gelu_apart:
             apart.add(program.segments[i].fused.out)
         if note:
@@ -431,7 +398,6 @@ def _tune(program: Program, runner: Runner, inputs: list[torch.Tensor], numbers:
     runner = Runner(tuned)
     if _measures(program):
         tuned, runner = _fused_if_faster_in_plan(tuned, runner, timed_sequential, inputs, numbers)
-        tuned, runner = _variants_if_faster_in_plan(tuned, runner, close, inputs, numbers)
     if not _graphable(tuned):
         return tuned, runner
     with torch.no_grad():
