@@ -111,8 +111,9 @@ def numbers_as_tensors(fusion: Fusion, inputs: list) -> list:
         return inputs
     out, device = list(inputs), _device_of(inputs)
     for i, (name, x) in enumerate(zip(fusion.inputs, inputs)):
-        if name in scalars and fits_scalar(python_scalar(x), fusion.tensor(name).dtype):
-            out[i] = torch.tensor(python_scalar(x), dtype=fusion.tensor(name).dtype.torch, device=device)
+        dtype = fusion.tensor(name).dtype
+        if name in scalars and fits_scalar(value := python_scalar(x), dtype):
+            out[i] = torch.tensor(value, dtype=dtype.torch, device=device)
     return out
 
 

@@ -111,16 +111,11 @@ def sharding(loop: Loop, mesh: DeviceMesh, what: str, pending: Partial = PARTIAL
     return Sharding(mesh, tuple(placements))
 
 
-def reduced_pieces(loop: Loop, r: int) -> list[int]:
-    """The positions in ``loop`` of the pieces of its ``r``-th reduction axis (reduced dim ``r``), outermost
-    first."""
-    return [i for i, a in enumerate(loop) if a.dim == r and a.reduction]
-
-
-def pieces(loop: Loop, dim: int) -> list[int]:
+def pieces(loop: Loop, dim: int, reduction: bool = False) -> list[int]:
     """The positions in ``loop`` of logical dim ``dim``'s pieces, outermost first (past the reduction axes
-    that a reduction keeps in place, such as a sum's ``r{T}``)."""
-    return [i for i, a in enumerate(loop) if a.dim == dim and not a.reduction]
+    that a reduction keeps in place, such as a sum's ``r{T}``); with ``reduction``, those of its ``dim``-th
+    reduction axis (the ``dim``-th dim its producer reduced)."""
+    return [i for i, a in enumerate(loop) if a.dim == dim and a.reduction == reduction]
 
 
 def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str, reduced: tuple[int, ...] = ()) -> Loop:
@@ -130,7 +125,7 @@ def bind(loop: Loop, shape: tuple[int, ...], what: str, when: str, reduced: tupl
     they come from."""
     out = list(loop)
     for d, n, at in [*((d, n, pieces(loop, d)) for d, n in enumerate(shape)),
-                     *((f"r{r} (reduced)", n, reduced_pieces(loop, r)) for r, n in enumerate(reduced))]:
+                     *((f"r{r} (reduced)", n, pieces(loop, r, reduction=True)) for r, n in enumerate(reduced))]:
         known = [loop[i].extent for i in at if loop[i].extent >= 0]
         k = math.prod(known)
         symbolic = [i for i in at if loop[i].extent < 0]

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tp_fusion.errors import DefinitionError, LoweringError
-from tp_fusion.ir import Const, ScalarRef, Symbol, SymbolicSize
+from tp_fusion.ir import Const, ScalarRef, Symbol, SymbolicSize, symbols_of
 from tp_fusion.sharding import rules
 from tp_fusion.sharding.sharding import PARTIAL_SUM, Partial
 from tp_fusion.types import DataType
@@ -111,8 +111,10 @@ class OpDef:
         return bool(self.traits & trait)
 
     def capturable(self, ins: list, attrs: dict) -> bool:
-        """Whether a CUDA graph can capture a call with these operand types and attributes."""
-        return self.uncapturable is None or not self.uncapturable(ins, attrs)
+        """Whether a CUDA graph can capture a call with these operand types and attributes: not where an
+        attribute is a number each call gives (``value_attrs``: a replay would keep the captured call's)."""
+        fixed = not symbols_of(tuple(attrs.values()))
+        return fixed and (self.uncapturable is None or not self.uncapturable(ins, attrs))
 
 
 def is_tanh_gelu(kind: str, attrs: dict) -> bool:
@@ -758,10 +760,12 @@ def _threshold_front(rec, x, threshold, value):
                value=_number("threshold", value, "value"))
 
 
-for _name, _impl, _front in (("lerp", _lerp, _lerp_front), ("addcmul", _addcmul, _addcmul_front),
-                             ("clamp", _clamp, _clamp_front), ("threshold", _threshold, _threshold_front)):
+for _name, _impl, _front, _values in (("lerp", _lerp, _lerp_front, ()),
+                                      ("addcmul", _addcmul, _addcmul_front, ("value",)),
+                                      ("clamp", _clamp, _clamp_front, ("min", "max")),
+                                      ("threshold", _threshold, _threshold_front, ("threshold", "value"))):
     register(_name, impl=_impl, infer=_pointwise_infer(_impl), traits=Trait.POINTWISE, rule=rules.pointwise(),
-             flops=_flops_output, front=_front, value_attrs=frozenset({"value", "min", "max", "threshold"}))
+             flops=_flops_output, front=_front, value_attrs=frozenset(_values))
 
 
 def _set_front(rec, x):

@@ -10,6 +10,7 @@ import torch
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, InputError, ParallelType
 from tp_fusion.errors import DefinitionError
+from tp_fusion.ops import opdef, operand_types
 
 
 def _plans(fd) -> int:
@@ -80,6 +81,10 @@ def test_seeds_bounds_and_fill_values_from_scalars_are_read_at_every_call():
     fd.validate([x_full, 5, 8, 0.75])  # its reference reads them likewise
     plan = fd.compile([[8, 16], 3, 0, 0.5])  # the plan keeps them as numbers of the call
     assert "rng_seed=T1.item()" in str(plan) and "min=T3.item()" in str(plan)
+    # ... so no CUDA graph may capture such an op: a replay would keep the captured call's numbers
+    clamp = next(op for op in plan.fusion.ops if op.kind == "clamp")
+    assert not opdef("clamp").capturable(operand_types(clamp, plan.fusion.tensor), dict(clamp.attrs))
+    assert opdef("clamp").capturable(operand_types(clamp, plan.fusion.tensor), {"min": 0.0, "max": 1.0})
 
 
 def test_a_vector_is_its_scalars_and_execute_takes_it_as_one_list():

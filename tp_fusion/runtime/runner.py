@@ -122,7 +122,7 @@ class Runner:
         with torch.no_grad():
             if self.graph is None:
                 return self.run_eager(inputs, numbers)
-            if self.graph.alive:  # (a program with such numbers is not captured: a replay would keep them)
+            if self.graph.alive:  # (an op whose attributes each call gives is not captured: OpDef.capturable)
                 return self.graph.replay(inputs)
             # Released (before the process group goes) or not capturable again on this rank: eagerly, on
             # the graphs' own mailboxes, which the peers' replays use and keep the phases of.

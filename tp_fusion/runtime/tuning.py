@@ -255,11 +255,11 @@ def _choose_gelus(program: Program) -> tuple[set[int], list[str]]:
 
 def _graphable(program: Program) -> bool:
     """The same answer on every rank: CUDA with NCCL, every mesh spanning the whole world, and every op
-    capturable (``OpDef.uncapturable``: no random draw, no kernel that reads device values on the host), and
-    no attribute read per call (``Program.numbers``: a replay would keep the captured call's)."""
+    capturable (``OpDef.capturable``: no random draw, no kernel that reads device values on the host, no
+    attribute that each call gives)."""
     world = set(range(dist.world_size()))
     fusion = program.fusion
-    return (_measures(program) and graphs.enabled() and program.numbers is None
+    return (_measures(program) and graphs.enabled()
             and all(t.sharding is None or set(t.sharding.mesh.devices) == world for t in fusion.tensors)
             and all(opdef(op.kind).capturable(operand_types(op, fusion.tensor), dict(op.attrs)) for op in fusion.ops))
 
