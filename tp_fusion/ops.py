@@ -2244,7 +2244,8 @@ def _iota_front(rec, length, start=None, step=None, dtype: DataType = DataType.I
 
 register("iota", impl=_iota, infer=lambda args, attrs: [TensorType((attrs["length"],), attrs["dtype"])],
          traits=Trait.FACTORY, rule=rules.replicated_factory,
-         localize=lambda attrs, s: {**attrs, "device": s.device}, front=_iota_front)
+         localize=lambda attrs, s: {**attrs, "device": s.device}, front=_iota_front,
+         value_attrs=frozenset({"start", "step"}))
 
 # --- random numbers -------------------------------------------------------------------------------
 
@@ -2684,11 +2685,11 @@ register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE
          rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1), query_rows=True, scores_from=3),
          flops=_flops_attention(2, query=0),
          num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
-         uncapturable=_draws_dropout, fresh_seed=_with_dropout)
+         uncapturable=_draws_dropout, fresh_seed=_with_dropout, value_attrs=frozenset({"scale"}))
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
          flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front,
-         out_layout=lambda orders, attrs: orders[1:4], uncapturable=_draws_dropout)
+         out_layout=lambda orders, attrs: orders[1:4], uncapturable=_draws_dropout, value_attrs=frozenset({"scale"}))
 
 
 def _sdpa_front(rec, query, key, value, is_causal: bool = False, scale: float | None = None):

@@ -87,6 +87,31 @@ def test_seeds_bounds_and_fill_values_from_scalars_are_read_at_every_call():
     assert opdef("clamp").capturable(operand_types(clamp, plan.fusion.tensor), {"min": 0.0, "max": 1.0})
 
 
+def test_iota_start_and_step_and_attention_scale_from_scalars_are_read_at_every_call():
+    """Values that set no shape (``iota``'s start and step, attention's scale) build no plan per value."""
+    with FusionDefinition() as fd:
+        q, k, v, g = (fd.define_tensor([2, 3, 8, 16]) for _ in range(4))
+        start = fd.define_scalar(None, dtype=DataType.Double)
+        step = fd.define_scalar(None, dtype=DataType.Double)
+        scale = fd.define_scalar(None, dtype=DataType.Double)
+        fd.add_output(fd.ops.iota(5, start, step, DataType.Float))
+        out, lse, seed, offset = fd.ops.sdpfa_fwd(q, k, v, scale=scale)
+        fd.add_output(out)
+        for grad in fd.ops.sdpfa_bwd(g, q, k, v, out, lse, 0.0, False, seed, offset, scale):
+            fd.add_output(grad)
+    q_full, k_full, v_full, g_full = (torch.randn(2, 3, 8, 16, generator=torch.Generator().manual_seed(i))
+                                      for i in range(4))
+    for a, b, c in ((0.0, 1.0, 0.25), (-2.0, 0.5, 0.25), (1.0, 3.0, 0.1)):
+        sequence, out, *grads = fd.execute([q_full, k_full, v_full, g_full, a, b, c])
+        torch.testing.assert_close(sequence, a + b * torch.arange(5, dtype=torch.float32))
+        qr, kr, vr = (t.double().requires_grad_() for t in (q_full, k_full, v_full))
+        want = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, scale=c)
+        want.backward(g_full.double())
+        for got, ref in zip((out, *grads), (want, qr.grad, kr.grad, vr.grad), strict=True):
+            torch.testing.assert_close(got, ref.float(), rtol=1e-4, atol=1e-5)
+    assert _plans(fd) == 1
+
+
 def test_a_vector_is_its_scalars_and_execute_takes_it_as_one_list():
     with FusionDefinition() as fd:
         x = fd.define_tensor([2, 3, 4])
