@@ -2680,12 +2680,53 @@ def _draws_dropout(ins, attrs: dict) -> bool:
     return _with_dropout(attrs)
 
 
+def _sdpfa_fwd_decomposed(op, b) -> None:
+    """Attention as its parts where it decodes (no more query rows than the head dim, no dropout): the scores
+    ``q kᵀ * scale`` (plus the bias, mask and causal mask), their row max, the exponentials, their row sum and
+    the exponentials times v, in float32 for half-precision operands, as the math path computes. Over keys
+    sharded on the sequence (context parallelism, a KV cache), each rank scores its own keys, and the max,
+    the sum and the product with v leave pending reductions of a few values per query row, where the op
+    whole gathers the keys and values (flash-decoding's split of the keys). The scores are [.., Q, K]: with
+    Q at most E they take no more memory than the keys. A row that attends to no key gives zeros and a
+    logsumexp of -inf, as the op whole does."""
+    q, k, v, *terms = op.inputs
+    dropout, is_causal, scale = op.attr("dropout_p"), op.attr("is_causal"), op.attr("scale")
+    q_shape, k_shape = b.tensors[q].shape, b.tensors[k].shape
+    if dropout != 0 or q_shape[-2] > q_shape[-1]:
+        return
+    nd, rows, keys = len(q_shape), q_shape[-2], k_shape[-2]
+    scores = (*q_shape[:-1], keys)
+    qf, kf, vf = (_widened(b, t) for t in (q, k, v))
+    s = b("matmul", qf, b("permute", kf, dims=(*range(nd - 2), nd - 1, nd - 2)))
+    factor = q_shape[-1] ** -0.5 if scale is None else scale
+    s = b("mul", s, factor.tensor if isinstance(factor, ScalarRef) else Const(factor))
+    for t in terms:
+        if b.dtype(t) == DataType.Bool:
+            s = b("where", t, s, Const(float("-inf")))
+        else:
+            s = b("add", s, _widened(b, t))
+    if is_causal:  # top-left aligned, as torch's: query row i sees keys 0..i
+        row, col = (b("broadcast_in_dim", b("iota", length=n, start=0, step=1, dtype=DataType.Int), shape=scores,
+                      broadcast_dims=(d,)) for n, d in ((rows, nd - 2), (keys, nd - 1)))
+        s = b("where", b("le", col, row), s, Const(float("-inf")))
+    top = b("amax", s, dims=(nd - 1,), keepdim=True)
+    top = b("where", b("eq", top, Const(float("-inf"))), Const(0.0), top)  # a row with no key: exp(-inf) = 0
+    e = b("exp", b("sub", s, top))
+    total = b("sum", e, dims=(nd - 1,), keepdim=True, dtype=None)
+    divisor = b("where", b("eq", total, Const(0.0)), Const(1.0), total)
+    b.finish(b("div", b("matmul", e, vf), divisor), op.outputs[0])
+    b.finish(b("squeeze", b("add", top, b("log", total)), dims=(nd - 1,)), op.outputs[1])
+    b("full", shape=(2,), fill_value=0, dtype=DataType.UInt64, out=op.outputs[2])  # no dropout: no seed used
+    b("full", shape=(), fill_value=0, dtype=DataType.UInt64, out=op.outputs[3])
+
+
 # As nvFuser (and aten's flash kernels): the output takes the query's layout, each gradient its operand's.
 register("sdpfa_fwd", impl=_sdpfa_fwd, infer=_sdpfa_fwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2), free_outputs=(0, 1), query_rows=True, scores_from=3),
          flops=_flops_attention(2, query=0),
          num_outputs=4, front=_sdpfa_fwd_front, out_layout=lambda orders, attrs: [orders[0], None, None, None],
-         uncapturable=_draws_dropout, fresh_seed=_with_dropout, value_attrs=frozenset({"scale"}))
+         uncapturable=_draws_dropout, fresh_seed=_with_dropout, value_attrs=frozenset({"scale"}),
+         decompose=_sdpfa_fwd_decomposed)
 register("sdpfa_bwd", impl=_sdpfa_bwd, infer=_sdpfa_bwd_infer, traits=Trait.NONE,
          rule=rules.attention(free_inputs=(0, 1, 2, 3, 4, 5), free_outputs=(0, 1, 2)),
          flops=_flops_attention(4, query=1), num_outputs=3, front=_sdpfa_bwd_front,

@@ -368,6 +368,71 @@ def test_bias_and_mask_follow_sharded_query_rows():
     assert terms == [2, -1]
 
 
+def _decode_fusion(mesh: DeviceMesh, dtype: DataType, rows: int, keys: int, is_causal: bool):
+    """Attention of ``rows`` query rows (replicated) over a KV cache of ``keys`` positions sharded on its sequence
+    over ``mesh``, with a bias and a Bool mask (unannotated) and a scale given at every call."""
+    with FusionDefinition() as fd:
+        q = fd.define_tensor([2, 3, rows, 16], dtype=dtype)
+        k, v = (fd.define_tensor([2, 3, keys, 16], dtype=dtype) for _ in range(2))
+        bias = fd.define_tensor([2, 1, rows, keys], dtype=dtype)
+        mask = fd.define_tensor([2, 3, rows, keys], dtype=DataType.Bool)
+        scale = fd.define_scalar(None, dtype=DataType.Double)
+        out, lse, _, _ = fd.ops.sdpfa_fwd(q, k, v, bias, mask, is_causal=is_causal, scale=scale)
+        fd.add_output(out)
+        fd.add_output(lse)
+        for t in (k, v):
+            t.set_device_mesh(mesh)
+            t.outer_split(2, mesh.size)
+            t.axis(2).parallelize(ParallelType.mesh_x)
+        q.set_device_mesh(mesh)
+    return fd, k
+
+
+@pytest.mark.ranks(2, 4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows, is_causal", [(1, False), (4, True)])
+def test_decoding_over_a_sequence_sharded_cache_moves_only_row_statistics(multidevice_test, dtype, rows, is_causal):
+    """Attention over keys sharded on the sequence (context parallelism, a KV cache) with at most E query rows
+    runs as its parts: each rank scores its own keys, and allreduces of the rows' max, their sum of
+    exponentials and the partial output combine them (flash-decoding's split), where the op whole gathers the
+    cache. Equal to torch's attention, the bias, the mask (a row masked whole gives zeros and a logsumexp of
+    -inf, as the op whole) and a scale read at every call included."""
+    keys = 8 * multidevice_test.size
+    q, k, v = (_rand(i, 2, 3, n, 16, dtype=dtype) for i, n in enumerate((rows, keys, keys)))
+    bias = _rand(3, 2, 1, rows, keys, dtype=dtype)
+    mask = torch.rand(2, 3, rows, keys, generator=torch.Generator().manual_seed(4)) < 0.8
+    mask[0, 1, 0] = False  # no key at all for one row
+    fd, k_tv = _decode_fusion(DeviceMesh(range(multidevice_test.size)), DataType.from_torch(dtype), rows, keys,
+                              is_causal)
+    for scale in (0.25, 0.5):
+        out, lse = fd.execute([q, multidevice_test.shard_tensor(k, k_tv), multidevice_test.shard_tensor(v, k_tv),
+                               bias, mask, scale])
+        scores = q.double() @ k.double().transpose(-2, -1) * scale + bias.double()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if is_causal:
+            scores = scores.masked_fill(~torch.ones(rows, keys, dtype=torch.bool).tril(), float("-inf"))
+        want_lse = torch.logsumexp(scores, -1)
+        want = (torch.exp(scores - want_lse.nan_to_num(neginf=0).unsqueeze(-1)) @ v.double()).nan_to_num()
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        torch.testing.assert_close(out, want.to(dtype), **TOL[dtype])
+        torch.testing.assert_close(lse, want_lse.float(), **TOL[dtype])
+        assert torch.equal(out[0, 1, 0], torch.zeros(16, dtype=dtype)) and lse[0, 1, 0] == float("-inf")
+    plan = fd.compile([[2, 3, rows, 16], [2, 3, keys, 16], [2, 3, keys, 16], [2, 1, rows, keys],
+                       [2, 3, rows, keys], 0.25], rank=0)
+    assert set(plan.collectives()) == {"allreduce"} and "sdpfa_fwd" not in str(plan)
+    reduced = {plan.fusion.tensor(op.outputs[0]).shape for op in plan.fusion.ops if op.kind == "allreduce"}
+    assert reduced == {(2, 3, rows, 1), (2, 3, rows, 16)}  # the rows' max and sum, the partial output
+
+
+def test_prefill_attention_over_a_sharded_cache_stays_whole():
+    """With more query rows than the head dim, the scores would outgrow the keys: the op stays whole (its
+    keys gathered), not run as its parts."""
+    fd, _ = _decode_fusion(DeviceMesh(range(2)), DataType.Float, 32, 32, is_causal=True)
+    plan = fd.compile([[2, 3, 32, 16], [2, 3, 32, 16], [2, 3, 32, 16], [2, 1, 32, 32], [2, 3, 32, 32], 0.25],
+                      rank=0)
+    assert "sdpfa_fwd" in str(plan) and "allgather" in plan.collectives()
+
+
 # --- random numbers -------------------------------------------------------------------------------------
 
 
