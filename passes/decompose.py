@@ -11,6 +11,8 @@ candidates). Propagation tries it and keeps it where the plan moves fewer bytes
 
 from __future__ import annotations
 
+from tp_fusion.passes.remove_unused import remove_unused
+
 from tp_fusion.ir import Const, Fusion, Op, Tensor
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.ops import opdef, operand_types
@@ -71,7 +73,8 @@ class Builder:
 
 def decomposed(fusion: Fusion, names: frozenset[int], mesh: DeviceMesh) -> Fusion:
     """``fusion`` with the ops whose result is in ``names`` replaced by their ``decompose`` recipes' ops (new
-    tensors appended, in op order; the result keeps its name); ``mesh`` is its default mesh."""
+    tensors appended, in op order; the result keeps its name); ``mesh`` is its default mesh. A recipe's ops
+    for results that nothing reads (attention's logsumexp in a forward alone) are dropped."""
     if not names:
         return fusion
     builder = Builder(fusion.tensors, mesh)
@@ -81,7 +84,7 @@ def decomposed(fusion: Fusion, names: frozenset[int], mesh: DeviceMesh) -> Fusio
             opdef(op.kind).decompose(op, builder)
         if len(builder.ops) == written:  # not asked for, or the recipe does not apply: the op whole
             builder.ops.append(op)
-    return fusion.replace(tensors=tuple(builder.tensors), ops=tuple(builder.ops))
+    return remove_unused(fusion.replace(tensors=tuple(builder.tensors), ops=tuple(builder.ops)))
 
 
 def decomposes(op: Op, fusion: Fusion, mesh: DeviceMesh) -> bool:

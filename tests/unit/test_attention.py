@@ -424,6 +424,43 @@ def test_decoding_over_a_sequence_sharded_cache_moves_only_row_statistics(multid
     assert reduced == {(2, 3, rows, 1), (2, 3, rows, 16)}  # the rows' max and sum, the partial output
 
 
+@pytest.mark.ranks(2)
+def test_a_decode_step_over_a_static_cache_sharded_on_its_sequence(multidevice_test):
+    """A decode step as a user writes it: the new token's k and v written into a preallocated cache at ``pos``
+    (in place, ``alias_input``), then attention to the positions up to ``pos``. The cache stays on its
+    sequence shards throughout: the write is local to the rank holding ``pos``, the attention combines row
+    statistics, and no collective moves the cache."""
+    mesh, length = DeviceMesh(range(multidevice_test.size)), 8 * multidevice_test.size
+    with FusionDefinition() as fd:
+        q, k_new, v_new = (fd.define_tensor([2, 3, 1, 16]) for _ in range(3))
+        k_cache, v_cache = (fd.define_tensor([2, 3, length, 16]) for _ in range(2))
+        pos = fd.define_scalar(None, dtype=DataType.Int)
+        positions = fd.ops.iota(length, 0, 1, DataType.Int)
+        at = fd.ops.eq(fd.ops.broadcast_in_dim(positions, [2, 3, length, 16], [2]), pos)
+        k_all, v_all = fd.ops.where(at, k_new, k_cache), fd.ops.where(at, v_new, v_cache)
+        seen = fd.ops.broadcast_in_dim(fd.ops.le(positions, pos), [2, 3, 1, length], [3])
+        fd.add_output(fd.ops.sdpfa_fwd(q, k_all, v_all, mask=seen)[0])
+        fd.add_output(k_all, alias_input=k_cache)
+        fd.add_output(v_all, alias_input=v_cache)
+        for t in (k_cache, v_cache):
+            t.set_device_mesh(mesh)
+            t.outer_split(2, mesh.size)
+            t.axis(2).parallelize(ParallelType.mesh_x)
+        q.set_device_mesh(mesh)
+    k_full, v_full = torch.zeros(2, 3, length, 16), torch.zeros(2, 3, length, 16)
+    k_shard, v_shard = (multidevice_test.shard_tensor(t, k_cache) for t in (k_full, v_full))
+    for step in range(3):
+        q_t, k_t, v_t = (_rand(10 * step + i, 2, 3, 1, 16) for i in range(3))
+        (out,) = fd.execute([q_t, k_t, v_t, k_shard, v_shard, step])
+        k_full[:, :, step], v_full[:, :, step] = k_t[:, :, 0], v_t[:, :, 0]
+        want = F.scaled_dot_product_attention(q_t, k_full[:, :, :step + 1], v_full[:, :, :step + 1])
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(k_shard, multidevice_test.shard_tensor(k_full, k_cache), rtol=0, atol=0)
+        torch.testing.assert_close(v_shard, multidevice_test.shard_tensor(v_full, k_cache), rtol=0, atol=0)
+    assert set(fd.plan.collectives()) == {"allreduce"}
+    assert len(fd._executor._cache) == 1  # pos is read at every call
+
+
 def test_prefill_attention_over_a_sharded_cache_stays_whole():
     """With more query rows than the head dim, the scores would outgrow the keys: the op stays whole (its
     keys gathered), not run as its parts."""
