@@ -9,6 +9,7 @@ its ``FusedGemm`` in the mode tuning recorded. A failure inside a segment is rep
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Callable
 
@@ -41,7 +42,8 @@ class Runner:
             dist.group(ranks)
         self._regions = regions.mode()
         self._readers = _readers(program) if self._regions else {}
-        self._runs = [self._segment(seg) for seg in program.segments]
+        units = [self._segment(seg) for seg in program.segments]
+        self._runs = [_in_order(seg_units, drops) for seg_units, drops in zip(units, _drops(program, units))]
         # Asynchronous collectives (Program.overlapped): what to issue after each segment (-1: at the
         # start), in the order they are awaited, and what to await before each (len: at the end).
         # segment -> (start, its input, its output)
@@ -57,9 +59,12 @@ class Runner:
 
     # --- building --------------------------------------------------------------------------------
 
-    def _segment(self, seg: ProgramSegment) -> Callable[[Env], None]:
+    def _segment(self, seg: ProgramSegment) -> list[tuple[Callable[[Env], None], tuple[int, ...]]]:
+        """The segment's units, run in order: (``run(env)``, the values it reads or writes)."""
         if seg.fused is not None and seg.fused.runs_here and seg.fused.mode != SEQUENTIAL:
-            return _fused(seg.fused, self.program)
+            f = seg.fused
+            operands = tuple(a for a in (f.x, f.weight, f.bias, f.residual, f.out) if a is not None)
+            return [(_fused(f, self.program), _values(*seg.steps) + operands)]
         steps = []
         pairs = self.program.gelu_pairs(seg)
         fused_away = {id(seg.steps[j + 1]) for j in pairs}
@@ -71,15 +76,11 @@ class Runner:
 
                 def read_later(value, inside=inside) -> bool:
                     return bool(self._readers.get(value, set()) - inside)
-                steps.append(regions.region(run_steps, read_later, self._regions))
+                steps.append((regions.region(run_steps, read_later, self._regions), _values(*run_steps)))
             else:
-                steps.extend(_gemm_gelu(s, *gemms[id(s)]) if id(s) in gemms else self._step(s)
-                             for s in run_steps if id(s) not in fused_away)
-
-        def run(env):
-            for step in steps:
-                step(env)
-        return run
+                steps.extend((_gemm_gelu(s, *gemms[id(s)]), _values(s, gemms[id(s)][0])) if id(s) in gemms
+                             else (self._step(s), _values(s)) for s in run_steps if id(s) not in fused_away)
+        return steps
 
     def _step(self, s: Compute | Communicate) -> Callable[[Env], None]:
         if not s.runs_here:
@@ -199,6 +200,53 @@ class Runner:
             return f"rank {self.program.rank} failed in {where}: {error}"
         return faults.report_failure(self.program.rank, where, error, local=local or not isinstance(e, RuntimeError),
                                      exc=e)
+
+
+def _values(*steps: Compute | Communicate) -> tuple[int, ...]:
+    """The values ``steps`` read or write (by name)."""
+    return tuple(a for s in steps for a in (*s.op.inputs, *s.op.outputs) if isinstance(a, int))
+
+
+def _drops(program: Program, units: list[list[tuple[Callable, tuple[int, ...]]]]) -> list[list[tuple[int, ...]]]:
+    """Per segment, per unit: the values to drop from the environment once the unit has run, as nothing after
+    it reads them (their last use; never the fusion's inputs or the program's outputs). A value held to the end
+    of the call would keep every intermediate alive at once: torch frees a tensor when its last reader is done,
+    and so does the runner. An asynchronous collective's values (``Program.overlapped``) count as used where it
+    is awaited (its input is read until then); one awaited at the end keeps its values to the end."""
+    n, first = len(units), [0]  # the position of each segment's first unit; first[n]: the end
+    for seg_units in units:
+        first.append(first[-1] + len(seg_units))
+    end = first[n]
+    last: dict[int, int] = {}
+    for i, seg_units in enumerate(units):
+        for k, (_, names) in enumerate(seg_units):
+            at = first[i] + k
+            if i in program.overlapped:
+                wait = program.overlapped[i][1]
+                at = max(at, first[wait]) if wait < n else end
+            for name in names:
+                last[name] = max(last.get(name, at), at)
+    kept = {o for o, _ in program.outputs} | set(program.fusion.inputs)
+    drops = [[[] for _ in seg_units] for seg_units in units]
+    for name, at in last.items():
+        if name in kept or at >= end:
+            continue
+        i = bisect.bisect_right(first, at) - 1  # the segment whose units include position ``at``
+        drops[i][at - first[i]].append(name)
+    return [[tuple(d) for d in seg_drops] for seg_drops in drops]
+
+
+def _in_order(units: list[tuple[Callable[[Env], None], tuple[int, ...]]],
+              drops: list[tuple[int, ...]]) -> Callable[[Env], None]:
+    """``run(env)`` for a segment: its units in order, each followed by dropping the values last used there."""
+    plan = [(run, dead) for (run, _), dead in zip(units, drops)]
+
+    def run(env):
+        for step, dead in plan:
+            step(env)
+            for name in dead:
+                env.pop(name, None)
+    return run
 
 
 def _readers(program: Program) -> dict[int, set[int]]:
