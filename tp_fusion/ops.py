@@ -503,6 +503,37 @@ def _binary(fn):
     return impl
 
 
+def on_broadcast_base(impl: Callable, operands: list, attrs: dict):
+    """``impl(*operands, **attrs)`` for a pointwise op, computed once along the dims where every tensor
+    operand is a broadcast (extent 1, or stride 0: an expanded broadcast) and expanded back over them, as
+    nvFuser keeps such a dim a broadcast in the result. Run elementwise, aten would write every element: a
+    reciprocal of a [b, h, s, 1] statistic expanded to [b, h, s, s] would materialize b*h*s*s values where
+    b*h*s differ. The values are the same (a pointwise op reads each element of its operands alone)."""
+    tensors = [x for x in operands if isinstance(x, torch.Tensor) and x.dim()]
+    if not any(0 in x.stride() for x in tensors):
+        return impl(*operands, **attrs)
+    shape = torch.broadcast_shapes(*(x.shape for x in tensors))
+    nd = len(shape)
+
+    def broadcast(x: torch.Tensor, d: int) -> bool:  # whether x is a broadcast along output dim d
+        e = d - (nd - x.dim())
+        return e < 0 or x.shape[e] == 1 or x.stride(e) == 0
+    dims = [d for d in range(nd) if shape[d] > 1 and all(broadcast(x, d) for x in tensors)]
+    if not dims:
+        return impl(*operands, **attrs)
+
+    def once(x):
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            return x
+        lead = nd - x.dim()
+        for d in dims:
+            if d >= lead and x.shape[d - lead] > 1:
+                x = x.narrow(d - lead, 0, 1)
+        return x
+    out = impl(*[once(x) for x in operands], **attrs)
+    return tuple(o.expand(shape) for o in out) if isinstance(out, tuple) else out.expand(shape)
+
+
 def _is_scalar(x) -> bool:
     return isinstance(x, (Const, *NUMBER))
 

@@ -56,3 +56,35 @@ def test_an_intermediate_is_released_after_its_last_reader(monkeypatch):
     # The mul reads a and c; by the tanh both are released (d, the tanh's operand, is still alive).
     assert alive_at["mul"] == {"a": True, "c": True}, alive_at
     assert alive_at["tanh"] == {"a": False, "c": False, "d": True}, alive_at
+
+
+def test_a_pointwise_op_of_broadcasts_runs_once_per_broadcast_element(monkeypatch):
+    """A pointwise op whose operands are all broadcast along a dim (an expanded broadcast_in_dim) computes that
+    dim once and expands the result, as nvFuser keeps the dim a broadcast: aten would write every element (a
+    reciprocal of a row statistic expanded over a row, or a cast of an expanded mask, each a full tensor)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 1], dtype=DataType.Double)
+        y = fd.define_tensor([6, 500], dtype=DataType.Double)
+        m = fd.define_tensor([4, 5], dtype=DataType.BFloat16)
+        z = fd.define_tensor([1, 3, 4, 4], dtype=DataType.Float)
+        bx = fd.ops.broadcast_in_dim(x, shape=[6, 500], broadcast_dims=[0, 1])
+        fd.add_output(fd.ops.mul(y, fd.ops.reciprocal(bx)))
+        fd.add_output(fd.ops.add(bx, fd.ops.neg(bx)))  # both operands broadcast: the output itself
+        bm = fd.ops.broadcast_in_dim(fd.ops.slice(m, [0, 0], [4, 4]), shape=[1, 3, 4, 4], broadcast_dims=[2, 3])
+        fd.add_output(fd.ops.add(fd.ops.cast(bm, DataType.Float), z))
+    seen = {}
+    for kind in ("reciprocal", "neg", "cast", "add"):
+        _spy(monkeypatch, kind, before=lambda args, kind=kind: seen.setdefault(kind, []).append(
+            [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]))
+    gen = torch.Generator().manual_seed(0)
+    xs, ys = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((6, 1), (6, 500)))
+    ms, zs = torch.randn(4, 5, generator=gen).bfloat16(), torch.randn(1, 3, 4, 4, generator=gen)
+    got = fd.execute([xs, ys, ms, zs])
+    want = [ys * torch.reciprocal(xs.expand(6, 500)), xs.expand(6, 500) - xs.expand(6, 500),
+            ms[:, :4].expand(1, 3, 4, 4).float() + zs]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+        assert g.is_contiguous()  # outputs come back laid out as before (row-major), whatever the runner kept
+    assert seen["reciprocal"] == [[(6, 1)]] and seen["neg"] == [[(6, 1)]], seen
+    assert seen["cast"] == [[(1, 1, 4, 4)]], seen  # the expanded dim of 3 is cast once
+    assert sorted(seen["add"]) == [[(1, 3, 4, 4), (1, 3, 4, 4)], [(6, 1), (6, 1)]], seen

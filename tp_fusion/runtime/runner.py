@@ -18,7 +18,7 @@ from tp_fusion.sharding.reshard import Collective
 
 from tp_fusion.errors import ExecutionError
 from tp_fusion.ir import resolve_symbols, symbols_of
-from tp_fusion.ops import OPS, is_tanh_gelu, take_seed, with_stride_order
+from tp_fusion.ops import OPS, Trait, is_tanh_gelu, on_broadcast_base, take_seed, with_stride_order
 from tp_fusion.program import (
     FUSED,
     SEQUENTIAL,
@@ -102,16 +102,23 @@ class Runner:
 
         def args(env):
             return [v if const else env[v] for v, const in operands]
-        # The implementation is looked up per call, so a test can swap it (fault injection).
+        # The implementation is looked up per call, so a test can swap it (fault injection). A pointwise op
+        # keeps the broadcasts of its operands (``on_broadcast_base``), as nvFuser does.
+        if OPS[kind].has(Trait.POINTWISE):
+            def call(env):
+                return on_broadcast_base(OPS[kind].impl, args(env), attrs(env))
+        else:
+            def call(env):
+                return OPS[kind].impl(*args(env), **attrs(env))
         if len(outs) == 1:
             (out,) = outs
 
             def run_one(env):
-                env[out] = OPS[kind].impl(*args(env), **attrs(env))
+                env[out] = call(env)
             return run_one
 
         def run_many(env):
-            for o, r in zip(outs, OPS[kind].impl(*args(env), **attrs(env))):
+            for o, r in zip(outs, call(env)):
                 env[o] = r
         return run_many
 
