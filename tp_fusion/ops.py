@@ -1518,10 +1518,14 @@ def _slice_front(rec, x, start_indices, end_indices, strides=None, manual_normal
     x = rec.tv(x, "x")
     starts = _extents("slice", start_indices, "start_indices")
     ends = _extents("slice", end_indices, "end_indices")
-    strides = (1,) * x.ndim if strides is None else _int_list("slice", strides, "strides")
+    given = [f"{len(starts)} start_indices", f"{len(ends)} end_indices"]
+    if strides is not None:
+        strides = _int_list("slice", strides, "strides")
+        given.append(f"{len(strides)} strides")
+    strides = (1,) * x.ndim if strides is None else strides
     if not len(starts) == len(ends) == len(strides) == x.ndim:
         _fail("slice", f"start_indices, end_indices and strides need one entry per dim of T{x.name} "
-                       f"{x._ir.type_str()}")
+                       f"{x._ir.type_str()} ({x.ndim} dims), got {', '.join(given[:-1])} and {given[-1]}")
     if not manual_normalization:
         bounds = [_normalized_slice(s, e, n) for s, e, n in zip(starts, ends, x.shape)]
         starts, ends = tuple(b[0] for b in bounds), tuple(b[1] for b in bounds)

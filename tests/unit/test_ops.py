@@ -510,6 +510,21 @@ def test_slice_bounds_follow_python(starts, ends, manual):
     _check(out, a[starts[0]:ends[0], starts[1]:ends[1]])
 
 
+@pytest.mark.parametrize("starts,ends,strides,counts", [
+    ([0, 0, 0], [4, 4, 4], [1, 1, 1], "3 start_indices, 3 end_indices and 3 strides"),
+    ([0, 0, 0], [4, 4], [1, 1], "3 start_indices, 2 end_indices and 2 strides"),
+    ([0, 0], [4, 4, 4], [1, 1], "2 start_indices, 3 end_indices and 2 strides"),
+    ([0, 0], [4, 4], [1, 1, 1], "2 start_indices, 2 end_indices and 3 strides"),
+    ([0], [4], None, "1 start_indices and 1 end_indices")])
+def test_slice_bounds_that_miss_a_dim_name_the_counts(starts, ends, strides, counts):
+    """nvFuser's slice_error_checks cases: bounds that do not give one entry per dim are refused when recorded,
+    the message saying how many dims the tensor has and how many entries each list given has."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([10, 10])
+        with pytest.raises(DefinitionError, match=rf"one entry per dim of T0 f32\[10, 10\] \(2 dims\), got {counts}$"):
+            fd.ops.slice(x, starts, ends, strides)
+
+
 def test_manual_normalization_promises_bounds_in_range():
     with FusionDefinition() as fd, pytest.raises(DefinitionError, match=r"\[-2:6:1\] needs 0 <= start"):
         fd.ops.slice(fd.define_tensor([6, 8]), [-2, 0], [6, 8], manual_normalization=True)
