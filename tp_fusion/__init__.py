@@ -26,7 +26,7 @@ from tp_fusion.errors import (
     UnsupportedPlacementError,
     ValidationError,
 )
-from tp_fusion.fusion_definition import FusionDefinition, TensorView
+from tp_fusion.fusion_definition import FusionDefinition, TensorView, compute_tensor_descriptor
 from tp_fusion.mesh import DeviceMesh
 from tp_fusion.sharding.sharding import Partial, Replicate, Shard, Sharding, shard_tensor  # noqa: F401
 from tp_fusion.types import DataType, ParallelType
@@ -37,7 +37,8 @@ __all__ = [
     "DataType", "DefinitionError", "DeviceMesh", "EmptyFusionError", "ExecutionError", "FusionDefinition", "InputError",
     "LaunchArgumentError", "LaunchError", "LoweringError", "ParallelType", "Sharding", "ShardingError",
     "TPFusionError", "TensorView", "UnevenShardError", "UnknownOpError", "UnsupportedPlacementError",
-    "ValidationError", "autograd", "execute_with_dtensors", "multidevice", "release_cuda_graphs", "shard_tensor",
+    "ValidationError", "autograd", "compute_tensor_descriptor", "execute_with_dtensors", "multidevice",
+    "release_cuda_graphs", "shard_tensor",
 ]
 
 

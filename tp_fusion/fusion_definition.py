@@ -364,25 +364,47 @@ class _Shape(tuple):
         return tuple, (tuple(self),)
 
 
-def _descriptor(sizes: Sequence[int], strides: Sequence[int], static_sizes: bool):
-    """nvFuser's ``define_tensor(sizes=, strides=)``: (shape, contiguity in the allocation order, stride
-    order or None for row-major) of a tensor laid out so. Extents are symbolic (-1) unless ``static_sizes``,
-    except 1 (a broadcast dim); a dim of extent 1 or stride 0 has no contiguity."""
-    sizes, strides = tuple(sizes), tuple(strides)
+def compute_tensor_descriptor(sizes: Sequence[int], strides: Sequence[int]) -> tuple[list, list[int]]:
+    """nvFuser's ``compute_tensor_descriptor``: the (contiguity, stride_order) that ``define_tensor`` takes for a
+    tensor of these sizes and strides (what ``from_pytorch`` and ``define_tensor(sizes=, strides=)`` declare).
+
+    The dims with a stride are ordered by stride, largest first (equal strides keep their order); a dim of
+    stride 0 (an expanded broadcast) keeps its logical position, so that an expanded tensor's order is not
+    permuted for it. ``stride_order[i]`` is dim i's place counted from the fastest (``[n-1, ..., 0]``:
+    row-major). The contiguity is in that allocation order, outermost first: None for a broadcast dim
+    (extent 1 or stride 0), else whether the dim's stride is the extent times the stride of the next faster
+    dim that is no broadcast (1 for the fastest)."""
+    sizes, strides = [int(e) for e in sizes], [int(s) for s in strides]
     n = len(sizes)
     if len(strides) != n:
-        raise DefinitionError(f"define_tensor: sizes {list(sizes)} and strides {list(strides)} differ in length")
-    outer_first = sorted(range(n), key=lambda d: (-strides[d], d))
-    order = [0] * n
-    for j, d in enumerate(outer_first):
-        order[d] = n - 1 - j
-    contiguity, want = [None] * n, 1
+        raise DefinitionError(f"compute_tensor_descriptor: sizes {sizes} and strides {strides} differ in length")
+    if any(s < 0 for s in strides):
+        raise DefinitionError(f"compute_tensor_descriptor: strides {strides} has a negative stride")
+    outer_first = sorted((d for d in range(n) if strides[d] != 0), key=lambda d: -strides[d])
+    for d in range(n):  # the stride-0 dims at their logical positions, in order
+        if strides[d] == 0:
+            outer_first.insert(d, d)
+
+    def broadcast(d: int) -> bool:
+        return sizes[d] == 1 or strides[d] == 0
+    contiguity, stride_order, want = [None] * n, [0] * n, 1
     for j in reversed(range(n)):  # fastest first
         d = outer_first[j]
-        if sizes[d] == 1 or strides[d] == 0:
-            continue
-        contiguity[j] = strides[d] == want
-        want = strides[d] * sizes[d]
+        stride_order[d] = n - 1 - j
+        if not broadcast(d):
+            contiguity[j] = strides[d] == want
+            want = strides[d] * sizes[d]
+    return contiguity, stride_order
+
+
+def _descriptor(sizes: Sequence[int], strides: Sequence[int], static_sizes: bool):
+    """nvFuser's ``define_tensor(sizes=, strides=)``: (shape, contiguity in the allocation order, stride
+    order or None for row-major) of a tensor laid out so (``compute_tensor_descriptor``). Extents are
+    symbolic (-1) unless ``static_sizes``, except 1 (a broadcast dim)."""
+    if len(strides) != len(sizes):
+        raise DefinitionError(f"define_tensor: sizes {list(sizes)} and strides {list(strides)} differ in length")
+    contiguity, order = compute_tensor_descriptor(sizes, strides)
+    n = len(sizes)
     shape = tuple(e if static_sizes or e == 1 else -1 for e in sizes)
     return shape, contiguity, None if order == list(range(n - 1, -1, -1)) else order
 

@@ -441,13 +441,39 @@ def test_from_pytorch_declares_the_tensors_layout():
             fd.add_output(fd.ops.neg(t))
     assert a.shape == (-1, -1, -1) and a.contiguity == (True, False, True) and a.stride_order == (1, 0, 2)
     assert all(isinstance(e, SymbolicSize) for e in a.shape()) and d.shape() == [3, 1, 4]
-    assert b.dtype is DataType.Double and b.contiguity == (True, True, None)
+    # the expanded dim keeps its place in the order (row-major, as nvFuser's): no permuted layout for it
+    assert b.dtype is DataType.Double and b.contiguity == (True, None, True) and b.stride_order is None
     assert d.shape == (3, 1, 4) and d.contiguity == (True, None, True) and d.stride_order is None
     assert isinstance(a.size(0), SymbolicSize) and d.size(2) == 4 and a.is_tensor()
     for got, want in zip(fd.execute([z, e, c]), (-z, -e, -c)):
         torch.testing.assert_close(got, want)
     with pytest.raises(InputError, match="dim 2 must have a larger stride than dim 0"):
         fd.execute([z.contiguous(), e, c])  # row-major: not the declared layout
+
+
+@pytest.mark.parametrize("sizes,strides,contiguity,stride_order", [
+    ([2, 1, 3, 1, 4, 3], [12, 4, 4, 4, 1, 0], [True, None, True, None, True, None], [5, 4, 3, 2, 1, 0]),
+    ([2, 3, 1, 5, 4], [28, 4, 14, 0, 1], [False, None, True, None, True], [4, 2, 3, 1, 0]),
+    ([2, 2, 1, 2, 4, 2], [2, 32, 1, 8, 0, 4], [False, True, True, False, None, None], [2, 5, 0, 4, 1, 3]),
+    ([2, 1, 3, 1, 4], [24, 4, 8, 4, 2], [True, True, None, None, False], [4, 2, 3, 1, 0]),
+    ([2, 2, 2, 2], [8, 4, 0, 2], [True, True, None, False], [3, 2, 1, 0]),
+])
+def test_compute_tensor_descriptor_as_nvfusers(sizes, strides, contiguity, stride_order):
+    """nvFuser's compute_tensor_descriptor (cases of its test_compute_tensor_descriptor): dims ordered by stride,
+    a stride-0 dim at its logical place, the contiguity in that order; from_pytorch declares the same."""
+    assert tp_fusion.compute_tensor_descriptor(sizes, strides) == (contiguity, stride_order)
+    t = torch.randn(sum(s * (e - 1) for s, e in zip(strides, sizes)) + 1).as_strided(sizes, strides)
+    with FusionDefinition() as fd:
+        x = fd.from_pytorch(t)
+        fd.add_output(x)
+        fd.add_output(fd.ops.neg(x))
+    order = None if stride_order == list(range(len(sizes) - 1, -1, -1)) else tuple(stride_order)
+    assert x.contiguity == tuple(contiguity) and x.stride_order == order
+    same, negated = fd.execute([t])
+    torch.testing.assert_close(same, t)
+    torch.testing.assert_close(negated, -t)
+    with pytest.raises(DefinitionError, match="differ in length"):
+        tp_fusion.compute_tensor_descriptor(sizes, strides[1:])
 
 
 def test_shape_called_gives_symbolic_sizes():
