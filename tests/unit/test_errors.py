@@ -637,3 +637,28 @@ def test_shard_tensor_arguments(call, msg):
     full = torch.arange(48.0).reshape(8, 6)
     _raises(InputError, msg, lambda: call(full, t))
     assert shard_tensor(full, t, rank=np.int64(1)).shape == (4, 6) and shard_tensor(full, t, rank=5).numel() == 0
+
+
+@pytest.mark.parametrize("op", ["fmod", "mod", "remainder"])
+def test_an_op_that_fails_at_run_time_is_named(op):
+    """An integer remainder by zero: aten on the CPU refuses it with only 'ZeroDivisionError' (nvFuser's CUDA
+    kernels give no defined value); the ExecutionError ends with the step that failed. Integer ``div`` and
+    ``truediv`` divide as torch's true division (inf and nan where the divisor is 0, no error)."""
+    with FusionDefinition() as fd:
+        a, b = fd.define_tensor([4], dtype=DataType.Int), fd.define_tensor([4], dtype=DataType.Int)
+        fd.add_output(getattr(fd.ops, op)(fd.ops.add(a, 1), b))
+        fd.add_output(fd.ops.div(a, b))
+    x, y = torch.tensor([5, -7, 2, 0]), torch.tensor([2, 3, 0, -2])
+    _raises(tp_fusion.ExecutionError, rf"^rank 0 failed in segment 0 \(compute\): RuntimeError: ZeroDivisionError "
+                                      rf"\(at T3 = {op}\(T2, T1\)\)$", lambda: fd.execute([x, y]), base=RuntimeError)
+    ref = {"fmod": torch.fmod, "mod": torch.fmod, "remainder": torch.remainder}[op]
+    y = torch.tensor([2, 3, -3, -2])
+    rem, quotient = fd.execute([x, y])
+    torch.testing.assert_close(rem, ref(x + 1, y))
+    torch.testing.assert_close(quotient, torch.div(x, y))
+    with FusionDefinition() as div:
+        a, b = div.define_tensor([4], dtype=DataType.Int), div.define_tensor([4], dtype=DataType.Int)
+        div.add_output(div.ops.div(a, b))
+    zeros = torch.tensor([2, 0, 0, 0])
+    got = div.execute([x, zeros])[0]
+    torch.testing.assert_close(got, torch.tensor([2.5, -torch.inf, torch.inf, torch.nan]), equal_nan=True)

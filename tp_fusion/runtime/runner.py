@@ -103,13 +103,17 @@ class Runner:
         def args(env):
             return [v if const else env[v] for v, const in operands]
         # The implementation is looked up per call, so a test can swap it (fault injection). A pointwise op
-        # keeps the broadcasts of its operands (``on_broadcast_base``), as nvFuser does.
-        if OPS[kind].has(Trait.POINTWISE):
-            def call(env):
-                return on_broadcast_base(OPS[kind].impl, args(env), attrs(env))
-        else:
-            def call(env):
+        # keeps the broadcasts of its operands (``on_broadcast_base``), as nvFuser does. An error names the op.
+        pointwise, op = OPS[kind].has(Trait.POINTWISE), s.op
+
+        def call(env):
+            try:
+                if pointwise:
+                    return on_broadcast_base(OPS[kind].impl, args(env), attrs(env))
                 return OPS[kind].impl(*args(env), **attrs(env))
+            except Exception as e:
+                _blame(e, op)
+                raise
         if len(outs) == 1:
             (out,) = outs
 
@@ -203,10 +207,22 @@ class Runner:
 
     def _failure(self, where: str, e: BaseException, local: bool) -> str:
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}"
+        if getattr(e, "tp_fusion_op", None) is not None:
+            error += f" (at {e.tp_fusion_op})"
         if not self._multirank:
             return f"rank {self.program.rank} failed in {where}: {error}"
         return faults.report_failure(self.program.rank, where, error, local=local or not isinstance(e, RuntimeError),
                                      exc=e)
+
+
+def _blame(e: Exception, op) -> None:
+    """Mark ``e`` as raised by the step of ``op``, whose text the failure's message then ends with (where
+    aten's own says only ``ZeroDivisionError``, say)."""
+    if getattr(e, "tp_fusion_op", None) is None:
+        try:
+            e.tp_fusion_op = str(op)
+        except AttributeError:  # an exception type that takes no attributes
+            pass
 
 
 def _values(*steps: Compute | Communicate) -> tuple[int, ...]:
