@@ -508,17 +508,23 @@ def on_broadcast_base(impl: Callable, operands: list, attrs: dict):
     operand is a broadcast (extent 1, or stride 0: an expanded broadcast) and expanded back over them, as
     nvFuser keeps such a dim a broadcast in the result. Run elementwise, aten would write every element: a
     reciprocal of a [b, h, s, 1] statistic expanded to [b, h, s, s] would materialize b*h*s*s values where
-    b*h*s differ. The values are the same (a pointwise op reads each element of its operands alone)."""
-    tensors = [x for x in operands if isinstance(x, torch.Tensor) and x.dim()]
-    if not any(0 in x.stride() for x in tensors):
+    b*h*s differ. The values are the same (a pointwise op reads each element of its operands alone). It
+    runs on every pointwise step, so it reads shapes and strides as tuples (torch.broadcast_shapes costs
+    tens of microseconds a call)."""
+    tensors = [(x.shape, x.stride()) for x in operands if isinstance(x, torch.Tensor) and x.dim()]
+    if not any(0 in stride for _, stride in tensors):
         return impl(*operands, **attrs)
-    shape = torch.broadcast_shapes(*(x.shape for x in tensors))
-    nd = len(shape)
-
-    def broadcast(x: torch.Tensor, d: int) -> bool:  # whether x is a broadcast along output dim d
-        e = d - (nd - x.dim())
-        return e < 0 or x.shape[e] == 1 or x.stride(e) == 0
-    dims = [d for d in range(nd) if shape[d] > 1 and all(broadcast(x, d) for x in tensors)]
+    nd = max(len(shape) for shape, _ in tensors)
+    shape, dims = [1] * nd, []
+    for d in range(nd):
+        every = True  # whether each operand with more than one element along d reads one of them (stride 0)
+        for x_shape, x_stride in tensors:
+            e = d - nd + len(x_shape)
+            if e >= 0 and x_shape[e] != 1:
+                shape[d] = x_shape[e]
+                every = every and x_stride[e] == 0
+        if every and shape[d] > 1:
+            dims.append(d)
     if not dims:
         return impl(*operands, **attrs)
 

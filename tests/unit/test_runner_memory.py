@@ -88,3 +88,20 @@ def test_a_pointwise_op_of_broadcasts_runs_once_per_broadcast_element(monkeypatc
     assert seen["reciprocal"] == [[(6, 1)]] and seen["neg"] == [[(6, 1)]], seen
     assert seen["cast"] == [[(1, 1, 4, 4)]], seen  # the expanded dim of 3 is cast once
     assert sorted(seen["add"]) == [[(1, 3, 4, 4), (1, 3, 4, 4)], [(6, 1), (6, 1)]], seen
+
+
+def test_only_pointwise_steps_of_possible_broadcasts_check_strides():
+    """The stride check costs host time on every call, so the runner runs it only for pointwise steps whose
+    operands may all be broadcasts along some dim (``runner._on_broadcasts``): here the reciprocal of an
+    expanded column and the sum of two expanded operands, not the products of a full tensor with them."""
+    from tp_fusion.runtime.runner import _on_broadcasts
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 1], dtype=DataType.Double)
+        y = fd.define_tensor([6, 500], dtype=DataType.Double)
+        bx = fd.ops.broadcast_in_dim(x, shape=[6, 500], broadcast_dims=[0, 1])
+        r = fd.ops.reciprocal(bx)
+        both = fd.ops.add(r, bx)
+        fd.add_output(fd.ops.tanh(fd.ops.mul(y, both)))
+    plan = fd.compile([[6, 1], [6, 500]])
+    assert _on_broadcasts(plan) == {r.name, both.name}

@@ -42,6 +42,7 @@ class Runner:
             dist.group(ranks)
         self._regions = regions.mode()
         self._readers = _readers(program) if self._regions else {}
+        self._on_broadcasts = _on_broadcasts(program)
         units = [self._segment(seg) for seg in program.segments]
         self._runs = [_in_order(seg_units, drops) for seg_units, drops in zip(units, _drops(program, units))]
         # Asynchronous collectives (Program.overlapped): what to issue after each segment (-1: at the
@@ -103,8 +104,9 @@ class Runner:
         def args(env):
             return [v if const else env[v] for v, const in operands]
         # The implementation is looked up per call, so a test can swap it (fault injection). A pointwise op
-        # keeps the broadcasts of its operands (``on_broadcast_base``), as nvFuser does. An error names the op.
-        pointwise, op = OPS[kind].has(Trait.POINTWISE), s.op
+        # whose operands may all be broadcasts along a dim keeps them so (``on_broadcast_base``), as nvFuser
+        # does. An error names the op.
+        pointwise, op = s.op.outputs[0] in self._on_broadcasts, s.op
 
         def call(env):
             try:
@@ -223,6 +225,44 @@ def _blame(e: Exception, op) -> None:
             e.tp_fusion_op = str(op)
         except AttributeError:  # an exception type that takes no attributes
             pass
+
+
+def _on_broadcasts(program: Program) -> set[int]:
+    """The results of pointwise steps whose tensor operands may all be broadcasts along some dim of extent
+    over 1 (``on_broadcast_base`` then checks their strides at run time; every other step calls its op
+    directly, as that check costs host time on every call). A dim may be a broadcast where
+    ``broadcast_in_dim`` expands it, or where a pointwise step's operands may all be broadcasts along it;
+    an extent of 1 is one. Extents are the fusion's global ones: a dim cut to one element per rank is
+    missed, never taken for a broadcast it is not."""
+    shape_of = program.fusion.tensor
+    expanded: dict[int, frozenset[int]] = {}  # value -> the dims it may hold expanded (stride 0)
+    candidates: set[int] = set()
+    steps = (s for seg in program.segments for s in seg.steps if isinstance(s, Compute) and s.runs_here)
+    for s in steps:
+        op, out = s.op, s.op.outputs[0]
+        out_shape = shape_of(out).shape
+        if op.kind == "broadcast_in_dim":  # a new dim, or one of extent 1 made longer, is expanded
+            x = op.inputs[0]
+            source = {d: i for i, d in enumerate(dict(s.attrs)["broadcast_dims"])}
+            expanded[out] = frozenset(d for d in range(len(out_shape)) if out_shape[d] != 1 and (
+                d not in source or shape_of(x).shape[source[d]] == 1 or source[d] in expanded.get(x, ())))
+        elif OPS[op.kind].has(Trait.POINTWISE) and len(op.outputs) == 1:
+            operands = [a for a in op.inputs if isinstance(a, int) and shape_of(a).shape]
+
+            dims = frozenset(d for d in range(len(out_shape))
+                             if out_shape[d] != 1 and all(_may_broadcast(shape_of(a).shape, expanded.get(a, ()),
+                                                                         d - len(out_shape)) for a in operands))
+            if dims and operands:
+                expanded[out] = dims
+                candidates.add(out)
+    return candidates
+
+
+def _may_broadcast(shape: tuple[int, ...], expanded, d: int) -> bool:
+    """Whether an operand of ``shape`` (its dims in ``expanded`` may be expanded) is a broadcast along the
+    result's dim ``d`` (counted from the end, as torch aligns operands)."""
+    e = d + len(shape)
+    return e < 0 or shape[e] == 1 or e in expanded
 
 
 def _values(*steps: Compute | Communicate) -> tuple[int, ...]:
