@@ -2733,7 +2733,7 @@ def _sdpfa_fwd_decomposed(op, b) -> None:
     q, k, v, *terms = op.inputs
     dropout, is_causal, scale = op.attr("dropout_p"), op.attr("is_causal"), op.attr("scale")
     q_shape, k_shape = b.tensors[q].shape, b.tensors[k].shape
-    if dropout != 0 or q_shape[-2] > q_shape[-1]:
+    if dropout != 0 or q_shape[-2] > q_shape[-1] or k_shape[-2] == 0:  # no key: the op whole (amax refuses it)
         return
     nd, rows, keys = len(q_shape), q_shape[-2], k_shape[-2]
     scores = (*q_shape[:-1], keys)
