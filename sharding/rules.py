@@ -461,7 +461,11 @@ def reshape_candidates(op: Op, fusion: Fusion, n: int) -> list[Candidate]:
 
 def _reshape_groups(x: tuple[int, ...], out: tuple[int, ...]) -> Iterable[tuple[list[int], list[int]]]:
     """The groups of a reshape's dims, input and output side, that hold the same elements (``[a, b]`` merged
-    into ``[a * b]``, ``[a * b]`` split into ``[a, b]``, or one dim kept)."""
+    into ``[a * b]``, ``[a * b]`` split into ``[a, b]``, or one dim kept). None for a tensor without elements:
+    a 0 extent makes every product 0, so its dims cannot be matched (the walk would run off the end), and
+    there is nothing to keep sharded."""
+    if 0 in x or 0 in out:
+        return
     i = o = 0
     while i < len(x) and o < len(out):
         gi, go = [i], [o]

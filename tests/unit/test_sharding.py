@@ -1106,6 +1106,19 @@ def test_reshape_of_untouched_dim_keeps_its_sharding():
     assert kinds(f) == ["reshape"] and out_placements(f) == (Shard(1),)
 
 
+def test_reshape_of_a_tensor_without_elements():
+    """A symbolic extent bound to 0 at execute: the reshape rule matched groups of dims by the products of their
+    extents, all 0, and ran off the end of the output's dims (an IndexError from compile, found by
+    test_properties_sizes). An empty tensor keeps no shard through a reshape; the same fusion at another size
+    keeps its block."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, -1, 4])
+        fd.add_output(fd.ops.reshape(x, [-1, 4]))
+        shard(x, MESH2, {0: X})
+    assert fd.compile([[4, 0, 4]], rank=0).collectives() == ["allgather"]
+    assert fd.compile([[4, 3, 4]], rank=0).collectives() == []
+
+
 @pytest.mark.parametrize("affine", [False, True])
 def test_layer_norm_over_sharded_dim_runs_decomposed(affine):
     """Each row's mean and sum of squares are allreduced (8 values each), not x gathered; the weight and bias
