@@ -2221,6 +2221,8 @@ def _softmax_decomposed(op, b) -> None:
     """``exp(x - max(x)) / sum(exp(x - max(x)))`` along ``dim``, in float32 for a half-precision x (as torch's
     kernel computes): over a sharded dim, the max and the sum leave pending reductions of one value per row."""
     (x,), dim = op.inputs, op.attr("dim")
+    if b.tensors[x].shape[dim] == 0:  # nothing to normalize (the result is empty): the op whole, as amax refuses
+        return                        # a dim of no elements
     wide = _widened(b, x)
     e = b("exp", b("sub", wide, b("amax", wide, dims=(dim,), keepdim=True)))
     b.finish(b("div", e, b("sum", e, dims=(dim,), keepdim=True, dtype=None)), op.outputs[0])

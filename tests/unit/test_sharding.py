@@ -1147,6 +1147,18 @@ def test_softmax_over_sharded_dim_runs_decomposed(dtype):
     assert out_placements(f) == (Shard(1),) and f.tensor(f.outputs[0]).dtype is dtype
 
 
+def test_softmax_over_a_dim_without_elements_stays_one_op():
+    """torch's softmax over a dim of extent 0 is an empty tensor; propagation tried the softmax's recipe, whose
+    amax refuses a dim of no elements, so a valid call (a symbolic extent bound to 0) raised a DefinitionError
+    at execute (found by test_properties_sizes). The op stays whole there."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([-1, 8])
+        fd.add_output(fd.ops.softmax(x, 0))
+        shard(x, MESH2, {0: X})
+    plan = fd.compile([[0, 8]], rank=0)
+    assert "softmax" in kinds(plan.fusion) and "amax" not in kinds(plan.fusion)
+
+
 @pytest.mark.parametrize("kind", ["cumsum", "cumprod"])
 def test_scan_over_sharded_dim_runs_in_blocks(kind):
     """A scan of sequence shards: each rank scans its block; only the blocks' totals [3, 2, 1, 4] are gathered
