@@ -26,6 +26,7 @@ from tp_fusion.runtime import dist
 
 EXTENTS = (2, 4, 6, 8)
 FLOATS = (-1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 3.5)  # exact in float32: a Float scalar reads them alike
+NUMBERS = (*FLOATS, 2, -1)  # a floating scalar's numbers: ints too (execute takes an int for a float)
 INTS = (-3, -1, 0, 1, 2, 5)
 SEEDS = (0, 1, 7, 123, 4096)
 OFFSETS = (0, 4, 8, 12)
@@ -78,7 +79,7 @@ class _ScalarCase:
                  "seed": DataType.Int, "offset": DataType.Int, "std": DataType.Double}[kind]
         values = {"seed": SEEDS, "offset": OFFSETS, "std": (0.5, 1.0, 2.0)}.get(kind)
         if values is None:
-            values = INTS if dtype == DataType.Int else FLOATS
+            values = INTS if dtype == DataType.Int else NUMBERS
         s = self.fd.define_scalar(None, dtype=dtype)
         self.inputs.append((s, None))
         self.scalars[s.name] = (dtype, values)
@@ -105,6 +106,13 @@ class _ScalarCase:
                                                           .item())
         return s, lambda nums: self._as_tensor(a, nums).item()
 
+    def _operand(self, value, taken, nums: dict):
+        """A number as an operand takes it: a scalar (input or op on them) as a 0-d tensor of its dtype, a Python
+        number as it is."""
+        if isinstance(taken, float):
+            return taken
+        return torch.tensor(value(nums), dtype=taken.dtype.torch)
+
     def _as_tensor(self, name: int, nums: dict) -> torch.Tensor:
         """A scalar's number as the 0-d tensor of its dtype that ops take (torch promotes it as one)."""
         return torch.tensor(nums[name], dtype=self.scalars[name][0].torch)
@@ -116,9 +124,10 @@ class _ScalarCase:
     def _op(self, tv):
         rng = self.rng
         shape = self.shapes.get(tv.name)  # None: extents a scalar gives (a reshape's), known per call
-        kinds = ("operand", "operand", "clamp", "threshold")
+        kinds = ("operand", "operand", "clamp", "threshold", "where", "pow", "extremum")
         if shape is not None:
-            kinds += ("full", "addcmul", "uniform", "normal", *(("reshape",) if not self.bound else ()))
+            kinds += ("full", "addcmul", "uniform", "normal", "lerp", "linear", "linear",
+                      *(("reshape",) if not self.bound else ()))
         kind = rng.choice(kinds)
         out = self._kind(kind, tv, shape)
         if kind not in ("reshape",) and out.name not in self.shapes:
@@ -141,6 +150,41 @@ class _ScalarCase:
                                   lambda env, nums: POINTWISE[name](env[a], self._as_tensor(b, nums)))
             return self._step(getattr(ops, name)(s, tv),
                               lambda env, nums: POINTWISE[name](self._as_tensor(b, nums), env[a]))
+        if kind == "where":  # where(x > s, x, t): a scalar compared, a scalar selected
+            (c, cval), (t, tval) = self._number(), self._number()
+            return self._step(ops.where(ops.gt(tv, c), tv, t),
+                              lambda env, nums: torch.where(env[a] > self._operand(cval, c, nums), env[a],
+                                                            self._operand(tval, t, nums)))
+        if kind == "pow":  # (|x| + 1) ** s
+            s = self._scalar()
+            b = s.name
+            return self._step(ops.pow(ops.add(ops.abs(tv), 1.0), s),
+                              lambda env, nums: torch.pow(env[a].abs() + 1.0, self._as_tensor(b, nums)))
+        if kind == "extremum":
+            name = rng.choice(("maximum", "minimum"))
+            s = self._scalar()
+            b = s.name
+            fn = getattr(torch, name)
+            return self._step(getattr(ops, name)(tv, s), lambda env, nums: fn(env[a], self._as_tensor(b, nums)))
+        if kind == "lerp":  # lerp(x, y, s): the weight a scalar operand
+            y = self._tensor(shape)
+            s = self._scalar()
+            b, c = y.name, s.name
+            return self._shaped(ops.lerp(tv, y, s), shape,
+                                lambda env, nums: torch.lerp(env[a], env[b], self._as_tensor(c, nums).double()))
+        if kind == "linear":  # a GEMM (fused with its collective where sharded so) for the scalars' ops to follow
+            n = rng.choice(EXTENTS)
+            w = self._tensor((n, shape[-1]))
+            b = w.name
+            if rng.random() < 0.5:
+                bias = self._tensor((n,))
+                c = bias.name
+                out = ops.linear(tv, w, bias)
+                if rng.random() < 0.5:  # bias and GELU in the GEMM's epilogue
+                    return self._shaped(ops.gelu(out, approximate="tanh"), (shape[0], n),
+                                        lambda env, nums: F.gelu(F.linear(env[a], env[b], env[c]), approximate="tanh"))
+                return self._shaped(out, (shape[0], n), lambda env, nums: F.linear(env[a], env[b], env[c]))
+            return self._shaped(ops.linear(tv, w), (shape[0], n), lambda env, nums: F.linear(env[a], env[b]))
         if kind == "full":  # x + full(x's shape, fill)
             fill, value = self._number()
             filled = ops.full(list(shape), fill, DataType.Double)
@@ -221,7 +265,10 @@ class _ScalarCase:
         return {name: self.rng.choice(values) for name, (_, values) in self.scalars.items()}
 
     def call_inputs(self, nums: dict, rank: int) -> list:
-        return [nums[x.name] if full is None else shard_tensor(full, x, rank) for x, full in self.inputs]
+        """A call's inputs: this rank's shards, and the numbers (now and then as 0-d tensors of their dtypes)."""
+        as_tensors = self.rng.random() < 0.15
+        return [(torch.tensor(nums[x.name], dtype=x.dtype.torch) if as_tensors else nums[x.name]) if full is None
+                else shard_tensor(full, x, rank) for x, full in self.inputs]
 
     def references(self, nums: dict) -> list[torch.Tensor]:
         env = {x.name: full for x, full in self.inputs if full is not None}
