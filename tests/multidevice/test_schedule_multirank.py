@@ -168,6 +168,38 @@ def test_partial_to_strided_is_a_reduce_scatter(multidevice_test):
     _run(fd, [x, w], full, y, F.linear(*full), ["reduce_scatter"] if d > 1 else [])
 
 
+@pytest.mark.parametrize("source", ["linear", "sum"])
+def test_a_reduce_scatter_of_a_tensor_without_elements(multidevice_test, source):
+    """A pending sum without columns (a symbolic extent bound to 0) reduce-scattered onto row shards (strided ones
+    after a linear, blocks after a sum: a linear's blocks go to the fused kernel, which skips an empty GEMM): the
+    reduce_scatter viewed it with an extent left to infer (-1), which a tensor without elements does not determine
+    (a RuntimeError in the segment on every rank; found by test_properties_sizes)."""
+    d = multidevice_test.size
+    mesh = DeviceMesh(range(d))
+    with FusionDefinition() as fd:
+        if source == "linear":
+            ins = [fd.define_tensor([4 * d, 3 * d], dtype=DataType.Double),
+                   fd.define_tensor([-1, 3 * d], dtype=DataType.Double)]
+            y = fd.ops.linear(*ins)
+        else:
+            ins = [fd.define_tensor([4 * d, 3 * d, -1], dtype=DataType.Double)]
+            y = fd.ops.sum(ins[0], [1])
+        fd.add_output(y)
+    for tv in ins:
+        tv.set_device_mesh(mesh)
+        tv.outer_split(1, d).axis(1).parallelize(X)  # the contraction, or the summed dim
+    y.set_device_mesh(mesh)
+    (_inner_rows if source == "linear" else _block_rows)(y, d)
+    for n in (0, 5):
+        if source == "linear":
+            full = [rand(1, 4 * d, 3 * d), rand(2, n, 3 * d)]
+            want = F.linear(*full)
+        else:
+            full = [rand(1, 4 * d, 3 * d, n)]
+            want = full[0].sum(1)
+        _run(fd, ins, full, y, want, ["reduce_scatter"] if d > 1 else [])
+
+
 def test_split_reduction_axis_then_relu(multidevice_test):
     """nvFuser's rfactor through the schedule alone: a device-parallel r{} piece, summed before relu."""
     d = multidevice_test.size

@@ -93,8 +93,10 @@ def reduce_scatter(x: torch.Tensor, dim: int, pg, n: int, outer: int = 1, async_
                    order: GroupOrder | None = None, reduce_op: str = "sum"):
     stacked = _rows(_stack_chunks(x, n, dim, outer), order and order.to_group)
     out = x.new_empty(stacked.shape[1:])
-    work = dist.reduce_scatter(out, stacked.view(-1, *stacked.shape[2:]) if dim == 0 else stacked, pg,
-                               op=reduce_op, async_op=async_op)
+    # (every extent spelled out: torch infers no -1 in a tensor without elements, which a symbolic extent bound to 0
+    # gives)
+    flat = stacked.view(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:]) if dim == 0 else stacked
+    work = dist.reduce_scatter(out, flat, pg, op=reduce_op, async_op=async_op)
     return _result(work, lambda: out)
 
 
