@@ -42,7 +42,7 @@ class _AttentionCase:
         self.dtype = rng.choice(DTYPES)
         nlead = rng.choice((1, 2, 2, 2, 3))  # [H], [B, H] or [B, B2, H] before [S, E]
         lead = [rng.choice((1, 2, 4)) for _ in range(nlead - 1)] + [rng.choice((2, 4))]
-        s, sk = rng.choice((1, 2, 3, 4, 6, 8)), rng.choice((1, 2, 4, 5, 8))
+        s, sk = rng.choice((0, 1, 2, 3, 4, 6, 8)), rng.choice((0, 1, 2, 4, 5, 8))  # (0: no rows, no keys)
         self.causal = rng.random() < 0.35
         if self.causal and rng.random() < 0.6:
             sk = s
