@@ -310,8 +310,8 @@ def concretize(fusion: Fusion, input_shapes: Sequence[tuple[int, ...]], scalars:
             outs = opdef(op.kind).infer(args, dict(op.attrs))
         except DefinitionError as e:
             described = ", ".join(f"T{a} {t}" for a, t in zip(op.inputs, args) if isinstance(a, int))
-            raise InputError(f"execute: the inputs' sizes do not fit the fusion: {op.kind}: cannot apply to "
-                             f"{described}: {e}") from None
+            applied = f"cannot apply to {described}: " if described else ""  # (a factory has no operand)
+            raise InputError(f"execute: the inputs' sizes do not fit the fusion: {op.kind}: {applied}{e}") from None
         for o, out in zip(op.outputs, outs):
             tensors[o] = _bound(tensors[o], out.shape, op, shape_of)
     return fusion.replace(tensors=tuple(tensors), ops=tuple(ops))

@@ -1276,6 +1276,8 @@ register("grouped_mm", impl=_grouped_mm, infer=_grouped_mm_infer, traits=Trait.G
 
 def _reshape_infer(args, attrs):
     (x,), shape = args, attrs["shape"]
+    if any(_is_number(e) and e < -1 for e in shape):  # (given by a scalar input: checked when bound)
+        _bad(f"shape {list(shape)} has a negative extent; an extent is >= 0, or -1 to infer it")
     if -1 in x.shape or not all(map(_is_number, shape)):  # symbolic: extents are checked when bound
         return [TensorType(_known(shape), x.dtype)]
     n, known = math.prod(x.shape), math.prod(e for e in shape if e != -1)
@@ -1364,6 +1366,9 @@ def _broadcast_in_dim_infer(args, attrs):
     (x,), shape, bdims = args, attrs["shape"], attrs["broadcast_dims"]
     out = list(_known(shape))
     for i, d in enumerate(bdims):
+        if x.shape[i] >= 0 and out[d] >= 0 and x.shape[i] not in (1, out[d]):  # (symbolic ones: checked when bound)
+            _bad(f"{x} cannot broadcast to {list(out)} with broadcast_dims {list(bdims)}: dim {i} has extent "
+                 f"{x.shape[i]}, neither 1 nor {out[d]}")
         if shape[d] == -1 or (isinstance(shape[d], Symbol) and x.shape[i] != 1):
             out[d] = x.shape[i]
     return [TensorType(tuple(out), x.dtype)]
@@ -1756,9 +1761,15 @@ def _select_front(rec, x, index, dim: int):
     return rec(x, dim=d, index=i)
 
 
-register("select", impl=lambda x, dim, index: x.select(dim, index),
-         infer=lambda args, attrs: [TensorType(tuple(e for d, e in enumerate(args[0].shape) if d != attrs["dim"]),
-                                               args[0].dtype)],
+def _select_infer(args, attrs):
+    (x,), dim, index = args, attrs["dim"], attrs["index"]
+    n = x.shape[dim]
+    if n >= 0 and _is_number(index) and not -n <= index < n:  # (a symbolic extent or index: checked when bound)
+        _bad(f"index {index} is out of range for dim {dim} of {x}")
+    return [TensorType(tuple(e for d, e in enumerate(x.shape) if d != dim), x.dtype)]
+
+
+register("select", impl=lambda x, dim, index: x.select(dim, index), infer=_select_infer,
          traits=Trait.VIEW, rule=rules.select, front=_select_front)
 
 
@@ -1918,6 +1929,8 @@ def _ordered(x: TensorType) -> None:
 def _topk_infer(args, attrs):
     (x,), shape = args, list(args[0].shape)
     _ordered(x)
+    if attrs["k"] > shape[attrs["dim"]] >= 0:  # (a symbolic extent is checked here when bound, at execute)
+        _bad(f"k {attrs['k']} is out of range for dim {attrs['dim']} of {x}")
     shape[attrs["dim"]] = attrs["k"]
     return [TensorType(tuple(shape), x.dtype), TensorType(tuple(shape), DataType.Int)]
 
@@ -2259,7 +2272,14 @@ def _full_localize(attrs: dict, s: Localize) -> dict:
     return {**attrs, "shape": s.out_local, "device": s.device}
 
 
-register("full", impl=_full, infer=lambda args, attrs: [TensorType(_known(attrs["shape"]), attrs["dtype"])],
+def _factory_infer(args, attrs):
+    """A factory's result: its shape, whose extents given by scalar inputs are checked when bound (>= 0)."""
+    if any(_is_number(e) and e < 0 for e in attrs["shape"]):
+        _bad(f"shape {list(attrs['shape'])} has a negative extent")
+    return [TensorType(_known(attrs["shape"]), attrs["dtype"])]
+
+
+register("full", impl=_full, infer=_factory_infer,
          traits=Trait.FACTORY, rule=rules.factory, localize=_full_localize, front=_full_front,
          value_attrs=frozenset({"fill_value"}))
 
@@ -2413,8 +2433,8 @@ def _normal_front(rec, mean, std, shape, *, rng_seed=None, rng_offset=None, dtyp
 
 
 for _name, _impl, _front in (("uniform", _uniform, _uniform_front), ("normal", _normal, _normal_front)):
-    register(_name, impl=_impl, infer=lambda args, attrs: [TensorType(_known(attrs["shape"]), attrs["dtype"])],
-             traits=Trait.FACTORY, rule=rules.replicated_factory, flops=_flops_output, localize=_full_localize,
+    register(_name, impl=_impl, infer=_factory_infer, traits=Trait.FACTORY, rule=rules.replicated_factory,
+             flops=_flops_output, localize=_full_localize,
              front=_front, uncapturable=lambda ins, attrs: True, fresh_seed=_unseeded,
              value_attrs=frozenset({"rng_seed", "rng_offset", "minval", "maxval", "mean", "std"}))
 

@@ -515,3 +515,19 @@ def _one_rank_misuse(rank: int, world: int) -> None:
 @pytest.mark.ranks(2, 4)
 def test_what_one_rank_gets_wrong_raises_on_every_rank(multidevice_test):
     _one_rank_misuse(multidevice_test.rank, multidevice_test.size)
+
+
+@pytest.mark.ranks(2)
+def test_a_top_k_beyond_a_symbolic_extent_raises_on_every_rank(multidevice_test):
+    """A top-2 of a symbolic dim bound to 0, on a mesh of rank 0 alone: rank 0 failed inside the plan (an
+    ExecutionError that tore its process group down) while rank 1, which holds no part of it, returned. The
+    bound extent is checked before running: an InputError on both ranks (found by test_properties_sizes)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, -1])
+        fd.add_output(fd.ops.topk(x, 2, 1)[0])
+        x.set_device_mesh(DeviceMesh([0]))
+    _raises(InputError, r"topk: cannot apply to T0 f32\[2, 0\]: k 2 is out of range",
+            lambda: fd.execute([shard_tensor(torch.ones(2, 0), x)]))
+    full = torch.arange(6.0).reshape(2, 3)
+    (out,) = fd.execute([shard_tensor(full, x)])
+    torch.testing.assert_close(out, shard_tensor(full.topk(2, 1).values, fd.output_shardings()[0]))

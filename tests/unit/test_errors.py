@@ -616,6 +616,47 @@ def test_max_and_min_of_no_elements(op):
     torch.testing.assert_close(fd.execute([torch.ones(3, 4)])[0], torch.ones(4))
 
 
+def _topk(fd):
+    return fd.ops.topk(fd.define_tensor([2, -1]), 2, 1)[0]
+
+
+def _select(fd):
+    return fd.ops.select(fd.define_tensor([-1, 3]), -3, 0)
+
+
+def _expand(fd):
+    return fd.ops.expand(fd.define_tensor([-1, 3]), [4, 3])
+
+
+def _full(fd):
+    return fd.ops.full([fd.define_scalar(None, dtype=DataType.Int), 2], 1.0, DataType.Float)
+
+
+def _reshape(fd):
+    return fd.ops.reshape(fd.define_tensor([-1]), [fd.define_scalar(None, dtype=DataType.Int), -1])
+
+
+@pytest.mark.parametrize("build,bad,good,match", [
+    (_topk, [torch.ones(2, 1)], [torch.ones(2, 3)], r"topk: cannot apply to T0 f32\[2, 1\]: k 2 is out of range"),
+    (_select, [torch.ones(2, 3)], [torch.ones(3, 3)], r"select: cannot apply to T0 f32\[2, 3\]: index -3 is out of "),
+    (_expand, [torch.ones(2, 3)], [torch.ones(1, 3)], r"broadcast_in_dim: cannot apply to T0 f32\[2, 3\]: .* dim 0 "
+                                                      r"has extent 2, neither 1 nor 4"),
+    (_full, [-2], [3], r"full: shape \[-2, 2\] has a negative extent"),
+    (_reshape, [torch.ones(6), -2], [torch.ones(6), 2], r"reshape: cannot apply to T0 f32\[6\]: shape \[-2, -1\] has "
+                                                        r"a negative extent"),
+])
+def test_extents_bound_at_execute_are_checked_before_running(build, bad, good, match):
+    """What an op's front end checks on extents known when recorded, its inference checks too, which execute runs
+    once symbolic extents and scalar inputs are bound: an InputError before running (was an ExecutionError from
+    inside the plan, which tears a process group down; found by test_properties_sizes: a top-2 of a symbolic dim
+    bound to 0)."""
+    with FusionDefinition() as fd:
+        fd.add_output(build(fd))
+    _raises(InputError, r"execute: the inputs' sizes do not fit the fusion: " + match, lambda: fd.execute(bad))
+    assert fd.plan is None
+    fd.execute(good)
+
+
 @pytest.mark.parametrize("call,msg", [
     (lambda full, t: shard_tensor(full.numpy(), t),
      r"shard_tensor: full must be a torch.Tensor \(the whole, unsharded value\), got numpy.ndarray; "
