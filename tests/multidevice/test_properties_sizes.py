@@ -77,6 +77,7 @@ class _SizesCase:
         self.broadcasts: dict[int, int] = {}  # a variable that is 1 or another variable's value (else invalid)
         self.positive: set[int] = set()  # variables that are never 0 or 1 (a broadcast against them would flip)
         self.reduced: dict[int, tuple] = {}  # a reduction's or contraction's output -> the reduced dim
+        self.at_least: list = []  # (dim expression, k): a top-k's dim, which must hold k elements (else invalid)
         self.meshes = [mesh]
         if rng.random() < 0.25:  # some tensors on one half of the devices, or on one device
             devs = [int(d) for d in mesh.devices]
@@ -134,7 +135,10 @@ class _SizesCase:
         if plain:
             kinds += ["broadcast", "slice", "cat"]
         if tv.ndim >= 2:
-            kinds += ["reduction", "matmul", "softmax"]
+            kinds += ["reduction", "matmul", "softmax", "var", "scan", "triu", "topk"]
+            kinds += ["sum2"] if tv.ndim == 3 else []
+        if dims[-1][0] == "v" and dims[-1][1] in self.fixed:
+            kinds.append("layer_norm")
         if tv.ndim == 3 and dims[2][0] == "v":
             kinds.append("merge")
         kind = rng.choice(kinds)
@@ -200,6 +204,36 @@ class _SizesCase:
             out = getattr(ops, name)(tv, [d], keepdim=keep)
             self.reduced[out.name] = dims[d]
             return self._step(out, out_dims, lambda env: REDUCTIONS[name](env[a], dim=(d,), keepdim=keep))
+        if kind == "var":
+            d, keep = rng.randrange(tv.ndim), rng.random() < 0.3
+            out = ops.var(tv, [d], correction=0, keepdim=keep)
+            self.reduced[out.name] = dims[d]
+            out_dims = [("k", 1) if i == d else x for i, x in enumerate(dims) if keep or i != d]
+            return self._step(out, out_dims, lambda env: torch.var(env[a], d, correction=0, keepdim=keep))
+        if kind == "sum2":  # two dims at once
+            ds = sorted(rng.sample(range(tv.ndim), 2))
+            out = ops.sum(tv, ds)
+            return self._step(out, [x for i, x in enumerate(dims) if i not in ds], lambda env: env[a].sum(ds))
+        if kind == "scan":  # over a sharded dim: gathered, or scanned in blocks
+            name, d = rng.choice(("cumsum", "cumprod", "cummax")), rng.randrange(tv.ndim)
+            fn = {"cumsum": torch.cumsum, "cumprod": torch.cumprod,
+                  "cummax": lambda t, d: torch.cummax(t, d).values}[name]
+            return self._step(getattr(ops, name)(tv, d), dims, lambda env: fn(env[a], d))
+        if kind == "triu":
+            diagonal = rng.randint(-1, 1)
+            return self._step(ops.triu(tv, diagonal), dims, lambda env: torch.triu(env[a], diagonal))
+        if kind == "topk":  # k fixed: a call whose extent is below k is invalid
+            d, k = rng.randrange(tv.ndim), rng.randint(1, 2)
+            values, _ = ops.topk(tv, k, d, largest=True, sorted=True)
+            self.at_least.append((dims[d], k))
+            return self._step(values, tuple(("k", k) if i == d else e for i, e in enumerate(dims)),
+                              lambda env: torch.topk(env[a], k, d, largest=True, sorted=True).values)
+        if kind == "layer_norm":  # over the last dim, of a fixed extent
+            e = self.fixed[dims[-1][1]]
+            params = [self._input(dims[-1:]) for _ in range(rng.choice((0, 1, 2)))]
+            names = [p.name for p in params]
+            out = ops.layer_norm(tv, [e], *params, eps=1e-5)
+            return self._step(out, dims, lambda env: F.layer_norm(env[a], [e], *(env[n] for n in names), eps=1e-5))
         if kind == "softmax":
             d = rng.randrange(tv.ndim)
             return self._step(ops.softmax(tv, d), dims, lambda env: torch.softmax(env[a], d))
@@ -311,6 +345,7 @@ class _SizesCase:
         """What these sizes break (where the call must raise): splits they do not divide, operands that do not
         broadcast."""
         bad = [f"{what}: {_extent(e, sizes)} by {n}" for e, n, what in self.needs if _extent(e, sizes) % n]
+        bad += [f"a top {k} of {_extent(e, sizes)}" for e, k in self.at_least if _extent(e, sizes) < k]
         return bad + [f"a broadcast of {sizes[v]} against {sizes[p]}" for v, p in self.broadcasts.items()
                       if sizes[v] not in (1, sizes[p])]
 
@@ -396,8 +431,9 @@ MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]]]
 
 # Cases that found bugs (seed, mesh): a reshape of a tensor without elements (an IndexError in the reshape rule),
 # a softmax over a dim without elements (its recipe's amax refused it), a reduce_scatter of a pending sum without
-# elements onto strided rows (its view left an extent to infer).
-REGRESSIONS_2: list = [(150, [0, 1]), (257, [0, 1])]
+# elements onto strided rows (its view left an extent to infer), a top-k beyond an extent bound at execute (checked
+# inside the plan on the one rank that held it). Seeds 150 and 257 were found with the menu before top-k and scans.
+REGRESSIONS_2: list = [(150, [0, 1]), (257, [0, 1]), (51, [0, 1])]
 REGRESSIONS_4: list = [(464, [[0, 2], [1, 3]])]
 
 # The number of random fusions per test (each executed 4 times): TP_FUSION_PROPERTY_EXAMPLES=500 hunts off CI.
