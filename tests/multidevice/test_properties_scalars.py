@@ -4,7 +4,8 @@ the value attributes ops read at every call (``OpDef.value_attrs``: ``full``'s f
 ``threshold``'s threshold and value, ``addcmul``'s value, ``uniform``'s and ``normal``'s range and seeds), and
 now and then as an extent a plan is built for (a reshape's). Each fusion runs several times with other numbers
 (some repeated) on every rank: each call equals torch computed with that call's numbers, and the numbers read at
-every call build no new plan.
+every call build no new plan; a number torch refuses (an extent that does not divide, an index out of range) raises
+a ValueError on every rank before anything runs.
 
 As in ``test_properties``: hypothesis draws the seeds (derandomized), each rank rebuilds the case from its seed,
 the ranks compare outcomes after each call, and a failing case names its seed (replay it with ``_run_case``).
@@ -127,10 +128,10 @@ class _ScalarCase:
         kinds = ("operand", "operand", "clamp", "threshold", "where", "pow", "extremum")
         if shape is not None:
             kinds += ("full", "addcmul", "uniform", "normal", "lerp", "linear", "linear",
-                      *(("reshape",) if not self.bound else ()))
+                      *(("reshape", "select") if not self.bound else ()))
         kind = rng.choice(kinds)
         out = self._kind(kind, tv, shape)
-        if kind not in ("reshape",) and out.name not in self.shapes:
+        if kind not in ("reshape", "select") and out.name not in self.shapes:
             self.shapes[out.name] = shape
         return out
 
@@ -222,11 +223,20 @@ class _ScalarCase:
             self.steps.append((d, lambda env, nums: _whole_draw(kind, loval(nums), hival(nums), shape, sval(nums),
                                                                 oval(nums))))
             return self._shaped(ops.add(tv, drawn), shape, lambda env, nums: env[a] + env[d])
+        if kind == "select":  # an index from a scalar: a plan per value (out of range: an invalid call)
+            d = rng.randrange(2)
+            index = self.fd.define_scalar(None, dtype=DataType.Int)
+            self.inputs.append((index, None))
+            self.scalars[index.name] = (DataType.Int, tuple(range(-shape[d] - 1, shape[d] + 1)))
+            self.bound.append(index.name)
+            i = index.name
+            return self._step(ops.select(tv, index, d), lambda env, nums: env[a].select(d, nums[i]))
         if kind == "reshape":  # an extent from a scalar: a plan per value; the same scalar as an operand too
             rows = self.fd.define_scalar(None, dtype=DataType.Int)
             n = shape[0] * shape[1]
             self.inputs.append((rows, None))
-            self.scalars[rows.name] = (DataType.Int, tuple(r for r in (1, 2, 4, 8, 3, 6) if n % r == 0))
+            # (now and then one that does not divide, or 0: an invalid call, which must raise before running)
+            self.scalars[rows.name] = (DataType.Int, (*(r for r in (1, 2, 4, 8, 3, 6) if n % r == 0), -1, 5, 0))
             self.bound.append(rows.name)
             r = rows.name
             out = ops.mul(ops.reshape(tv, [rows, -1]), rows)
@@ -301,20 +311,29 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
         saved = [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]
         text = f"seed {seed} on {mesh}, call {call}, numbers {nums}\n{case.fd}"
         try:
+            refs = case.references(nums)
+        except (RuntimeError, IndexError) as e:  # torch refuses these numbers (an extent, an index): so must execute
+            refs, refused = None, e
+        try:
             outs = case.fd.execute(xs)
         except TPFusionError as e:
-            raise AssertionError(f"{text}\nraised {type(e).__name__}: {e}") from e
+            assert refs is None, f"{text}\nraised {type(e).__name__}: {e}"
+            # before anything runs (a ValueError), not inside the plan (an ExecutionError)
+            assert isinstance(e, ValueError), f"{text}\ntorch refuses ({refused}); execute raised {e!r}"
+            outcomes.append(type(e).__name__)
+            _agree(outcomes[-1], text)
+            continue
+        assert refs is not None, f"{text}\nran, though torch refuses: {refused}\n{case.fd.plan}"
         text += f"\n{case.fd.plan}"
         for i, (x, x0) in enumerate(zip(xs, saved)):
             assert not isinstance(x, torch.Tensor) or torch.equal(x, x0), f"input {i} was modified\n{text}"
-        refs = case.references(nums)
         assert len(outs) == len(refs), text
         for i, (out, ref, sharding) in enumerate(zip(outs, refs, case.fd.output_shardings())):
             torch.testing.assert_close(out, shard_tensor(ref, sharding, rank), rtol=1e-7, atol=1e-9,
                                        msg=lambda m, i=i, t=text: f"output {i}: {m}\n{t}")
         outcomes.append("ok")
         _agree("ok", text)
-    plans = len({tuple(nums[r] for r in case.bound) for nums in drawn})
+    plans = len({tuple(nums[r] for r in case.bound) for nums, outcome in zip(drawn, outcomes) if outcome == "ok"})
     assert len(case.fd._executor._cache) == plans, \
         f"seed {seed}: {len(case.fd._executor._cache)} plans for {plans} value(s) of the bound scalars\n{case.fd}"
     return outcomes
@@ -339,8 +358,9 @@ _ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.
                  suppress_health_check=list(HealthCheck))
 MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]]]
 
-# Cases that found bugs (seed, mesh).
-REGRESSIONS_2: list = []
+# Cases that found bugs (seed, mesh): a select's index from a scalar input out of range (1: it failed inside the plan,
+# an ExecutionError, where execute checks it before running now).
+REGRESSIONS_2: list = [(1, [0, 1])]
 REGRESSIONS_4: list = []
 
 _EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
