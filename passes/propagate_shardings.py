@@ -360,7 +360,11 @@ def _summed_at_source(fusion: Fusion, draft: _Draft, ops: list) -> dict[int, Sha
             else:
                 break
         else:
-            summed_to[src] = Sharding(have.mesh, tuple(target))
+            sharding = Sharding(have.mesh, tuple(target))
+            # Chosen axis by axis: a dim sharded on two mesh axes must take nesting pieces (the Shard an axis is
+            # summed to beside another axis' Shard of the same dim, S(1, outer=4) on both, would overlap)
+            if all(sharding.nests(p.dim) for p in target if isinstance(p, Shard)):
+                summed_to[src] = sharding
     return summed_to
 
 

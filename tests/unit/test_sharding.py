@@ -160,6 +160,33 @@ def test_a_pending_sum_cast_wider_for_ops_on_rows_is_reduce_scattered_in_its_dty
     assert f.tensor(only(f, "reduce_scatter").inputs[0]).dtype == DataType.BFloat16
 
 
+def test_a_pending_sum_cast_wider_is_not_summed_onto_pieces_that_overlap():
+    """A bf16 GEMM's pending sum (on mesh_x) cast to f32 for an op whose operand holds strided column pieces on
+    both mesh axes: summing it in bf16 to the mesh_x piece (a reduce_scatter in its dtype), beside the GEMM's own
+    mesh_y piece of the same columns, took pieces that overlap (S(1, outer=4) on both axes), which lowering
+    refused (a LoweringError for a valid schedule; found by test_properties_dtypes, seed 323 on a [[0, 2], [1, 3]]
+    mesh). It is summed after the cast then, where the pieces nest."""
+    mesh = DeviceMesh(torch.tensor([[0, 2], [1, 3]]))
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([6, 2], dtype=DataType.BFloat16)
+        b = fd.define_tensor([2, 8], dtype=DataType.BFloat16)
+        c = fd.define_tensor([6, 8], dtype=DataType.Float)
+        fd.add_output(fd.ops.mul(fd.ops.cast(fd.ops.matmul(a, b), DataType.Float), c))
+        for t in (a, b, c):
+            t.set_device_mesh(mesh)
+        a.inner_split(0, 2).axis(1).parallelize(X)  # [3, x{2}, y{2}]: rows strided, the contraction on mesh_y
+        a.axis(2).parallelize(Y)
+        b.axis(0).parallelize(X)  # [x{2}, 4, y{2}]: the contraction on mesh_x, columns strided on mesh_y
+        b.inner_split(1, 2).axis(2).parallelize(Y)
+        c.inner_split(0, 2).axis(1).parallelize(Y)  # [3, y{2}, 4, x{2}]
+        c.inner_split(2, 2).axis(3).parallelize(X)
+    f = lower(fd)
+    assert out_placements(f) == (Shard(0, 3), Shard(1, 4))
+    for t in f.tensors:
+        if t.sharding is not None:
+            assert all(t.sharding.nests(d) for d in range(len(t.shape))), t
+
+
 def test_row_parallel_linear_with_bias_adds_bias_once():
     with FusionDefinition() as fd:
         x, w, b = fd.define_tensor([8, 4]), fd.define_tensor([6, 4]), fd.define_tensor([6])
