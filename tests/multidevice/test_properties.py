@@ -11,14 +11,13 @@ its seed and its fusion, so it can be replayed with ``_run_case``.
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
+from property_cases import ONCE, examples, seeds
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
 from tp_fusion.runtime import dist
@@ -544,13 +543,7 @@ def _cases(seeds: list[int], meshes: list, invalid_every: int) -> list:
             for i, seed in enumerate(seeds)]
 
 
-def _seeds(n: int):
-    return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n, unique=True)
 
-
-# No shrinking: each rank would shrink on its own, and the ranks' collectives could fall out of step.
-_ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.generate,),
-                 suppress_health_check=list(HealthCheck))
 MESH_2X2 = [[0, 1], [2, 3]]
 
 # Cases that found bugs (seed, mesh, invalid[, "narrow"]): an allreduce done in place on a permute's view of a
@@ -561,21 +554,20 @@ REGRESSIONS_4 = [(1286, [0, 1, 2, 3], False, "narrow"), (9113, [[0, 2], [1, 3]],
                  (9384, MESH_2X2, False, "narrow")]
 
 # The number of random cases per test (each world size): TP_FUSION_PROPERTY_EXAMPLES=1000 hunts bugs off CI.
-_EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
-EXAMPLES_2 = int(_EXAMPLES) if _EXAMPLES else 60
-EXAMPLES_4 = int(_EXAMPLES) if _EXAMPLES else 45
+EXAMPLES_2 = examples(60)
+EXAMPLES_4 = examples(45)
 
 
 @pytest.mark.ranks(2)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_2))
+@ONCE
+@given(seeds=seeds(EXAMPLES_2))
 def test_random_fusions_on_a_1d_mesh(multidevice_test, seeds):
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + _cases(seeds, [[0, 1]], 4))
 
 
 @pytest.mark.ranks(4)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_4))
+@ONCE
+@given(seeds=seeds(EXAMPLES_4))
 def test_random_fusions_on_2d_and_1d_meshes(multidevice_test, seeds):
     meshes = [MESH_2X2, [0, 1, 2, 3], [[0, 2], [1, 3]]]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + _cases(seeds, meshes, 5))

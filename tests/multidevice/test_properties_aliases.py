@@ -15,16 +15,14 @@ the ranks compare outcomes after each case, and a failing case names its seed (r
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
+from property_cases import ONCE, agree, examples, seeds, shard_randomly
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
-from tp_fusion.runtime import dist
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, TPFusionError, shard_tensor
 
 EXTENTS = (0, 1, 2, 4, 6)
 VIEWS = ("reshape", "permute", "slice", "unsqueeze", "expand", "set", "cast", "segment_set")
@@ -148,20 +146,7 @@ class _AliasCase:
     def _shard(self, tv) -> None:
         """On the mesh: replicated, or each mesh axis sharding a distinct dim its size divides (an outer or an
         inner piece of a split)."""
-        rng, mesh = self.rng, self.mesh
-        tv.set_device_mesh(mesh)
-        split: list[int] = []
-        for axis in reversed(range(mesh.ndim)):
-            n = mesh.shape[axis]
-            dims = [d for d in range(tv.ndim) if d not in split and tv.shape[d] % n == 0]
-            if not dims or rng.random() < 0.3:
-                continue
-            d = rng.choice(dims)
-            i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)
-            inner = rng.random() < 0.3 and tv.shape[d] > n
-            tv.split(i, n, inner_split=inner)
-            tv.axis(i + inner).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
-            split.append(d)
+        shard_randomly(tv, self.mesh, self.rng)
 
 
 def _shard(full, tv_or_sharding, rank: int) -> torch.Tensor:
@@ -219,14 +204,8 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh | None) -> str:
         for out in outs:
             if not any(out is x for x in xs):
                 out.fill_(1e6)
-    _agree("ok", text)
+    agree("ok", text)
     return "ok"
-
-
-def _agree(outcome: str, text: str) -> None:
-    if dist.is_initialized() and dist.world_size() > 1:
-        outcomes = dist.gather_from_all(outcome)
-        assert len(set(outcomes)) == 1, f"the ranks disagree: {outcomes}\n{text}"
 
 
 def _rank_fn(rank: int, world: int, cases: list) -> None:
@@ -234,12 +213,7 @@ def _rank_fn(rank: int, world: int, cases: list) -> None:
         _run_case(seed, rank, world, None if devices is None else DeviceMesh(devices))
 
 
-def _seeds(n: int):
-    return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n, unique=True)
 
-
-_ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.generate,),
-                 suppress_health_check=list(HealthCheck))
 MESHES_2 = [[0, 1], [0, 1], [0, 1], None]  # None: a fusion without meshes, on each rank alone
 MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]], [0, 1, 2, 3], None]
 
@@ -247,22 +221,21 @@ MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]], [0, 1, 2, 3], None
 REGRESSIONS_2: list = []
 REGRESSIONS_4: list = []
 
-_EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
-EXAMPLES_2 = int(_EXAMPLES) if _EXAMPLES else 40
-EXAMPLES_4 = int(_EXAMPLES) if _EXAMPLES else 25
+EXAMPLES_2 = examples(40)
+EXAMPLES_4 = examples(25)
 
 
 @pytest.mark.ranks(2)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_2))
+@ONCE
+@given(seeds=seeds(EXAMPLES_2))
 def test_aliased_outputs_on_a_1d_mesh(multidevice_test, seeds):
     cases = [(s, MESHES_2[i % len(MESHES_2)]) for i, s in enumerate(seeds)]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + cases)
 
 
 @pytest.mark.ranks(4)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_4))
+@ONCE
+@given(seeds=seeds(EXAMPLES_4))
 def test_aliased_outputs_on_2d_and_1d_meshes(multidevice_test, seeds):
     cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)

@@ -12,14 +12,13 @@ the ranks compare outcomes after each case, and a failing case names its seed (r
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
+from property_cases import MESHES_4, ONCE, examples, seeds
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
 from tp_fusion.runtime import dist
@@ -180,33 +179,26 @@ def _rank_fn(rank: int, world: int, cases: list) -> None:
         assert len(set(outcomes)) == 1, f"seed {seed}: the ranks disagree: {outcomes}"
 
 
-def _seeds(n: int):
-    return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n, unique=True)
 
-
-_ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.generate,),
-                 suppress_health_check=list(HealthCheck))
-MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]]]
 
 # Cases that found bugs (seed, mesh).
 REGRESSIONS_2: list = []
 REGRESSIONS_4: list = []
 
-_EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
-EXAMPLES_2 = int(_EXAMPLES) if _EXAMPLES else 40
-EXAMPLES_4 = int(_EXAMPLES) if _EXAMPLES else 30
+EXAMPLES_2 = examples(40)
+EXAMPLES_4 = examples(30)
 
 
 @pytest.mark.ranks(2)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_2))
+@ONCE
+@given(seeds=seeds(EXAMPLES_2))
 def test_attention_with_bias_and_mask_on_a_1d_mesh(multidevice_test, seeds):
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
 
 
 @pytest.mark.ranks(4)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_4))
+@ONCE
+@given(seeds=seeds(EXAMPLES_4))
 def test_attention_with_bias_and_mask_on_2d_and_1d_meshes(multidevice_test, seeds):
     cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)

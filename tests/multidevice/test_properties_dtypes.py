@@ -17,17 +17,16 @@ the ranks compare outcomes after each case, and a failing case names its seed (r
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
+from property_cases import MESHES_4, ONCE, examples, seeds, shard_randomly
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, TPFusionError, shard_tensor
 from tp_fusion.runtime import dist
 
 EXTENTS = (2, 4, 6, 8)
@@ -252,27 +251,7 @@ class _HalfCase:
     def _shard(self, tv) -> None:
         """Replicated, or each mesh axis sharding a distinct dim it divides (an outer or an inner piece) or taking
         the outer piece of a reduction axis r{K} (a pending sum on that mesh axis)."""
-        rng, mesh = self.rng, self.mesh
-        tv.set_device_mesh(mesh)
-        shape = tv.shape
-        split: list[int] = []
-        for axis in reversed(range(mesh.ndim)):
-            n = mesh.shape[axis]
-            reduced = [i for i, ax in enumerate(tv._loop()) if ax.reduction and ax.piece == () and ax.extent % n == 0]
-            if reduced and rng.random() < 0.3:
-                i = rng.choice(reduced)
-                tv.outer_split(i, n)
-                tv.axis(i).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
-                continue
-            dims = [d for d in range(tv.ndim) if d not in split and shape[d] % n == 0]
-            if not dims or rng.random() < 0.3:
-                continue
-            d = rng.choice(dims)
-            i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)
-            inner = rng.random() < 0.3 and shape[d] > n
-            tv.split(i, n, inner_split=inner)
-            tv.axis(i + inner).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
-            split.append(d)
+        shard_randomly(tv, self.mesh, self.rng, reduced_p=0.3)
 
 
 def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh) -> str:
@@ -315,34 +294,27 @@ def _rank_fn(rank: int, world: int, cases: list) -> None:
         assert len(set(outcomes)) == 1, f"seed {seed}: the ranks disagree: {outcomes}"
 
 
-def _seeds(n: int):
-    return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n, unique=True)
 
-
-_ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.generate,),
-                 suppress_health_check=list(HealthCheck))
-MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]]]
 
 # Cases that found bugs (seed, mesh): a bf16 pending sum cast to f32 summed onto strided pieces that overlap the
 # GEMM's own piece of the same dim (323: a LoweringError for a valid schedule).
 REGRESSIONS_2: list = []
 REGRESSIONS_4: list = [(323, [[0, 2], [1, 3]])]
 
-_EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
-EXAMPLES_2 = int(_EXAMPLES) if _EXAMPLES else 50
-EXAMPLES_4 = int(_EXAMPLES) if _EXAMPLES else 35
+EXAMPLES_2 = examples(50)
+EXAMPLES_4 = examples(35)
 
 
 @pytest.mark.ranks(2)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_2))
+@ONCE
+@given(seeds=seeds(EXAMPLES_2))
 def test_half_precision_fusions_on_a_1d_mesh(multidevice_test, seeds):
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
 
 
 @pytest.mark.ranks(4)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_4))
+@ONCE
+@given(seeds=seeds(EXAMPLES_4))
 def test_half_precision_fusions_on_2d_and_1d_meshes(multidevice_test, seeds):
     cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)

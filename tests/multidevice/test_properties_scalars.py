@@ -13,17 +13,15 @@ the ranks compare outcomes after each call, and a failing case names its seed (r
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
+from property_cases import MESHES_4, ONCE, agree, examples, seeds, shard_randomly
 
-from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
-from tp_fusion.runtime import dist
+from tp_fusion import DataType, DeviceMesh, FusionDefinition, TPFusionError, shard_tensor
 
 EXTENTS = (2, 4, 6, 8)
 FLOATS = (-1.5, -0.5, 0.0, 0.25, 1.0, 2.0, 3.5)  # exact in float32: a Float scalar reads them alike
@@ -252,22 +250,10 @@ class _ScalarCase:
     def _shard(self, tv) -> None:
         """On the mesh: replicated, or each mesh axis sharding a distinct dim that its size divides (an outer or
         an inner piece). A tensor a scalar reshaped (its extents known only per call) is left replicated."""
-        rng, mesh = self.rng, self.mesh
-        tv.set_device_mesh(mesh)
         if any(e < 0 for e in tv.shape):
-            return
-        split: list[int] = []
-        for axis in reversed(range(mesh.ndim)):
-            n = mesh.shape[axis]
-            dims = [d for d in range(tv.ndim) if d not in split and tv.shape[d] % n == 0]
-            if not dims or rng.random() < 0.3:
-                continue
-            d = rng.choice(dims)
-            i = next(i for i, ax in enumerate(tv._loop()) if ax.dim == d and not ax.reduction)
-            inner = rng.random() < 0.3 and tv.shape[d] > n
-            tv.split(i, n, inner_split=inner)
-            tv.axis(i + inner).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
-            split.append(d)
+            tv.set_device_mesh(self.mesh)
+        else:
+            shard_randomly(tv, self.mesh, self.rng)
 
     # --- the calls -----------------------------------------------------------------------------
 
@@ -321,7 +307,7 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
             # before anything runs (a ValueError), not inside the plan (an ExecutionError)
             assert isinstance(e, ValueError), f"{text}\ntorch refuses ({refused}); execute raised {e!r}"
             outcomes.append(type(e).__name__)
-            _agree(outcomes[-1], text)
+            agree(outcomes[-1], text, exact=False)
             continue
         assert refs is not None, f"{text}\nran, though torch refuses: {refused}\n{case.fd.plan}"
         text += f"\n{case.fd.plan}"
@@ -332,17 +318,11 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
             torch.testing.assert_close(out, shard_tensor(ref, sharding, rank), rtol=1e-7, atol=1e-9,
                                        msg=lambda m, i=i, t=text: f"output {i}: {m}\n{t}")
         outcomes.append("ok")
-        _agree("ok", text)
+        agree("ok", text, exact=False)
     plans = len({tuple(nums[r] for r in case.bound) for nums, outcome in zip(drawn, outcomes) if outcome == "ok"})
     assert len(case.fd._executor._cache) == plans, \
         f"seed {seed}: {len(case.fd._executor._cache)} plans for {plans} value(s) of the bound scalars\n{case.fd}"
     return outcomes
-
-
-def _agree(outcome: str, text: str) -> None:
-    if dist.is_initialized() and dist.world_size() > 1:
-        outcomes = dist.gather_from_all(outcome)
-        assert len({o == "ok" for o in outcomes}) == 1, f"the ranks disagree: {outcomes}\n{text}"
 
 
 def _rank_fn(rank: int, world: int, cases: list) -> None:
@@ -350,34 +330,27 @@ def _rank_fn(rank: int, world: int, cases: list) -> None:
         _run_case(seed, rank, world, DeviceMesh(devices))
 
 
-def _seeds(n: int):
-    return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n, unique=True)
 
-
-_ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.generate,),
-                 suppress_health_check=list(HealthCheck))
-MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]]]
 
 # Cases that found bugs (seed, mesh): a select's index from a scalar input out of range (1: it failed inside the plan,
 # an ExecutionError, where execute checks it before running now).
 REGRESSIONS_2: list = [(1, [0, 1])]
 REGRESSIONS_4: list = []
 
-_EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
-EXAMPLES_2 = int(_EXAMPLES) if _EXAMPLES else 25
-EXAMPLES_4 = int(_EXAMPLES) if _EXAMPLES else 15
+EXAMPLES_2 = examples(25)
+EXAMPLES_4 = examples(15)
 
 
 @pytest.mark.ranks(2)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_2))
+@ONCE
+@given(seeds=seeds(EXAMPLES_2))
 def test_scalar_inputs_read_per_call_on_a_1d_mesh(multidevice_test, seeds):
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
 
 
 @pytest.mark.ranks(4)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_4))
+@ONCE
+@given(seeds=seeds(EXAMPLES_4))
 def test_scalar_inputs_read_per_call_on_2d_and_1d_meshes(multidevice_test, seeds):
     cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)

@@ -13,17 +13,15 @@ case from its seed, the ranks compare outcomes after each call, and a failing ca
 from __future__ import annotations
 
 import math
-import os
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import given
+from property_cases import MESHES_4, ONCE, agree, examples, seeds
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
-from tp_fusion.runtime import dist
 
 UNARY = {"relu": torch.relu, "tanh": torch.tanh, "neg": torch.neg, "sigmoid": torch.sigmoid, "abs": torch.abs,
          "sin": torch.sin}
@@ -399,7 +397,7 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
             # failing inside the plan (an ExecutionError, which tears the process group down).
             assert isinstance(e, ValueError), f"{text}\nsizes that break {misfits} raised {type(e).__name__}: {e}"
             outcomes.append(type(e).__name__)
-            _agree(outcomes[-1], text)
+            agree(outcomes[-1], text, exact=False)
             continue
         assert not misfits, f"{text}\nran, though {misfits}\n{case.fd.plan}"
         text += f"\n{case.fd.plan}"
@@ -415,15 +413,8 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
                 torch.testing.assert_close(out, shard_tensor(ref, tv, rank), rtol=1e-7, atol=1e-9, equal_nan=True,
                                            msg=lambda m, i=i, t=text: f"output {i} as scheduled: {m}\n{t}")
         outcomes.append("ok")
-        _agree("ok", text)
+        agree("ok", text, exact=False)
     return outcomes
-
-
-def _agree(outcome: str, text: str) -> None:
-    """Every rank ran the call, or every rank raised (a rank may name its own error rather than a peer's)."""
-    if dist.is_initialized() and dist.world_size() > 1:
-        outcomes = dist.gather_from_all(outcome)
-        assert len({o == "ok" for o in outcomes}) == 1, f"the ranks disagree: {outcomes}\n{text}"
 
 
 def _rank_fn(rank: int, world: int, cases: list) -> None:
@@ -431,14 +422,7 @@ def _rank_fn(rank: int, world: int, cases: list) -> None:
         _run_case(seed, rank, world, DeviceMesh(devices))
 
 
-def _seeds(n: int):
-    return st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n, unique=True)
 
-
-# No shrinking: each rank would shrink on its own, and the ranks' collectives could fall out of step.
-_ONCE = settings(max_examples=1, deadline=None, derandomize=True, phases=(Phase.generate,),
-                 suppress_health_check=list(HealthCheck))
-MESHES_4 = [[[0, 1], [2, 3]], [0, 1, 2, 3], [[0, 2], [1, 3]]]
 
 # Cases that found bugs (seed, mesh), with this menu: a reshape of a tensor without elements (17: an IndexError in
 # the reshape rule), a softmax over a dim without elements (88: its recipe's amax refused it), a reduce_scatter of a
@@ -448,21 +432,20 @@ REGRESSIONS_2: list = [(17, [0, 1]), (88, [0, 1]), (432, [0, 1]), (139, [0, 1])]
 REGRESSIONS_4: list = []
 
 # The number of random fusions per test (each executed 4 times): TP_FUSION_PROPERTY_EXAMPLES=500 hunts off CI.
-_EXAMPLES = os.environ.get("TP_FUSION_PROPERTY_EXAMPLES")
-EXAMPLES_2 = int(_EXAMPLES) if _EXAMPLES else 25
-EXAMPLES_4 = int(_EXAMPLES) if _EXAMPLES else 15
+EXAMPLES_2 = examples(25)
+EXAMPLES_4 = examples(15)
 
 
 @pytest.mark.ranks(2)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_2))
+@ONCE
+@given(seeds=seeds(EXAMPLES_2))
 def test_one_fusion_at_many_sizes_on_a_1d_mesh(multidevice_test, seeds):
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
 
 
 @pytest.mark.ranks(4)
-@_ONCE
-@given(seeds=_seeds(EXAMPLES_4))
+@ONCE
+@given(seeds=seeds(EXAMPLES_4))
 def test_one_fusion_at_many_sizes_on_2d_and_1d_meshes(multidevice_test, seeds):
     cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
     _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)
