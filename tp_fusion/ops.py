@@ -1080,11 +1080,12 @@ def _linear(x, w, b=None):
         return F.linear(x, w, b)
     lead, (out, k) = w.shape[:-2], w.shape[-2:]
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    wt = w.reshape(-1, out, k).transpose(1, 2)  # [L, in, out]
+    n = math.prod(lead)  # extents spelled out: torch infers no -1 in a tensor without elements
+    wt = w.reshape(n, out, k).transpose(1, 2)  # [L, in, out]
     if b is None:
         y = torch.matmul(x2, wt)
     else:
-        y = torch.baddbmm(b.reshape(-1, 1, out), x2.expand(wt.shape[0], *x2.shape), wt)
+        y = torch.baddbmm(b.reshape(n, 1, out), x2.expand(n, *x2.shape), wt)
     return y.reshape(*lead, *x.shape[:-1], out)
 
 
@@ -1876,7 +1877,7 @@ def _index_put_accumulate(acc, index, value, rows_local=None):
     bad = (wrapped < 0) | (wrapped >= rows)  # reaches index_put as it is, which refuses it as it would unsharded
     local = torch.where(bad, index, rows_local[wrapped.clamp(0, rows - 1)])
     elsewhere = (local < 0) & ~bad  # another rank's row: add zeros to row 0 (no data-dependent shapes)
-    zeros = elsewhere.view(-1, *[1] * (value.ndim - 1))
+    zeros = elsewhere.view(elsewhere.numel(), *[1] * (value.ndim - 1))
     return torch.index_put(acc, (local.masked_fill(elsewhere, 0),), value.masked_fill(zeros, 0), accumulate=True)
 
 

@@ -1114,3 +1114,15 @@ def test_bad_arguments_of_nvfusers_ops_are_definition_errors(call, match):
         t, i = fd.define_tensor([3, 4]), fd.define_tensor([2], dtype=DataType.Int)
         with pytest.raises(DefinitionError, match=match):
             call(fd, t, i)
+
+
+def test_kernels_spell_out_their_views_for_tensors_without_elements():
+    """torch infers no -1 extent in a tensor without elements: a linear of a [*lead, out, in] weight with
+    ``out`` = 0, and a vocabulary-sharded ``index_put_accumulate`` of no ids, ran into that (found reading the
+    kernels after the property tests' empty extents)."""
+    x, w, b = torch.randn(3, 4), torch.randn(2, 0, 4), torch.randn(2, 0)
+    assert _ops.OPS["linear"].impl(x, w, b).shape == (2, 3, 0)
+    acc, rows_local = torch.randn(4, 5), torch.tensor([0, 1, -1, -1, 2, 3])  # this rank holds rows 0, 1, 4, 5
+    out = _ops.OPS["index_put_accumulate"].impl(acc, torch.zeros(0, dtype=torch.int64), torch.zeros(0, 5),
+                                                rows_local=rows_local)
+    torch.testing.assert_close(out, acc)
