@@ -248,7 +248,6 @@ def _on_broadcasts(program: Program) -> set[int]:
                 d not in source or shape_of(x).shape[source[d]] == 1 or source[d] in expanded.get(x, ())))
         elif OPS[op.kind].has(Trait.POINTWISE) and len(op.outputs) == 1:
             operands = [a for a in op.inputs if isinstance(a, int) and shape_of(a).shape]
-
             dims = frozenset(d for d in range(len(out_shape))
                              if out_shape[d] != 1 and all(_may_broadcast(shape_of(a).shape, expanded.get(a, ()),
                                                                          d - len(out_shape)) for a in operands))
