@@ -2762,8 +2762,11 @@ def _sdpfa_fwd_decomposed(op, b) -> None:
     scores = (*q_shape[:-1], keys)
     qf, kf, vf = (_widened(b, t) for t in (q, k, v))
     s = b("matmul", qf, b("permute", kf, dims=(*range(nd - 2), nd - 1, nd - 2)))
-    factor = q_shape[-1] ** -0.5 if scale is None else scale
-    s = b("mul", s, factor.tensor if isinstance(factor, ScalarRef) else Const(factor))
+    if isinstance(scale, Symbol):  # a number each call gives: a value attribute (a 0-d full), as the op takes it
+        factor = b("full", shape=(), fill_value=scale, dtype=DataType.Float)
+    else:
+        factor = Const(q_shape[-1] ** -0.5 if scale is None else scale)
+    s = b("mul", s, factor)
     for t in terms:
         if b.dtype(t) == DataType.Bool:
             s = b("where", t, s, Const(float("-inf")))

@@ -370,13 +370,13 @@ def test_bias_and_mask_follow_sharded_query_rows():
 
 def _decode_fusion(mesh: DeviceMesh, dtype: DataType, rows: int, keys: int, is_causal: bool):
     """Attention of ``rows`` query rows (replicated) over a KV cache of ``keys`` positions sharded on its sequence
-    over ``mesh``, with a bias and a Bool mask (unannotated) and a scale given at every call."""
+    over ``mesh``, with a bias and a Bool mask (unannotated) and a scale computed from a number given at every call."""
     with FusionDefinition() as fd:
         q = fd.define_tensor([2, 3, rows, 16], dtype=dtype)
         k, v = (fd.define_tensor([2, 3, keys, 16], dtype=dtype) for _ in range(2))
         bias = fd.define_tensor([2, 1, rows, keys], dtype=dtype)
         mask = fd.define_tensor([2, 3, rows, keys], dtype=DataType.Bool)
-        scale = fd.define_scalar(None, dtype=DataType.Double)
+        scale = fd.ops.mul(fd.define_scalar(None, dtype=DataType.Double), 0.5)  # a scalar computed from an input
         out, lse, _, _ = fd.ops.sdpfa_fwd(q, k, v, bias, mask, is_causal=is_causal, scale=scale)
         fd.add_output(out)
         fd.add_output(lse)
@@ -406,7 +406,7 @@ def test_decoding_over_a_sequence_sharded_cache_moves_only_row_statistics(multid
                               is_causal)
     for scale in (0.25, 0.5):
         out, lse = fd.execute([q, multidevice_test.shard_tensor(k, k_tv), multidevice_test.shard_tensor(v, k_tv),
-                               bias, mask, scale])
+                               bias, mask, 2 * scale])
         scores = q.double() @ k.double().transpose(-2, -1) * scale + bias.double()
         scores = scores.masked_fill(~mask, float("-inf"))
         if is_causal:
