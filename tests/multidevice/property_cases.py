@@ -10,7 +10,7 @@ import os
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from tp_fusion import ParallelType
+from tp_fusion import DeviceMesh, ParallelType
 from tp_fusion.runtime import dist
 
 # No shrinking: each rank would shrink on its own, and the ranks' collectives could fall out of step.
@@ -64,3 +64,18 @@ def shard_randomly(tv, mesh, rng, reduced_p: float = 0.0) -> None:
         tv.split(i, n, inner_split=inner)
         tv.axis(i + inner).parallelize(ParallelType.for_mesh_axis(axis, mesh.ndim))
         split.append(d)
+
+
+def with_meshes(seeds: list[int], meshes: list, regressions: list = ()) -> list:
+    """The cases (seed, devices) of a test: the ``regressions`` first, then each seed with the next of ``meshes``
+    in turn (devices None: a fusion without meshes)."""
+    return [*regressions, *((s, meshes[i % len(meshes)]) for i, s in enumerate(seeds))]
+
+
+def run_cases(run_case, rank: int, world: int, cases: list) -> None:
+    """Each case on this rank, ``run_case(seed, rank, world, mesh)``. A case that gives one outcome (a str: "ok" or
+    an error class) must give it on every rank; one that checks its own calls gives their list, or nothing."""
+    for seed, devices in cases:
+        outcome = run_case(seed, rank, world, None if devices is None else DeviceMesh(devices))
+        if isinstance(outcome, str):
+            agree(outcome, f"seed {seed} on {devices}")

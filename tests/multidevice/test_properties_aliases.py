@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 from hypothesis import given
-from property_cases import ONCE, agree, examples, seeds, shard_randomly
+from property_cases import ONCE, agree, examples, run_cases, seeds, shard_randomly, with_meshes
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, TPFusionError, shard_tensor
 
@@ -159,7 +159,7 @@ def _storages(ts) -> dict[int, int]:
     return {i: t.untyped_storage().data_ptr() for i, t in enumerate(ts) if t.numel()}
 
 
-def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh | None) -> str:
+def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh | None) -> None:
     case = _AliasCase(seed, mesh)
     fd = case.fd
     text = f"seed {seed} on {mesh}\n{fd}"
@@ -205,13 +205,6 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh | None) -> str:
             if not any(out is x for x in xs):
                 out.fill_(1e6)
     agree("ok", text)
-    return "ok"
-
-
-def _rank_fn(rank: int, world: int, cases: list) -> None:
-    for seed, devices in cases:
-        _run_case(seed, rank, world, None if devices is None else DeviceMesh(devices))
-
 
 
 MESHES_2 = [[0, 1], [0, 1], [0, 1], None]  # None: a fusion without meshes, on each rank alone
@@ -229,13 +222,11 @@ EXAMPLES_4 = examples(25)
 @ONCE
 @given(seeds=seeds(EXAMPLES_2))
 def test_aliased_outputs_on_a_1d_mesh(multidevice_test, seeds):
-    cases = [(s, MESHES_2[i % len(MESHES_2)]) for i, s in enumerate(seeds)]
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + cases)
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, MESHES_2, REGRESSIONS_2))
 
 
 @pytest.mark.ranks(4)
 @ONCE
 @given(seeds=seeds(EXAMPLES_4))
 def test_aliased_outputs_on_2d_and_1d_meshes(multidevice_test, seeds):
-    cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, MESHES_4, REGRESSIONS_4))

@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
-from property_cases import MESHES_4, ONCE, examples, seeds
+from property_cases import MESHES_4, ONCE, examples, run_cases, seeds, with_meshes
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
-from tp_fusion.runtime import dist
 
 DTYPES = (DataType.Double, DataType.Double, DataType.Float, DataType.BFloat16, DataType.Half)
 # Absolute and relative tolerances of the output by dtype: float64 runs the math path as torch's reference does;
@@ -172,15 +171,6 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh) -> str:
     return "ok"
 
 
-def _rank_fn(rank: int, world: int, cases: list) -> None:
-    for seed, devices in cases:
-        outcome = _run_case(seed, rank, world, DeviceMesh(devices))
-        outcomes = dist.gather_from_all(outcome)
-        assert len(set(outcomes)) == 1, f"seed {seed}: the ranks disagree: {outcomes}"
-
-
-
-
 # Cases that found bugs (seed, mesh).
 REGRESSIONS_2: list = []
 REGRESSIONS_4: list = []
@@ -193,12 +183,11 @@ EXAMPLES_4 = examples(30)
 @ONCE
 @given(seeds=seeds(EXAMPLES_2))
 def test_attention_with_bias_and_mask_on_a_1d_mesh(multidevice_test, seeds):
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, [[0, 1]], REGRESSIONS_2))
 
 
 @pytest.mark.ranks(4)
 @ONCE
 @given(seeds=seeds(EXAMPLES_4))
 def test_attention_with_bias_and_mask_on_2d_and_1d_meshes(multidevice_test, seeds):
-    cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, MESHES_4, REGRESSIONS_4))

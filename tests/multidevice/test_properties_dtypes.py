@@ -24,10 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
-from property_cases import MESHES_4, ONCE, examples, seeds, shard_randomly
+from property_cases import MESHES_4, ONCE, examples, run_cases, seeds, shard_randomly, with_meshes
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, TPFusionError, shard_tensor
-from tp_fusion.runtime import dist
 
 EXTENTS = (2, 4, 6, 8)
 HALF = (DataType.BFloat16, DataType.Half)
@@ -287,15 +286,6 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh) -> str:
     return "ok"
 
 
-def _rank_fn(rank: int, world: int, cases: list) -> None:
-    for seed, devices in cases:
-        outcome = _run_case(seed, rank, world, DeviceMesh(devices))
-        outcomes = dist.gather_from_all(outcome)
-        assert len(set(outcomes)) == 1, f"seed {seed}: the ranks disagree: {outcomes}"
-
-
-
-
 # Cases that found bugs (seed, mesh): a bf16 pending sum cast to f32 summed onto strided pieces that overlap the
 # GEMM's own piece of the same dim (323: a LoweringError for a valid schedule).
 REGRESSIONS_2: list = []
@@ -309,12 +299,11 @@ EXAMPLES_4 = examples(35)
 @ONCE
 @given(seeds=seeds(EXAMPLES_2))
 def test_half_precision_fusions_on_a_1d_mesh(multidevice_test, seeds):
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, [[0, 1]], REGRESSIONS_2))
 
 
 @pytest.mark.ranks(4)
 @ONCE
 @given(seeds=seeds(EXAMPLES_4))
 def test_half_precision_fusions_on_2d_and_1d_meshes(multidevice_test, seeds):
-    cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, MESHES_4, REGRESSIONS_4))

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
-from property_cases import MESHES_4, ONCE, agree, examples, seeds, shard_randomly
+from property_cases import MESHES_4, ONCE, agree, examples, run_cases, seeds, shard_randomly, with_meshes
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, TPFusionError, shard_tensor
 
@@ -325,13 +325,6 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
     return outcomes
 
 
-def _rank_fn(rank: int, world: int, cases: list) -> None:
-    for seed, devices in cases:
-        _run_case(seed, rank, world, DeviceMesh(devices))
-
-
-
-
 # Cases that found bugs (seed, mesh): a select's index from a scalar input out of range (1: it failed inside the plan,
 # an ExecutionError, where execute checks it before running now).
 REGRESSIONS_2: list = [(1, [0, 1])]
@@ -345,12 +338,11 @@ EXAMPLES_4 = examples(15)
 @ONCE
 @given(seeds=seeds(EXAMPLES_2))
 def test_scalar_inputs_read_per_call_on_a_1d_mesh(multidevice_test, seeds):
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, [[0, 1]], REGRESSIONS_2))
 
 
 @pytest.mark.ranks(4)
 @ONCE
 @given(seeds=seeds(EXAMPLES_4))
 def test_scalar_inputs_read_per_call_on_2d_and_1d_meshes(multidevice_test, seeds):
-    cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, MESHES_4, REGRESSIONS_4))

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
-from property_cases import MESHES_4, ONCE, agree, examples, seeds
+from property_cases import MESHES_4, ONCE, agree, examples, run_cases, seeds, with_meshes
 
 from tp_fusion import DataType, DeviceMesh, FusionDefinition, ParallelType, TPFusionError, shard_tensor
 
@@ -417,13 +417,6 @@ def _run_case(seed: int, rank: int, world: int, mesh: DeviceMesh, calls: int = 4
     return outcomes
 
 
-def _rank_fn(rank: int, world: int, cases: list) -> None:
-    for seed, devices in cases:
-        _run_case(seed, rank, world, DeviceMesh(devices))
-
-
-
-
 # Cases that found bugs (seed, mesh), with this menu: a reshape of a tensor without elements (17: an IndexError in
 # the reshape rule), a softmax over a dim without elements (88: its recipe's amax refused it), a reduce_scatter of a
 # pending sum without elements (432: its view left an extent to infer), a top-k beyond an extent bound at execute
@@ -440,12 +433,11 @@ EXAMPLES_4 = examples(15)
 @ONCE
 @given(seeds=seeds(EXAMPLES_2))
 def test_one_fusion_at_many_sizes_on_a_1d_mesh(multidevice_test, seeds):
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_2 + [(s, [0, 1]) for s in seeds])
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, [[0, 1]], REGRESSIONS_2))
 
 
 @pytest.mark.ranks(4)
 @ONCE
 @given(seeds=seeds(EXAMPLES_4))
 def test_one_fusion_at_many_sizes_on_2d_and_1d_meshes(multidevice_test, seeds):
-    cases = [(s, MESHES_4[i % len(MESHES_4)]) for i, s in enumerate(seeds)]
-    _rank_fn(multidevice_test.rank, multidevice_test.size, REGRESSIONS_4 + cases)
+    run_cases(_run_case, multidevice_test.rank, multidevice_test.size, with_meshes(seeds, MESHES_4, REGRESSIONS_4))
