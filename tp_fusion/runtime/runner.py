@@ -106,11 +106,11 @@ class Runner:
         # The implementation is looked up per call, so a test can swap it (fault injection). A pointwise op
         # whose operands may all be broadcasts along a dim keeps them so (``on_broadcast_base``), as nvFuser
         # does. An error names the op.
-        pointwise, op = s.op.outputs[0] in self._on_broadcasts, s.op
+        on_base, op = s.op.outputs[0] in self._on_broadcasts, s.op
 
         def call(env):
             try:
-                if pointwise:
+                if on_base:
                     return on_broadcast_base(OPS[kind].impl, args(env), attrs(env))
                 return OPS[kind].impl(*args(env), **attrs(env))
             except Exception as e:
